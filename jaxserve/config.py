@@ -1,0 +1,164 @@
+"""Static configuration: the model's shape (`ModelConfig`).
+
+`ModelConfig` is frozen and hashable so it can be a static argument of `jax.jit`. It is built from a
+transformers config (`from_hf`) or from GGUF metadata (`from_gguf_metadata`); both produce the same
+fields, so the model code never looks at where the weights came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling.
+
+    kind: "default" (none), "linear" (positions divided by `factor`) or "llama3" (the piecewise
+    wavelength rescaling of Llama 3.1, see transformers' `_compute_llama3_parameters`).
+    """
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder.
+
+    Units: sizes are element counts; `rope_theta` is the RoPE base; `rms_norm_eps` the epsilon added to
+    the mean square in RMSNorm.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head (GQA group)."""
+        return self.num_heads // self.num_kv_heads
+
+    @staticmethod
+    def from_hf(hf_config: Any) -> "ModelConfig":
+        """Build from a transformers `PretrainedConfig` (as returned by `AutoConfig`).
+
+        Raises:
+            ValueError: the architecture is not supported, or a field is missing.
+        """
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        arch = archs[0] if archs else _arch_from_model_type(hf_config.model_type)
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        rope_theta = getattr(hf_config, "rope_theta", None)
+        rope_params = getattr(hf_config, "rope_parameters", None) or {}
+        if rope_theta is None:
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+        scaling = getattr(hf_config, "rope_scaling", None) or rope_params or None
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rope_theta=float(rope_theta),
+            rope_scaling=_rope_scaling_from_dict(scaling),
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
+            bos_token_id=getattr(hf_config, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+        )
+
+    @staticmethod
+    def from_gguf_metadata(meta: Mapping[str, Any], vocab_size: int, tie_word_embeddings: bool) -> "ModelConfig":
+        """Build from GGUF key/value metadata (keys like `llama.embedding_length`).
+
+        `vocab_size` and `tie_word_embeddings` come from the tensors (a GGUF without `output.weight` ties
+        the embeddings). Raises ValueError for a GGUF architecture other than llama/qwen2/qwen3.
+        """
+        arch = meta["general.architecture"]
+        hf_arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(arch)
+        if hf_arch is None:
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2, qwen3")
+        num_heads = int(meta[f"{arch}.attention.head_count"])
+        hidden = int(meta[f"{arch}.embedding_length"])
+        head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+        scaling_type = meta.get(f"{arch}.rope.scaling.type")
+        scaling = None
+        if scaling_type == "linear":
+            scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        return ModelConfig(
+            architecture=hf_arch,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+            num_layers=int(meta[f"{arch}.block_count"]),
+            num_heads=num_heads,
+            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=_rope_scaling_from_dict(scaling),
+            rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+            tie_word_embeddings=tie_word_embeddings,
+            attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=(int(eos),) if eos is not None else (),
+        )
+
+
+def _arch_from_model_type(model_type: str) -> str:
+    return {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "mistral": "MistralForCausalLM",
+    }.get(model_type, model_type)
+
+
+def _rope_scaling_from_dict(d: Mapping[str, Any] | None) -> RopeScaling:
+    if not d:
+        return RopeScaling()
+    kind = d.get("rope_type", d.get("type", "default"))
+    if kind in (None, "default"):
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(d["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(d["factor"]),
+            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+        )
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")

@@ -1,0 +1,326 @@
+"""Weight loading: HF safetensors directories and GGUF files -> (ModelConfig, ModelParams).
+
+GGUF tensors are dequantized by the `gguf` package. llama.cpp's converter permutes the rows of Q and K
+of llama models so that RoPE pairs are interleaved (GGML's rope layout); the loader undoes it to get
+HF's rotate-half layout (see `_unpermute_qk`). Qwen2/Qwen3 GGUFs are not permuted.
+
+A converted-weights cache (orbax-checkpoint) keeps the params pytree in the chosen dtype, keyed by the
+source files' names, sizes and mtimes and the dtype, so later starts skip parsing and dequantizing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.llama import LayerParams, ModelParams
+from jaxserve.model.registry import get_forward
+from jaxserve.model.tokenizer import cache_root, resolve_model_path, source_fingerprint
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# HF tensor name suffix -> (LayerParams field, needs transpose to [in, out])
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def resolve_dtype(dtype: str) -> jnp.dtype:
+    """`auto` -> float32 on CPU (a bf16 scatter on XLA:CPU converts the whole pool), bfloat16 elsewhere.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    model_path: str,
+    dtype: str = "auto",
+    weights_cache_dir: str | None = None,
+    use_weights_cache: bool = True,
+) -> tuple[ModelConfig, ModelParams]:
+    """Load a checkpoint as (config, params on the default device).
+
+    Args:
+        model_path: an HF directory with `config.json` and `*.safetensors`, a `.gguf` file, or "default".
+        dtype: auto | float32 | bfloat16 | float16.
+        weights_cache_dir: where converted params are cached (default `cache_root()/weights`).
+        use_weights_cache: read and write that cache.
+
+    Raises:
+        FileNotFoundError: the path does not exist, or a directory holds no safetensors weights.
+        ValueError: an unsupported architecture, quantization type or dtype.
+    """
+    path = resolve_model_path(model_path)
+    jdtype = resolve_dtype(dtype)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if os.path.isdir(path):
+        if not glob.glob(os.path.join(path, "*.safetensors")):
+            raise FileNotFoundError(f"no *.safetensors weights in directory {path}")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"no config.json in directory {path}")
+        config = _config_from_hf_dir(path)
+    elif path.endswith(".gguf"):
+        config = None
+    else:
+        raise ValueError(f"model path must be a directory with safetensors or a .gguf file: {path}")
+
+    cache_dir = None
+    if use_weights_cache:
+        key = source_fingerprint(path, extra=jnp.dtype(jdtype).name)
+        cache_dir = Path(weights_cache_dir or cache_root() / "weights") / key
+        if (cache_dir / "config.json").is_file():
+            try:
+                return _restore(cache_dir)
+            except Exception as e:  # a stale or partial cache is rebuilt, never fatal
+                logger.warning("weights cache %s unreadable (%s); reloading from source", cache_dir, e)
+
+    if config is None:
+        config, tensors = _read_gguf(path)
+    else:
+        tensors = _read_safetensors(path)
+    get_forward(config.architecture)
+    params = _assemble(config, tensors, jdtype)
+    if cache_dir is not None:
+        try:
+            _save(cache_dir, config, params)
+        except Exception as e:
+            logger.warning("could not write weights cache %s: %s", cache_dir, e)
+    return config, params
+
+
+def _config_from_hf_dir(path: str) -> ModelConfig:
+    from transformers import AutoConfig
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+    get_forward(config.architecture)
+    return config
+
+
+def _read_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="numpy") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def _read_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, np.ndarray]]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and not key.endswith("_token_id"):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:
+            continue
+    names = {t.name for t in reader.tensors}
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    vocab_size = int(embed.shape[1])
+    config = ModelConfig.from_gguf_metadata(meta, vocab_size, tie_word_embeddings="output.weight" not in names)
+    arch = meta["general.architecture"]
+
+    supported = {
+        gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16,
+        gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+        gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q4_K,
+        gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q2_K,
+        gguf.GGMLQuantizationType.Q3_K,
+    }
+    for t in reader.tensors:
+        if t.tensor_type not in supported:
+            raise ValueError(
+                f"unsupported GGUF quantization type {t.tensor_type.name} (tensor {t.name}); "
+                f"supported: {', '.join(sorted(q.name for q in supported))}"
+            )
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        for t in reader.tensors:
+            hf_name = _gguf_to_hf_name(t.name)
+            if hf_name is None:
+                continue
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+            if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                heads = config.num_heads if "attn_q" in t.name else config.num_kv_heads
+                w = _unpermute_qk(w, heads)
+            yield hf_name, w
+
+    return config, tensors()
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of Q/K rows: [heads, 2, D/2] (HF) was stored as [heads, D/2, 2]."""
+    out_dim = w.shape[0]
+    return w.reshape(num_heads, out_dim // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _assemble(config: ModelConfig, tensors, dtype) -> ModelParams:
+    layers: dict[str, list] = {}
+    globals_: dict[str, np.ndarray] = {}
+    expected = sum(1 for _ in _expected_layer_fields(config)) * config.num_layers
+    bar = tqdm(total=expected + 2, desc="Loading weights", unit="tensor", leave=False)
+    for name, w in tensors:
+        if name.startswith("model.layers."):
+            _, _, idx, rest = name.split(".", 3)
+            if rest not in _HF_LAYER_NAMES:
+                continue
+            field, transpose = _HF_LAYER_NAMES[rest]
+            arr = _to_numpy(w)
+            layers.setdefault(field, [None] * config.num_layers)[int(idx)] = arr.T if transpose else arr
+            bar.update()
+        elif name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            globals_[name] = _to_numpy(w)
+            bar.update()
+    bar.close()
+    missing = [f for f in _expected_layer_fields(config) if f not in layers or any(x is None for x in layers[f])]
+    if missing or "model.embed_tokens.weight" not in globals_ or "model.norm.weight" not in globals_:
+        raise ValueError(f"checkpoint is missing weights: {missing or 'embed/norm'}")
+
+    def stack(field):
+        return jnp.asarray(np.stack(layers[field]), dtype=dtype) if field in layers else None
+
+    layer_params = LayerParams(**{f.name: stack(f.name) for f in dataclasses.fields(LayerParams)})
+    lm_head = None
+    if not config.tie_word_embeddings and "lm_head.weight" in globals_:
+        lm_head = jnp.asarray(globals_["lm_head.weight"].T, dtype=dtype)
+    return ModelParams(
+        embed=jnp.asarray(globals_["model.embed_tokens.weight"], dtype=dtype),
+        layers=layer_params,
+        final_norm=jnp.asarray(globals_["model.norm.weight"], dtype=dtype),
+        lm_head=lm_head,
+    )
+
+
+def _expected_layer_fields(config: ModelConfig):
+    yield from ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+    if config.attention_bias:
+        yield from ("bq", "bk", "bv")
+    if config.qk_norm:
+        yield from ("q_norm", "k_norm")
+
+
+def _to_numpy(w) -> np.ndarray:
+    w = np.asarray(w)
+    if w.dtype == ml_dtypes.bfloat16 or w.dtype == np.float16:
+        return w.astype(np.float32)
+    return w
+
+
+def _save(cache_dir: Path, config: ModelConfig, params: ModelParams) -> None:
+    import orbax.checkpoint as ocp
+
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir.with_name(cache_dir.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp.absolute() / "params", params)
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    tmp.rename(cache_dir)
+
+
+def _restore(cache_dir: Path) -> tuple[ModelConfig, ModelParams]:
+    import orbax.checkpoint as ocp
+
+    from jaxserve.config import RopeScaling
+
+    raw = json.loads((cache_dir / "config.json").read_text())
+    raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    config = ModelConfig(**raw)
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(cache_dir.absolute() / "params")
+        tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+        restored = ckptr.restore(cache_dir.absolute() / "params")
+    del tree
+    params = _params_from_tree(restored)
+    return config, params
+
+
+def _params_from_tree(tree) -> ModelParams:
+    if isinstance(tree, ModelParams):
+        return tree
+    layers = tree["layers"]
+    return ModelParams(
+        embed=tree["embed"],
+        layers=LayerParams(**{f.name: layers.get(f.name) for f in dataclasses.fields(LayerParams)}),
+        final_norm=tree["final_norm"],
+        lm_head=tree.get("lm_head"),
+    )
