@@ -1,0 +1,812 @@
+"""Benchmark the online serving throughput and latency of an LLM server.
+
+Modelled on SGLang's `python/sglang/bench_serving.py` (same datasets, arrival process, metric
+definitions and result block), so numbers are comparable across jaxserve, SGLang, vLLM and any
+OpenAI-compatible server. Nothing is downloaded: ShareGPT is read from a local file and the
+tokenizer is loaded from local files only.
+
+    python scripts/bench_serving.py --backend jaxserve --num-prompts 64 --max-concurrency 8 \
+        --dataset-name random --random-input-len 512 --random-output-len 128 --output-file out.jsonl
+
+Token counts prefer what the server reports (meta_info / usage), so totals match the server's own
+counters; the local tokenizer (or a word-count estimate without one) is only the fallback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, NamedTuple, Protocol, Sequence
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+SSE_DONE = "[DONE]"
+NUM_ERRORS_SHOWN = 5
+
+# Used to make prompts when no tokenizer can be loaded: common English words are one token each in
+# every BPE vocabulary we know, so a prompt of n words is close to n tokens.
+FALLBACK_WORDS = tuple(
+    "the of and to in is you that it he was for on are as with his they at be this have from or one "
+    "had by word but not what all were we when your can said there use an each which she do how their "
+    "if will up other about out many then them these so some her would make like him into time has look "
+    "two more write go see number no way could people my than first water been call who oil its now "
+    "find long down day did get come made may part over new sound take only little work know place year "
+    "live me back give most very after thing our just name good sentence man think say great where help "
+    "through much before line right too mean old any same tell boy follow came want show also around "
+    "form three small set put end does another well large must big even such because turn here why ask "
+    "went men read need land different home us move try kind hand picture again change off play spell "
+    "air away animal house point page letter mother answer found study still learn should world".split()
+)
+
+
+@dataclass(frozen=True)
+class DatasetRow:
+    """One request to send.
+
+    prompt: the text sent (unless prompt_ids is set and the backend accepts token ids).
+    prompt_len: prompt length in tokens by the local tokenizer (estimated without one); the server's
+        own count replaces it in the results when reported.
+    output_len: max_new_tokens / max_tokens requested.
+    prompt_ids: the token ids the prompt was made from, when known (sent with --tokenize-prompt).
+    group: the shared-prefix group index (generated-shared-prefix only).
+    """
+
+    prompt: str
+    prompt_len: int
+    output_len: int
+    prompt_ids: list[int] | None = None
+    group: int | None = None
+
+
+class Tokenizer(Protocol):
+    """The slice of a transformers tokenizer that this script uses."""
+
+    all_special_ids: list[int]
+
+    def get_vocab(self) -> dict[str, int]: ...
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class PromptSampler:
+    """Makes random prompts of a given length in tokens.
+
+    With a tokenizer: uniformly random non-special token ids decoded to text, as SGLang's random and
+    generated-shared-prefix datasets do (re-tokenizing the text may give a slightly different
+    length). Without one: random common English words, about one token each.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, rng: np.random.Generator):
+        self.tokenizer = tokenizer
+        self.rng = rng
+        if tokenizer is not None:
+            special = set(tokenizer.all_special_ids)
+            self._vocab_ids = np.array(sorted(set(tokenizer.get_vocab().values()) - special))
+
+    def sample(self, num_tokens: int) -> tuple[str, list[int] | None]:
+        """Returns (text, token ids or None without a tokenizer) for a prompt of num_tokens tokens."""
+        if self.tokenizer is None:
+            words = self.rng.choice(len(FALLBACK_WORDS), size=num_tokens)
+            return " ".join(FALLBACK_WORDS[i] for i in words), None
+        ids = self.rng.choice(self._vocab_ids, size=num_tokens).tolist()
+        return self.tokenizer.decode(ids), ids
+
+
+def sample_random_requests(
+    sampler: PromptSampler, num_prompts: int, input_len: int, output_len: int, range_ratio: float
+) -> list[DatasetRow]:
+    """SGLang's `random` dataset: input and output lengths uniform in [len * range_ratio, len]
+    (at least 1), prompts from random token ids."""
+    rng = sampler.rng
+    input_lens = rng.integers(max(int(input_len * range_ratio), 1), input_len + 1, size=num_prompts)
+    output_lens = rng.integers(max(int(output_len * range_ratio), 1), output_len + 1, size=num_prompts)
+    rows = []
+    for prompt_len, out_len in zip(input_lens.tolist(), output_lens.tolist()):
+        text, ids = sampler.sample(prompt_len)
+        rows.append(DatasetRow(text, prompt_len, out_len, ids))
+    return rows
+
+
+def sample_generated_shared_prefix_requests(
+    sampler: PromptSampler,
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+) -> list[DatasetRow]:
+    """SGLang's `generated-shared-prefix` dataset: num_groups random system prompts, each followed
+    by prompts_per_group random questions ("{system}\\n\\n{question}"), shuffled. It measures how
+    well the prefix cache reuses the shared system prompts."""
+    systems = [sampler.sample(system_prompt_len) for _ in range(num_groups)]
+    sep_ids = sampler.tokenizer.encode("\n\n", add_special_tokens=False) if sampler.tokenizer else []
+    rows = []
+    for group, (system_text, system_ids) in enumerate(systems):
+        for _ in range(prompts_per_group):
+            question_text, question_ids = sampler.sample(question_len)
+            text = f"{system_text}\n\n{question_text}"
+            if system_ids is None:
+                ids, prompt_len = None, system_prompt_len + question_len
+            else:
+                ids = system_ids + sep_ids + question_ids
+                prompt_len = len(ids)
+            rows.append(DatasetRow(text, prompt_len, output_len, ids, group))
+    order = sampler.rng.permutation(len(rows))
+    return [rows[i] for i in order]
+
+
+def estimate_num_tokens(text: str) -> int:
+    """About 4 characters per token for English text with BPE vocabularies (OpenAI's rule of thumb)."""
+    return max(1, round(len(text) / 4))
+
+
+def sample_sharegpt_requests(
+    dataset_path: str | Path,
+    num_prompts: int,
+    count_tokens: Callable[[str], int],
+    rng: np.random.Generator,
+    fixed_output_len: int | None = None,
+) -> list[DatasetRow]:
+    """SGLang's `sharegpt` dataset from a local JSON file `[{"conversations": [{"from": "human",
+    "value": ...}, {"from": "gpt", "value": ...}, ...]}, ...]`: the first turn is the prompt, the
+    length of the second sets the output length (unless fixed_output_len). Like SGLang, drops
+    conversations with a prompt or completion under 2 tokens, a prompt over 1024 tokens or (without
+    fixed_output_len) a total over 2048. Returns up to num_prompts rows in random order.
+
+    Raises FileNotFoundError if the file is missing (nothing is downloaded)."""
+    with open(dataset_path) as f:
+        conversations = [d["conversations"] for d in json.load(f) if len(d.get("conversations", [])) >= 2]
+    rows = []
+    for i in rng.permutation(len(conversations)):
+        if len(rows) == num_prompts:
+            break
+        prompt, completion = conversations[i][0]["value"], conversations[i][1]["value"]
+        prompt_len = count_tokens(prompt)
+        output_len = fixed_output_len or count_tokens(completion)
+        if prompt_len < 2 or output_len < 2:
+            continue
+        if prompt_len > 1024 or (fixed_output_len is None and prompt_len + output_len > 2048):
+            continue
+        rows.append(DatasetRow(prompt, prompt_len, output_len))
+    return rows
+
+
+def parse_sse_line(line: str) -> dict[str, Any] | str | None:
+    """Parses one line of a server-sent event stream.
+
+    Returns the JSON payload of a `data:` line, SSE_DONE for `data: [DONE]`, and None for anything
+    else (blank lines, comments, `event:` / `id:` fields). Raises json.JSONDecodeError on a data
+    line that is not JSON."""
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:"):].strip()
+    if data == SSE_DONE:
+        return SSE_DONE
+    return json.loads(data) if data else None
+
+
+class RequestFailed(Exception):
+    """The server refused or aborted a request (an HTTP error status or an error event)."""
+
+
+class StreamChunk(NamedTuple):
+    """What one streamed event says, normalised across backends. Token counts are in tokens and
+    cumulative where reported; None where the event does not say."""
+
+    text: str  # text generated since the previous event
+    num_new_tokens: int  # output tokens carried by this event (0 for a usage- or meta-only event)
+    completion_tokens: int | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    finish_reason: str | None
+    error: str | None = None
+
+
+def _error_of(data: dict[str, Any]) -> str | None:
+    if err := data.get("error"):
+        return err.get("message", json.dumps(err)) if isinstance(err, dict) else str(err)
+    if data.get("object") == "error":  # vLLM's error body
+        return str(data.get("message", data))
+    return None
+
+
+def _cached_from_usage(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details") or {}
+    return details.get("cached_tokens", usage.get("cached_tokens"))
+
+
+class NativeStreamParser:
+    """SGLang's native /generate stream (also jaxserve's): `text` is cumulative, `meta_info`
+    carries cumulative prompt_tokens, completion_tokens, cached_tokens and finish_reason (a string or
+    SGLang's {"type": ...} dict). Token counts come from meta_info.completion_tokens, else from
+    `output_ids` (cumulative or incremental), else one per event with new text."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._ids: list[int] = []
+        self._num_tokens = 0
+
+    def feed(self, data: dict[str, Any]) -> StreamChunk:
+        if (error := _error_of(data)) is not None:
+            return StreamChunk("", 0, None, None, None, None, error)
+        text = data.get("text", self._text)
+        delta = text[len(self._text):] if text.startswith(self._text) else text
+        self._text = text
+        meta = data.get("meta_info") or {}
+        completion_tokens = meta.get("completion_tokens")
+        ids = data.get("output_ids")
+        if completion_tokens is None and isinstance(ids, list):
+            is_cumulative = len(ids) >= len(self._ids) and ids[: len(self._ids)] == self._ids
+            self._ids = ids if is_cumulative else self._ids + ids
+            completion_tokens = len(self._ids)
+        if completion_tokens is not None:
+            num_new = max(completion_tokens - self._num_tokens, 0)
+        else:
+            num_new = 1 if delta else 0
+        self._num_tokens += num_new
+        finish = meta.get("finish_reason")
+        if isinstance(finish, dict):
+            finish = finish.get("type")
+        return StreamChunk(
+            delta, num_new, completion_tokens, meta.get("prompt_tokens"), meta.get("cached_tokens"), finish
+        )
+
+
+class OpenAIStreamParser:
+    """OpenAI /v1/completions or /v1/chat/completions stream: incremental `choices[0].text` (or
+    `choices[0].delta.content` for chat), and with stream_options.include_usage a `usage` object
+    (prompt_tokens, completion_tokens, prompt_tokens_details.cached_tokens) in the last chunk. Each
+    event with text counts as one token arrival, as in SGLang; the final count comes from usage."""
+
+    def __init__(self, is_chat: bool) -> None:
+        self.is_chat = is_chat
+
+    def feed(self, data: dict[str, Any]) -> StreamChunk:
+        if (error := _error_of(data)) is not None:
+            return StreamChunk("", 0, None, None, None, None, error)
+        text, finish = "", None
+        if choices := data.get("choices"):
+            choice = choices[0]
+            if self.is_chat:
+                delta = choice.get("delta") or {}
+                text = (delta.get("reasoning_content") or "") + (delta.get("content") or "")
+            else:
+                text = choice.get("text") or ""
+            finish = choice.get("finish_reason")
+        usage = data.get("usage") or {}
+        return StreamChunk(
+            text, 1 if text else 0, usage.get("completion_tokens"), usage.get("prompt_tokens"),
+            _cached_from_usage(usage), finish,
+        )
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """How every request of a run is sent. extra_body is merged into each payload's top level."""
+
+    backend: str
+    base_url: str
+    model: str | None
+    api_key: str | None
+    ignore_eos: bool
+    use_prompt_ids: bool
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+
+def _native_payload(row: DatasetRow, s: RequestSettings) -> dict[str, Any]:
+    sampling = {"max_new_tokens": row.output_len, "temperature": 0.0}
+    if s.ignore_eos:
+        sampling["ignore_eos"] = True
+    prompt = {"input_ids": row.prompt_ids} if s.use_prompt_ids and row.prompt_ids else {"text": row.prompt}
+    return {**prompt, "sampling_params": sampling, "stream": True, **s.extra_body}
+
+
+def _openai_common(row: DatasetRow, s: RequestSettings) -> dict[str, Any]:
+    payload = {
+        "model": s.model, "temperature": 0.0, "max_tokens": row.output_len, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if s.ignore_eos:
+        payload["ignore_eos"] = True
+    return payload
+
+
+def _completions_payload(row: DatasetRow, s: RequestSettings) -> dict[str, Any]:
+    prompt = row.prompt_ids if s.use_prompt_ids and row.prompt_ids else row.prompt
+    return {**_openai_common(row, s), "prompt": prompt, **s.extra_body}
+
+
+def _chat_payload(row: DatasetRow, s: RequestSettings) -> dict[str, Any]:
+    messages = [{"role": "user", "content": row.prompt}]
+    return {**_openai_common(row, s), "messages": messages, **s.extra_body}
+
+
+class Backend(NamedTuple):
+    path: str
+    build_payload: Callable[[DatasetRow, RequestSettings], dict[str, Any]]
+    make_parser: Callable[[], NativeStreamParser | OpenAIStreamParser]
+    spreads_itl: bool  # events may carry several tokens and say how many: spread each gap over them
+
+
+BACKENDS: dict[str, Backend] = {
+    "jaxserve": Backend("/generate", _native_payload, NativeStreamParser, True),
+    "sglang": Backend("/generate", _native_payload, NativeStreamParser, True),
+    "vllm": Backend("/v1/completions", _completions_payload, lambda: OpenAIStreamParser(False), False),
+    "openai": Backend("/v1/completions", _completions_payload, lambda: OpenAIStreamParser(False), False),
+    "openai-chat": Backend(
+        "/v1/chat/completions", _chat_payload, lambda: OpenAIStreamParser(True), False
+    ),
+}
+
+
+@dataclass
+class RequestOutput:
+    """The record of one request. Times in seconds; itl has one entry per output token after the
+    first (per event for OpenAI-style streams, which do not say how many tokens an event holds)."""
+
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_len: int = 0
+    cached_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    generated_text: str = ""
+    finish_reason: str | None = None
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+_REPORTED_FIELDS = ("completion_tokens", "prompt_tokens", "cached_tokens", "finish_reason")
+
+
+def _merge_reported(last: StreamChunk, chunk: StreamChunk) -> StreamChunk:
+    """Keeps the latest reported value of each count: an event that omits one keeps the last."""
+    return last._replace(**{k: getattr(chunk, k) for k in _REPORTED_FIELDS if getattr(chunk, k) is not None})
+
+
+def token_timings(
+    start: float, arrivals: Sequence[tuple[float, int]], spreads_itl: bool
+) -> tuple[float | None, list[float]]:
+    """TTFT and inter-token latencies (seconds) from the events that carried new tokens, given as
+    (arrival time, number of new tokens). TTFT is the first arrival minus start. With spreads_itl
+    the gap before an event carrying n tokens counts as n gaps of gap / n (SGLang's native backend
+    does this); else each event is one gap. TTFT is None if no token arrived."""
+    if not arrivals:
+        return None, []
+    itl: list[float] = []
+    for (prev, _), (now, num_new) in zip(arrivals, arrivals[1:]):
+        itl.extend([(now - prev) / num_new] * num_new if spreads_itl else [now - prev])
+    return arrivals[0][0] - start, itl
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    row: DatasetRow,
+    settings: RequestSettings,
+    count_tokens: Callable[[str], int] | None,
+) -> RequestOutput:
+    """Sends one streaming request and times it. Never raises: a failure is recorded in the
+    output's error. Counts prefer the server's report; without one, the output is counted with
+    count_tokens (the local tokenizer) if given, else from the stream's events."""
+    backend = BACKENDS[settings.backend]
+    parser = backend.make_parser()
+    sends_ids = settings.use_prompt_ids and row.prompt_ids is not None
+    out = RequestOutput(prompt_len=len(row.prompt_ids) if sends_ids else row.prompt_len)
+    reported = StreamChunk("", 0, None, None, None, None)
+    arrivals: list[tuple[float, int]] = []
+    start = time.perf_counter()
+    try:
+        payload = backend.build_payload(row, settings)
+        headers = auth_headers(settings.api_key)
+        async with client.stream("POST", settings.base_url + backend.path, json=payload, headers=headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                raise RequestFailed(f"HTTP {resp.status_code}: {body[:300]}")
+            async for line in resp.aiter_lines():
+                data = parse_sse_line(line)
+                if data is None:
+                    continue
+                if data == SSE_DONE:
+                    break
+                chunk = parser.feed(data)
+                if chunk.error is not None:
+                    raise RequestFailed(chunk.error)
+                reported = _merge_reported(reported, chunk)
+                out.generated_text += chunk.text
+                if chunk.num_new_tokens > 0:
+                    arrivals.append((time.perf_counter(), chunk.num_new_tokens))
+        out.latency = time.perf_counter() - start
+    except Exception as e:  # noqa: BLE001 -- one failed request must not end the run
+        out.error = str(e) if isinstance(e, RequestFailed) else f"{type(e).__name__}: {e}"
+        return out
+    out.success = True
+    ttft, out.itl = token_timings(start, arrivals, backend.spreads_itl)
+    out.ttft = ttft if ttft is not None else out.latency
+    out.finish_reason = reported.finish_reason
+    out.cached_tokens = reported.cached_tokens or 0
+    if reported.prompt_tokens is not None:
+        out.prompt_len = reported.prompt_tokens
+    if reported.completion_tokens is not None:
+        out.output_len = reported.completion_tokens
+    elif count_tokens is not None and out.generated_text:
+        out.output_len = count_tokens(out.generated_text)
+    else:
+        out.output_len = sum(n for _, n in arrivals)
+    return out
+
+
+def poisson_intervals(num_requests: int, request_rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Seconds to wait after each request before sending the next: exponential with mean
+    1 / request_rate (a Poisson process, as in SGLang); zeros for an infinite rate."""
+    if math.isinf(request_rate):
+        return np.zeros(num_requests)
+    return rng.exponential(1.0 / request_rate, size=num_requests)
+
+
+async def run_requests(
+    rows: Sequence[DatasetRow],
+    settings: RequestSettings,
+    request_rate: float,
+    max_concurrency: int | None,
+    rng: np.random.Generator,
+    count_tokens: Callable[[str], int] | None,
+    show_progress: bool = True,
+) -> tuple[list[RequestOutput], float]:
+    """Sends rows with Poisson arrivals, at most max_concurrency in flight (arrivals do not wait for
+    a slot: requests queue on the limit, as in SGLang). Returns the outputs in row order and the
+    wall-clock duration in seconds."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    pbar = tqdm(total=len(rows), disable=not show_progress)
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    # trust_env=False: a proxy from the environment would sit between the benchmark and the server.
+    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600, connect=60), limits=limits, trust_env=False) as client:
+
+        async def limited(row: DatasetRow) -> RequestOutput:
+            async with limit:
+                out = await send_request(client, row, settings, count_tokens)
+            pbar.update(1)
+            return out
+
+        start = time.perf_counter()
+        tasks = []
+        waits = poisson_intervals(len(rows), request_rate, rng)
+        for i, row in enumerate(rows):
+            tasks.append(asyncio.create_task(limited(row)))
+            if waits[i] > 0 and i + 1 < len(rows):
+                await asyncio.sleep(waits[i])
+        outputs = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    pbar.close()
+    return list(outputs), duration
+
+
+@dataclass(frozen=True)
+class BenchmarkMetrics:
+    """SGLang's serving metrics. Token totals count successful requests only; latencies in ms;
+    throughputs per second of benchmark duration; concurrency = sum of E2E latencies / duration."""
+
+    completed: int
+    failed: int
+    total_input_tokens: int
+    total_output_tokens: int
+    total_cached_tokens: int
+    cache_hit_rate: float
+    request_throughput: float
+    input_throughput: float
+    output_throughput: float
+    total_throughput: float
+    concurrency: float
+    mean_e2e_latency_ms: float
+    median_e2e_latency_ms: float
+    std_e2e_latency_ms: float
+    p90_e2e_latency_ms: float
+    p99_e2e_latency_ms: float
+    mean_ttft_ms: float
+    median_ttft_ms: float
+    std_ttft_ms: float
+    p99_ttft_ms: float
+    mean_tpot_ms: float
+    median_tpot_ms: float
+    std_tpot_ms: float
+    p99_tpot_ms: float
+    mean_itl_ms: float
+    median_itl_ms: float
+    std_itl_ms: float
+    p95_itl_ms: float
+    p99_itl_ms: float
+    max_itl_ms: float
+
+
+def _stats_ms(values: list[float], percentiles: Sequence[int]) -> list[float]:
+    """[mean, median, std, *percentiles] in ms; zeros for an empty list (as SGLang's `x or 0`)."""
+    v = np.asarray(values or [0.0], dtype=np.float64) * 1000
+    return [float(np.mean(v)), float(np.median(v)), float(np.std(v))] + [
+        float(np.percentile(v, p)) for p in percentiles
+    ]
+
+
+def compute_metrics(outputs: Sequence[RequestOutput], duration_s: float) -> BenchmarkMetrics:
+    """Metrics from per-request records, with SGLang's definitions: TTFT from request start to the
+    first token, TPOT = (latency - TTFT) / (output_len - 1) for requests with more than one output
+    token, ITL pooled over all requests' inter-token gaps."""
+    ok = [o for o in outputs if o.success]
+    total_input = sum(o.prompt_len for o in ok)
+    total_output = sum(o.output_len for o in ok)
+    total_cached = sum(o.cached_tokens for o in ok)
+    latencies = [o.latency for o in ok]
+    tpots = [(o.latency - o.ttft) / (o.output_len - 1) for o in ok if o.output_len > 1]
+    itls = [gap for o in ok for gap in o.itl]
+    e2e = _stats_ms(latencies, (90, 99))
+    ttft = _stats_ms([o.ttft for o in ok], (99,))
+    tpot = _stats_ms(tpots, (99,))
+    itl = _stats_ms(itls, (95, 99, 100))
+    return BenchmarkMetrics(
+        len(ok), len(outputs) - len(ok), total_input, total_output, total_cached,
+        total_cached / total_input if total_input else 0.0,
+        len(ok) / duration_s, total_input / duration_s, total_output / duration_s,
+        (total_input + total_output) / duration_s, sum(latencies) / duration_s,
+        *e2e, *ttft, *tpot, *itl,
+    )
+
+
+_RESULT_SECTIONS = (
+    ("End-to-End Latency", "e2e_latency_ms", "E2E Latency", ("mean", "median", "p90", "p99")),
+    ("Time to First Token", "ttft_ms", "TTFT", ("mean", "median", "p99")),
+    ("Time per Output Token (excl. 1st token)", "tpot_ms", "TPOT", ("mean", "median", "p99")),
+    ("Inter-token Latency", "itl_ms", "ITL", ("mean", "median", "p95", "p99", "max")),
+)
+
+
+def format_result(m: BenchmarkMetrics, backend: str, request_rate: float, max_concurrency: int | None,
+                  duration_s: float) -> str:
+    """SGLang's result block (plus failed requests and a prefix-cache section)."""
+    rows: list[tuple[str, Any]] = [
+        ("Backend:", backend),
+        ("Traffic request rate:", str(request_rate)),
+        ("Max request concurrency:", str(max_concurrency) if max_concurrency else "not set"),
+        ("Successful requests:", m.completed),
+        ("Failed requests:", m.failed),
+        ("Benchmark duration (s):", duration_s),
+        ("Total input tokens:", m.total_input_tokens),
+        ("Total generated tokens:", m.total_output_tokens),
+        ("Request throughput (req/s):", m.request_throughput),
+        ("Input token throughput (tok/s):", m.input_throughput),
+        ("Output token throughput (tok/s):", m.output_throughput),
+        ("Total token throughput (tok/s):", m.total_throughput),
+        ("Concurrency:", m.concurrency),
+    ]
+    for title, suffix, name, stats in _RESULT_SECTIONS:
+        rows.append((title, None))
+        for stat in stats:
+            label = stat.capitalize() if stat in ("mean", "median", "max") else stat.upper()
+            rows.append((f"{label} {name} (ms):", getattr(m, f"{stat}_{suffix}")))
+    rows += [
+        ("Prefix Cache", None),
+        ("Total cached tokens:", m.total_cached_tokens),
+        ("Cache hit rate:", f"{m.cache_hit_rate:.2%}"),
+    ]
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
+    for name, value in rows:
+        if value is None:
+            lines.append("{s:{c}^{n}}".format(s=name, n=50, c="-"))
+        else:
+            lines.append(f"{name:<40} {value:<10.2f}" if isinstance(value, float) else f"{name:<40} {value:<10}")
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Loads a transformers tokenizer from local files only: an HF directory or name in the local
+    cache, or a GGUF file (its embedded tokenizer). Raises on failure."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if p.suffix == ".gguf" and p.is_file():
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def get_json(base_url: str, path: str, api_key: str | None) -> dict[str, Any] | None:
+    """GET base_url + path as JSON; None if the server does not answer it."""
+    try:
+        resp = httpx.get(base_url + path, headers=auth_headers(api_key), timeout=30, trust_env=False)
+        resp.raise_for_status()
+        return resp.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def resolve_tokenizer(
+    args: argparse.Namespace, base_url: str, api_key: str | None, model: str | None
+) -> Tokenizer | None:
+    """--tokenizer, else the server's /get_model_info tokenizer_path (SGLang, jaxserve), else the
+    model name (vLLM, OpenAI). None if none loads: counts then come from the server."""
+    candidates = [args.tokenizer] if args.tokenizer else []
+    if not candidates:
+        info = get_json(base_url, "/get_model_info", api_key) or {}
+        candidates = [c for c in (info.get("tokenizer_path"), info.get("model_path"), model) if c]
+    for path in dict.fromkeys(candidates):
+        try:
+            return load_tokenizer(path)
+        except Exception as e:  # noqa: BLE001 -- any loader failure means: go on without it
+            print(f"Could not load tokenizer {path!r}: {type(e).__name__}: {e}", file=sys.stderr)
+    print("No tokenizer: token counts come from the server; prompts are random words.", file=sys.stderr)
+    return None
+
+
+def token_counter(tokenizer: Tokenizer | None) -> Callable[[str], int] | None:
+    """Counts the tokens of a text without special tokens; None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def build_dataset(args: argparse.Namespace, tokenizer: Tokenizer | None, rng: np.random.Generator) -> list[DatasetRow]:
+    if args.dataset_name == "random":
+        return sample_random_requests(
+            PromptSampler(tokenizer, rng), args.num_prompts, args.random_input_len,
+            args.random_output_len, args.random_range_ratio,
+        )
+    if args.dataset_name == "generated-shared-prefix":
+        return sample_generated_shared_prefix_requests(
+            PromptSampler(tokenizer, rng), args.gsp_num_groups, args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
+        )
+    if not args.dataset_path:
+        raise SystemExit("--dataset-name sharegpt needs --dataset-path (a local ShareGPT JSON file)")
+    count = token_counter(tokenizer) or estimate_num_tokens
+    return sample_sharegpt_requests(args.dataset_path, args.num_prompts, count, rng, args.sharegpt_output_len)
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no inf/nan: write them as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def make_record(args: argparse.Namespace, model: str | None, m: BenchmarkMetrics, duration_s: float,
+                outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """The --output-file line: run settings, all metrics, the args and per-request arrays (SGLang's
+    key names). Failed requests have output_len 0 and their error in `errors`."""
+    return _json_safe({
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "backend": args.backend,
+        "model": model,
+        "dataset_name": args.dataset_name,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "tag": args.tag,
+        "duration": duration_s,
+        **asdict(m),
+        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "input_lens": [o.prompt_len for o in outputs],
+        "output_lens": [o.output_len if o.success else 0 for o in outputs],
+        "cached_tokens": [o.cached_tokens for o in outputs],
+        "ttfts": [o.ttft for o in outputs],
+        "e2e_latencies": [o.latency for o in outputs],
+        "itls": [o.itl for o in outputs],
+        "finish_reasons": [o.finish_reason for o in outputs],
+        "errors": [o.error for o in outputs],
+        "generated_texts": [o.generated_text for o in outputs],
+    })
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=list(BACKENDS), default="jaxserve")
+    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:30000 (overrides --host/--port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--model", default=None, help="model name for OpenAI APIs; default: GET /v1/models")
+    p.add_argument("--tokenizer", default=None, help="local path; default: the server's /get_model_info")
+    p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
+    p.add_argument("--dataset-name", choices=["random", "generated-shared-prefix", "sharegpt"], default="random")
+    p.add_argument("--dataset-path", default=None, help="local ShareGPT JSON file")
+    p.add_argument("--num-prompts", type=int, default=1000,
+                   help="random and sharegpt; generated-shared-prefix sends groups x prompts-per-group")
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length for sharegpt")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=1024)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--gsp-num-groups", type=int, default=64)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
+    p.add_argument("--gsp-question-len", type=int, default=128)
+    p.add_argument("--gsp-output-len", type=int, default=256)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--tokenize-prompt", action="store_true",
+                   help="send prompt token ids (input_ids / a list prompt) instead of text; needs a tokenizer")
+    p.add_argument("--disable-ignore-eos", action="store_true", help="do not send ignore_eos")
+    p.add_argument("--extra-request-body", default=None, help="JSON object merged into every request body")
+    p.add_argument("--warmup-requests", type=int, default=1, help="requests sent (and not measured) first")
+    p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache after warm-up (native backends)")
+    p.add_argument("--output-file", default=None, help="append one JSON line with the results")
+    p.add_argument("--tag", default=None, help="label stored in the output record (plot_bench.py uses it)")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p.parse_args(argv)
+
+
+async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    model = args.model
+    if model is None:
+        models = (get_json(base_url, "/v1/models", api_key) or {}).get("data") or []
+        model = models[0]["id"] if models else None
+        if model is None and args.backend not in ("jaxserve", "sglang"):
+            raise SystemExit("No --model given and GET /v1/models gave none")
+    tokenizer = resolve_tokenizer(args, base_url, api_key, model)
+    if args.tokenize_prompt and (tokenizer is None or args.backend == "openai-chat"):
+        raise SystemExit("--tokenize-prompt needs a tokenizer and a completions or native backend")
+    rng = np.random.default_rng(args.seed)
+    rows = build_dataset(args, tokenizer, rng)
+    if not rows:
+        raise SystemExit("The dataset is empty")
+    settings = RequestSettings(
+        args.backend, base_url, model, api_key, not args.disable_ignore_eos, args.tokenize_prompt,
+        json.loads(args.extra_request_body) if args.extra_request_body else {},
+    )
+    count_tokens = token_counter(tokenizer)
+
+    if args.warmup_requests > 0:
+        warm = DatasetRow(rows[0].prompt, rows[0].prompt_len, min(rows[0].output_len, 16), rows[0].prompt_ids)
+        print(f"Warming up with {args.warmup_requests} request(s)...")
+        warm_outs, _ = await run_requests(
+            [warm] * args.warmup_requests, settings, float("inf"), None, rng, count_tokens, show_progress=False
+        )
+        if not any(o.success for o in warm_outs):
+            print(f"Warm-up failed: {warm_outs[0].error}", file=sys.stderr)
+    if args.flush_cache and args.backend in ("jaxserve", "sglang"):
+        try:
+            resp = httpx.post(base_url + "/flush_cache", headers=auth_headers(api_key), timeout=60, trust_env=False)
+            resp.raise_for_status()
+        except httpx.HTTPError as e:
+            print(f"Could not flush the cache: {e}", file=sys.stderr)
+
+    print(f"Benchmarking {len(rows)} requests ({args.dataset_name}) against {base_url} ({args.backend})")
+    outputs, duration = await run_requests(
+        rows, settings, args.request_rate, args.max_concurrency, rng, count_tokens, not args.disable_tqdm
+    )
+    metrics = compute_metrics(outputs, duration)
+    errors = [o.error for o in outputs if not o.success]
+    if errors:
+        print(f"{len(errors)} request(s) failed; first errors:")
+        for error in errors[:NUM_ERRORS_SHOWN]:
+            print(f"  {error}")
+    print(format_result(metrics, args.backend, args.request_rate, args.max_concurrency, duration))
+    record = make_record(args, model, metrics, duration, outputs)
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs the benchmark from command-line arguments; returns the output record."""
+    return asyncio.run(benchmark(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
