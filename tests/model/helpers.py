@@ -1,0 +1,53 @@
+"""Run our model on single sequences through the paged pool (no engine): logits and greedy decoding."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.engine.model_runner import BatchEntry, ModelRunner
+from jaxserve.model import llama
+from jaxserve.pallas.reference import ragged_paged_attention_xla
+
+
+class SingleSequence:
+    """Pages 1..n of a private pool, handed out in order (page 0 stays the dummy page)."""
+
+    def __init__(self, config, params, *, page_size: int, max_tokens: int = 2048, max_extend: int = 1024):
+        num_pages = max_tokens // page_size + 2
+        shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+        dtype = jax.tree.leaves(params)[0].dtype
+        self.runner = ModelRunner(
+            config, params, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+            attn_fn=ragged_paged_attention_xla, max_running_requests=1,
+            max_extend_tokens=max_extend, context_length=max_tokens,
+        )
+        self.config, self.params, self.page_size = config, params, page_size
+        self.page_table = list(range(1, num_pages))
+        self._forward = jax.jit(
+            functools.partial(llama.forward, config=config, attn_fn=ragged_paged_attention_xla)
+        )
+
+    def all_logits(self, tokens, prefix_len: int = 0) -> np.ndarray:
+        """Extend by `tokens` after `prefix_len` cached ones; logits [len(tokens), V] of every position."""
+        pages = self.page_table[: -(-(prefix_len + len(tokens)) // self.page_size)]
+        batch, _ = self.runner.build_forward_batch([BatchEntry(list(tokens), prefix_len, pages)])
+        hidden, self.runner.k_pool, self.runner.v_pool = self._forward(
+            self.params, self.runner.k_pool, self.runner.v_pool, batch
+        )
+        return np.asarray(llama.compute_logits(self.params, hidden[: len(tokens)]))
+
+    def last_logits(self, tokens, prefix_len: int = 0) -> np.ndarray:
+        pages = self.page_table[: -(-(prefix_len + len(tokens)) // self.page_size)]
+        logits = self.runner.forward([BatchEntry(list(tokens), prefix_len, pages)])
+        return np.asarray(logits[0])
+
+    def greedy(self, prompt, num_new: int) -> list[int]:
+        """Prefill `prompt`, then decode `num_new` tokens one at a time, always taking the argmax."""
+        out = [int(np.argmax(self.last_logits(prompt)))]
+        while len(out) < num_new:
+            out.append(int(np.argmax(self.last_logits([out[-1]], prefix_len=len(prompt) + len(out) - 1))))
+        return out
