@@ -22,11 +22,13 @@ import numpy as np
 from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, size_pool
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.config import ServerArgs
+from jaxserve.constrained import GrammarCompiler, GrammarQueue, GrammarSpec, get_grammar_backend
+from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.model_runner import ModelRunner, pow2_range
-from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, new_rid
+from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, new_rid
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from jaxserve.model.loader import load_model
 from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path
@@ -154,6 +156,11 @@ class Engine:
             max_extend_tokens=min(chunk, self.context_length),
             context_length=self.context_length,
         )
+        self.grammar_backend = get_grammar_backend(
+            args.grammar_backend, self.tokenizer, whitespace_pattern=args.constrained_json_whitespace_pattern,
+            vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids,
+        )
+        self.grammar_queue: GrammarQueue[Req] = GrammarQueue(GrammarCompiler(self.grammar_backend))
         self._rng = random.Random(args.random_seed)
         self._reqs: dict[str, Req] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -204,12 +211,28 @@ class Engine:
             self._detok[r] = IncrementalDetokenizer(self.tokenizer, input_ids, params, self.eos_token_ids)
             self.stats.num_requests += 1
             self.stats.prompt_tokens += len(input_ids)
+            spec = grammar_spec(params)
             if params.max_new_tokens == 0:
                 self._finish(req, finish_length(0))
                 self._finished_outside_step.append(self._output(req, [], ""))
+            elif spec is not None:
+                self.grammar_queue.add(req, spec)
             else:
                 self.scheduler.add(req)
         return rids
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's constraint now (cached), so an invalid one is an error at submit time.
+
+        Thread-safe; the server calls it in the request handler, off the engine thread.
+
+        Raises:
+            InvalidGrammarError: the regex / schema / EBNF is invalid (the message names the problem).
+            GrammarDisabledError: a constraint was given with `--grammar-backend none`.
+        """
+        spec = grammar_spec(params)
+        if spec is not None:
+            self.grammar_backend.compile(spec)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -238,17 +261,30 @@ class Engine:
         req = self._reqs.get(rid)
         if req is None or req.is_finished:
             return False
+        self.grammar_queue.remove(req)
         self._finish(req, finish_abort("aborted by the client"))
         self.stats.num_aborted_requests += 1
         self._finished_outside_step.append(self._output(req, [], ""))
         return True
 
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (the radix tree) and return its pages to the free list.
+
+        Raises:
+            RuntimeError: requests are waiting or running (their prefixes are locked in the tree).
+        """
+        if self.scheduler.has_work():
+            num = self.scheduler.num_running + len(self.scheduler.waiting)
+            raise RuntimeError(f"cannot flush the cache while {num} requests are running or waiting")
+        self.allocator.free(self.tree.reset())
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._finished_outside_step)
+        return self.scheduler.has_work() or bool(self._finished_outside_step) or self.grammar_queue.num_pending > 0
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one batch (prefill chunk(s) and/or decodes) and return every request's progress."""
+        self._admit_compiled_grammars()
         outputs, self._finished_outside_step = self._finished_outside_step, []
         batch = self.scheduler.schedule()
         if batch is None:
@@ -258,6 +294,27 @@ class Engine:
         sampling, flags = self._sampling_inputs(batch, logits.shape[0])
         sampled = self.runner.sample(logits, jax.device_put(sampling), flags)
         return outputs + self._postprocess(batch, sampled)
+
+    def _admit_compiled_grammars(self) -> None:
+        for ready in self.grammar_queue.pop_ready():
+            req = ready.item
+            if req.is_finished:
+                continue
+            if ready.error is not None:
+                self._finish(req, finish_abort(f"invalid grammar: {ready.error}"))
+                self._finished_outside_step.append(self._output(req, [], ""))
+            else:
+                req.grammar = self.grammar_backend.new_matcher(ready.compiled)
+                self.scheduler.add(req)
+
+    def _grammar_bitmask(self, reqs: Sequence[Req]) -> np.ndarray | None:
+        if not any(r.grammar is not None for r in reqs):
+            return None
+        bitmask = allocate_bitmask(len(reqs), self.model_config.vocab_size)
+        for i, r in enumerate(reqs):
+            if r.grammar is not None:
+                r.grammar.fill_bitmask(bitmask[i])
+        return bitmask
 
     def _sampling_inputs(self, batch: ScheduleBatch, num_seqs: int):
         reqs = batch.reqs
@@ -271,7 +328,7 @@ class Engine:
             [r.seed for r in reqs],
             [len(r.output_ids) for r in reqs],
             [(r.fill_ids, len(r.input_ids)) for r in reqs] if any_penalty else None,
-            None,
+            self._grammar_bitmask(reqs),
             num_seqs,
             self.model_config.vocab_size,
             eos_token_ids=self.eos_token_ids,
@@ -289,8 +346,6 @@ class Engine:
             if not is_real or req.is_finished:
                 continue
             token = int(sampled.next_tokens[i])
-            req.output_ids.append(token)
-            self.stats.generation_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
                 self.stats.cached_tokens += req.cached_tokens
@@ -301,11 +356,37 @@ class Engine:
                 req.output_top_logprobs.append(
                     [(float(sampled.top_logprobs[i, j]), int(sampled.top_ids[i, j])) for j in range(k)]
                 )
-            res = self._detok[req.rid].append(token)
+            new_ids, delta = self._append_tokens(req, [token])
+            if req.grammar is not None and not req.is_finished:
+                forced = req.grammar.jump_forward_tokens()[: req.remaining_new_tokens()]
+                if forced:
+                    req.num_forced_tokens += len(forced)
+                    more_ids, more_text = self._append_tokens(req, forced)
+                    new_ids, delta = new_ids + more_ids, delta + more_text
+            outputs.append(self._output(req, new_ids, delta))
+        return outputs
+
+    def _append_tokens(self, req: Req, tokens: Sequence[int]) -> tuple[list[int], str]:
+        """Append sampled or grammar-forced tokens: detokenize, advance the grammar, detect the finish."""
+        detok = self._detok[req.rid]
+        appended, delta = [], ""
+        for token in tokens:
+            req.output_ids.append(token)
+            appended.append(token)
+            self.stats.generation_tokens += 1
+            res = detok.append(token)
+            delta += res.text_delta
             if res.finished:
                 self._finish(req, res.finish_reason)
-            outputs.append(self._output(req, [token], res.text_delta))
-        return outputs
+                break
+            if req.grammar is not None:
+                if not req.grammar.accept_token(token):
+                    self._finish(req, finish_abort(f"grammar rejected token {token}"))
+                    break
+                if req.grammar.is_terminated():
+                    self._finish(req, finish_stop(None))
+                    break
+        return appended, delta
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finish_reason = reason
@@ -385,6 +466,19 @@ class Engine:
         if single:
             return flat[0] if len(flat) == 1 else flat
         return flat
+
+
+def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
+    """The constraint of a request as a GrammarSpec, or None when it is unconstrained."""
+    if params.regex is not None:
+        return GrammarSpec.regex(params.regex)
+    if params.json_schema is not None:
+        return GrammarSpec.json_schema(params.json_schema)
+    if params.ebnf is not None:
+        return GrammarSpec.ebnf(params.ebnf)
+    if params.choices is not None:
+        return GrammarSpec.from_choices(list(params.choices))
+    return None
 
 
 def _enable_compilation_cache(cache_dir: str | None) -> None:

@@ -101,24 +101,29 @@ class Scheduler:
         alternate = self._last_was_prefill and self.running and not self.config.enable_mixed_chunk
         if want_prefill and not alternate:
             decodes = self._prepare_decodes() if self.config.enable_mixed_chunk else []
-            batch = self._schedule_prefill(num_decodes=len(decodes))
+            batch = self._schedule_prefill(num_decodes=sum(_new_token_lens(decodes)))
             if batch is not None:
                 self._last_was_prefill = True
-                return ScheduleBatch(batch.reqs + decodes, batch.extend_lens + [1] * len(decodes))
+                return ScheduleBatch(batch.reqs + decodes, batch.extend_lens + _new_token_lens(decodes))
             if decodes:
                 self._last_was_prefill = False
-                return ScheduleBatch(decodes, [1] * len(decodes))
+                return ScheduleBatch(decodes, _new_token_lens(decodes))
         self._last_was_prefill = False
         if self.running:
             decodes = self._prepare_decodes()
             if decodes:
-                return ScheduleBatch(decodes, [1] * len(decodes))
+                return ScheduleBatch(decodes, _new_token_lens(decodes))
         return None
 
-    def _schedule_prefill(self, num_decodes: int) -> ScheduleBatch | None:
+    def _token_budget(self) -> int:
         cfg = self.config
-        chunking = cfg.chunked_prefill_size > 0
-        budget = min(cfg.max_prefill_tokens, cfg.chunked_prefill_size) if chunking else cfg.max_prefill_tokens
+        if cfg.chunked_prefill_size > 0:
+            return min(cfg.max_prefill_tokens, cfg.chunked_prefill_size)
+        return cfg.max_prefill_tokens
+
+    def _schedule_prefill(self, num_decodes: int) -> ScheduleBatch | None:
+        chunking = self.config.chunked_prefill_size > 0
+        budget = self._token_budget()
         reserved = sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running)
         adder = PrefillAdder(
             cache=self.cache,
@@ -173,15 +178,24 @@ class Scheduler:
         return False
 
     def _prepare_decodes(self) -> list[Req]:
-        """Give every running request a page for its next token, retracting requests if the pool is full."""
-        reqs = list(self.running)
-        need = sum(self.cache.pages_needed(r, r.kv_len + 1) for r in reqs)
+        """Give every running request pages for its next token(s), retracting requests if the pool is full.
+
+        A request usually runs one token; after a grammar jump-forward it runs the forced tokens too.
+        Such requests wait a step when their tokens would overflow the extend budget.
+        """
+        reqs, budget = [], self._token_budget()
+        for r in self.running:
+            n = len(r.fill_ids) - r.kv_len
+            if n == 1 or n <= budget - len(self.running):
+                reqs.append(r)
+                budget -= n - 1
+        need = sum(self.cache.pages_needed(r, len(r.fill_ids)) for r in reqs)
         while not self.cache.can_grow(need) and len(reqs) > 1:
             victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             reqs.remove(victim)
             self.retract(victim)
-            need = sum(self.cache.pages_needed(r, r.kv_len + 1) for r in reqs)
-        ready = [r for r in reqs if self.cache.grow(r, r.kv_len + 1)]
+            need = sum(self.cache.pages_needed(r, len(r.fill_ids)) for r in reqs)
+        ready = [r for r in reqs if self.cache.grow(r, len(r.fill_ids))]
         if len(ready) < len(reqs):
             raise RuntimeError("KV pool cannot hold a single decoding request; raise --max-total-tokens")
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
@@ -224,6 +238,10 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = ReqStatus.FINISHED
+
+
+def _new_token_lens(reqs: list[Req]) -> list[int]:
+    return [len(r.fill_ids) - r.kv_len for r in reqs]
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -1,0 +1,157 @@
+"""Engine behaviour on a tiny random Llama: batch invariance, retraction, leaks, compiles, sampling API."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.engine.engine import Engine, RequestError
+from jaxserve.engine.request import SamplingParamsError
+
+GREEDY = {"max_new_tokens": 10, "temperature": 0}
+
+
+def make_engine(model_dir, **kwargs) -> Engine:
+    base = dict(
+        model_path=model_dir, max_total_tokens=4096, max_running_requests=16, chunked_prefill_size=64,
+        context_length=256, page_size=16, disable_precompile=True,
+    )
+    base.update(kwargs)
+    return Engine(**base)
+
+
+def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(3, 40000, size=int(rng.integers(3, 150))))) for _ in range(n)]
+
+
+def assert_no_leak(engine: Engine) -> None:
+    freed = engine.tree.reset()
+    engine.allocator.free(freed)
+    assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return make_engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def solo_outputs(engine):
+    return [engine.generate(p, GREEDY)["output_ids"] for p in mixed_prompts(16)]
+
+
+@pytest.mark.parametrize(
+    "chunk,mixed", [(32, False), (64, True), (-1, False), (32, True)], ids=["chunk32", "chunk64-mixed", "nochunk", "chunk32-mixed"]
+)
+def test_batch_invariance(tiny_model_dir, solo_outputs, chunk, mixed):
+    eng = make_engine(tiny_model_dir, chunked_prefill_size=chunk, enable_mixed_chunk=mixed, max_prefill_tokens=256)
+    outs = eng.generate(mixed_prompts(16), GREEDY)
+    assert [o["output_ids"] for o in outs] == solo_outputs
+    assert all(o["meta_info"]["finish_reason"] == {"type": "length", "length": 10} for o in outs)
+    eng.cache.check_integrity([])
+    assert_no_leak(eng)
+
+
+def test_tiny_pool_retracts_and_stays_exact(tiny_model_dir, solo_outputs):
+    eng = make_engine(tiny_model_dir, max_total_tokens=320, disable_radix_cache=True)
+    outs = eng.generate(mixed_prompts(16), GREEDY)
+    assert [o["output_ids"] for o in outs] == solo_outputs
+    assert eng.scheduler.num_retractions > 0
+    assert eng.allocator.num_free == eng.allocator.num_usable
+
+
+def test_no_compile_after_warmup(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, disable_precompile=False, max_running_requests=8, chunked_prefill_size=32)
+    assert eng.runner.warmed_up
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(3, 40000, size=int(rng.integers(1, 200))))) for _ in range(50)]
+    params = [{"max_new_tokens": int(rng.integers(1, 20)), "temperature": float(rng.choice([0.0, 0.8]))} for _ in prompts]
+    eng.generate(prompts, params)
+    assert eng.runner.num_compiles_after_warmup == 0
+
+
+def test_seeded_sampling_is_batch_invariant(engine):
+    params = {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.9, "seed": 1234}
+    prompt = mixed_prompts(1, seed=7)[0]
+    alone = engine.generate(prompt, params)["output_ids"]
+    others = [{"max_new_tokens": 12, "temperature": 1.0, "seed": i} for i in range(5)]
+    together = engine.generate(mixed_prompts(5, seed=8) + [prompt], others + [params])
+    assert together[-1]["output_ids"] == alone
+    unseeded = engine.generate([prompt] * 2, {"max_new_tokens": 12, "temperature": 1.0})
+    assert unseeded[0]["output_ids"] != unseeded[1]["output_ids"]
+
+
+def test_stop_string_across_token_boundary(engine):
+    prompt = mixed_prompts(1, seed=3)[0]
+    full = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0})
+    text = full["text"]
+    # a stop string made of the end of one token's text and the start of the next
+    ids = full["output_ids"]
+    tok = engine.tokenizer
+    first = tok.decode(ids[:3])
+    second = tok.decode(ids[:4])
+    stop = first[-2:] + second[len(first) : len(first) + 2]
+    assert stop in text
+    out = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0, "stop": [stop]})
+    assert out["text"] == text[: text.index(stop)]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # SGLang's no_stop_trim keeps the text of every token up to the one that completed the stop string
+    kept = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0, "stop": [stop], "no_stop_trim": True})
+    assert kept["text"].startswith(text[: text.index(stop) + len(stop)]) and text.startswith(kept["text"])
+    assert len(kept["output_ids"]) == len(out["output_ids"])
+
+
+def test_max_new_tokens_zero_and_one(engine):
+    prompt = mixed_prompts(1, seed=4)[0]
+    zero = engine.generate(prompt, {"max_new_tokens": 0})
+    assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    one = engine.generate(prompt, {"max_new_tokens": 1, "temperature": 0})
+    assert len(one["output_ids"]) == 1 and one["meta_info"]["completion_tokens"] == 1
+
+
+def test_n_greater_than_one(engine):
+    outs = engine.generate("hello there", {"max_new_tokens": 5, "temperature": 1.0, "n": 3, "seed": 5})
+    assert len(outs) == 3
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+    assert all(o["meta_info"]["prompt_tokens"] == outs[0]["meta_info"]["prompt_tokens"] for o in outs)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_new_tokens", -1), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0),
+        ("min_p", -0.1), ("top_k", 0), ("top_k", -2), ("n", 0), ("stop", [""]), ("frequency_penalty", 3.0),
+        ("temperature", "hot"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(engine, field, value):
+    with pytest.raises(SamplingParamsError) as e:
+        engine.add_request([1, 2, 3], {field: value})
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_none_means_default(engine):
+    out = engine.generate([5, 6, 7], {"max_new_tokens": 2, "top_p": None, "temperature": 0})
+    assert len(out["output_ids"]) == 2
+
+
+def test_bad_prompts(engine):
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(RequestError, match="300 tokens, the context length is 256"):
+        engine.add_request([5] * 300, GREEDY)
+    with pytest.raises(RequestError, match="token ids"):
+        engine.add_request([5, 10**7], GREEDY)
+
+
+def test_abort_frees_pages(engine):
+    rids = engine.add_request(mixed_prompts(1, seed=9)[0], {"max_new_tokens": 50, "temperature": 0})
+    engine.step()
+    assert engine.abort(rids[0])
+    outs = engine.step()
+    assert any(o.rid == rids[0] and o.meta.finish_reason["type"] == "abort" for o in outs)
+    while engine.has_unfinished():
+        engine.step()
+    engine.cache.check_integrity([])
+    assert engine.allocator.num_free * engine.args.page_size + engine.tree.total_size() == engine.pool_shape.num_tokens
