@@ -38,7 +38,7 @@ def torch_default_model():
 
 
 def _prompts(tokenizer) -> list[list[int]]:
-    long_text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} marbles." for i in range(80))
+    long_text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} marbles." for i in range(50))
     texts = [
         "The capital of France is",
         "def fibonacci(n):\n    ",
@@ -81,8 +81,11 @@ def test_default_model_greedy_matches_transformers(default_model, torch_default_
         seq = SingleSequence(config, params, page_size=page_size, max_tokens=256)
         ours = seq.greedy(prompt, 32)
         with torch.no_grad():
+            # explicit attention mask: the chat template contains <|im_end|>, which is also the pad id
+            ids = torch.tensor([prompt])
             ref = torch_default_model.generate(
-                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                eos_token_id=None, pad_token_id=2,
             )[0, len(prompt):].tolist()
         assert ours == ref, f"greedy tokens differ for {q!r}"
 
