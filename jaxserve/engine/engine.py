@@ -333,7 +333,7 @@ class Engine:
             self.model_config.vocab_size,
             eos_token_ids=self.eos_token_ids,
             return_logprob=bool(with_logprob),
-            num_top_logprobs=max((r.top_logprobs_num for r in with_logprob), default=0),
+            num_top_logprobs=_top_logprobs_bucket(max((r.top_logprobs_num for r in with_logprob), default=0)),
         )
 
     def _postprocess(self, batch: ScheduleBatch, sampled: sampler_lib.SampleOutput) -> list[StepOutput]:
@@ -357,7 +357,7 @@ class Engine:
                     [(float(sampled.top_logprobs[i, j]), int(sampled.top_ids[i, j])) for j in range(k)]
                 )
             new_ids, delta = self._append_tokens(req, [token])
-            if req.grammar is not None and not req.is_finished:
+            if req.grammar is not None and not req.is_finished and not self.args.disable_jump_forward:
                 forced = req.grammar.jump_forward_tokens()[: req.remaining_new_tokens()]
                 if forced:
                     req.num_forced_tokens += len(forced)
@@ -466,6 +466,11 @@ class Engine:
         if single:
             return flat[0] if len(flat) == 1 else flat
         return flat
+
+
+def _top_logprobs_bucket(n: int) -> int:
+    """Round the batch's top-logprobs count up to 0, 5 or 20 so each value does not compile a sampler."""
+    return 0 if n == 0 else (5 if n <= 5 else 20)
 
 
 def grammar_spec(params: SamplingParams) -> GrammarSpec | None:

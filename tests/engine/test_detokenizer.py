@@ -1,0 +1,221 @@
+"""Tests of the incremental detokenizer with the default model's tokenizer (SmolLM2, byte-level BPE)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.request import SamplingParams
+from jaxserve.model.tokenizer import load_tokenizer
+
+FFFD = "\ufffd"
+PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("default")
+
+
+@pytest.fixture(scope="module")
+def byte_ids(tok) -> dict[int, int]:
+    """byte -> id of the byte-level token that stands for that single byte (GPT-2's byte alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    ids = {b: tok.convert_tokens_to_ids(c) for b, c in chars.items()}
+    return {b: i for b, i in ids.items() if i != tok.unk_token_id}
+
+
+def full_decode(tok, ids, skip_special_tokens=True) -> str:
+    return tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+def stream(tok, ids, eos=(2,), prompt=PROMPT, **params):
+    """Feed ids until finished; returns (deltas, detokenizer)."""
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt), SamplingParams(**params), eos)
+    deltas = []
+    for token in ids:
+        result = detok.append(token)
+        deltas.append(result.text_delta)
+        assert result.finished == detok.finished
+        if result.finished:
+            assert result.finish_reason == detok.finish_reason
+            break
+    return deltas, detok
+
+
+@pytest.mark.parametrize("text", ["café au lait", "emoji 😀🎉👍🏽 done", "你好，世界！日本語も", "naïve — ✓ ∑ 𝔘𝔫𝔦"])
+def test_multibyte_characters_split_across_tokens_stream_cleanly(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert full_decode(tok, ids) == text
+    deltas, detok = stream(tok, ids, max_new_tokens=len(ids) + 1)
+    assert not detok.finished
+    assert not any(FFFD in d for d in deltas)
+    assert "".join(deltas) == detok.text == text
+    if text.startswith(("emoji", "你")):
+        assert any(FFFD in tok.decode([i]) for i in ids)  # a character really is split
+
+
+def test_stop_string_spanning_tokens_is_trimmed(tok):
+    ids = tok.encode("The answer is 42, and more", add_special_tokens=False)
+    assert not any("is 42" in tok.decode([i]) for i in ids)
+    deltas, detok = stream(tok, ids, stop=("is 42",))
+    assert detok.finish_reason == {"type": "stop", "matched": "is 42"}
+    assert detok.text == "".join(deltas) == "The answer "
+    assert detok.num_tokens == 6  # the token that completes the stop string: "2"
+
+
+def test_stop_string_kept_with_no_stop_trim(tok):
+    ids = tok.encode("The answer is 42, and more", add_special_tokens=False)
+    deltas, detok = stream(tok, ids, stop=("is 42",), no_stop_trim=True)
+    assert detok.finish_reason == {"type": "stop", "matched": "is 42"}
+    assert detok.text == "".join(deltas) == "The answer is 42"
+
+
+def test_earliest_of_several_stop_strings_wins(tok):
+    ids = tok.encode("one two three", add_special_tokens=False)
+    deltas, detok = stream(tok, ids, stop=("three", "wo t"))
+    assert detok.finish_reason == {"type": "stop", "matched": "wo t"}
+    assert detok.text == "".join(deltas) == "one t"
+
+
+def test_possible_stop_prefix_is_held_back_then_released(tok):
+    ids = tok.encode("hello world war", add_special_tokens=False)  # hello | " world" | " war"
+    assert len(ids) == 3
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=("world peace",)), [2])
+    assert detok.append(ids[0]).text_delta == "hello"
+    held = detok.append(ids[1])
+    assert held.text_delta == " " and not held.finished  # "world" could still become "world peace"
+    released = detok.append(ids[2])
+    assert released.text_delta == "world war" and not released.finished
+    assert detok.text == "hello world war"
+
+
+def test_held_back_text_is_released_at_max_new_tokens(tok):
+    ids = tok.encode("hello world", add_special_tokens=False)
+    deltas, detok = stream(tok, ids, stop=("world peace",), max_new_tokens=len(ids))
+    assert detok.finish_reason == {"type": "length", "length": len(ids)}
+    assert deltas[-1].endswith("world") and "".join(deltas) == "hello world"
+
+
+def test_eos_finishes_and_its_text_is_dropped(tok):
+    ids = tok.encode("Hello there", add_special_tokens=False) + [2] + tok.encode(" more", add_special_tokens=False)
+    deltas, detok = stream(tok, ids, skip_special_tokens=False)
+    assert detok.finish_reason == {"type": "stop", "matched": 2}
+    assert detok.text == "".join(deltas) == "Hello there"
+    assert detok.num_tokens == 3
+
+    _, kept = stream(tok, ids, skip_special_tokens=False, no_stop_trim=True)
+    assert kept.text == "Hello there<|im_end|>"
+
+    _, ignored = stream(tok, ids, ignore_eos=True, max_new_tokens=len(ids))
+    assert ignored.finish_reason == {"type": "length", "length": len(ids)}
+    assert ignored.text == "Hello there more"
+
+
+def test_stop_token_ids_finish_the_request(tok):
+    ids = tok.encode("one two three", add_special_tokens=False)
+    deltas, detok = stream(tok, ids, stop_token_ids=(ids[1],))
+    assert detok.finish_reason == {"type": "stop", "matched": ids[1]}
+    assert detok.text == "".join(deltas) == "one"
+
+
+def test_min_new_tokens_delays_stop_tokens_and_stop_strings(tok):
+    ids = tok.encode("ab", add_special_tokens=False) + [2] + tok.encode(" cd ab ef", add_special_tokens=False)
+    _, detok = stream(tok, ids, min_new_tokens=4, stop=("ab",))
+    # EOS (token 3) and the first "ab" (tokens 1-2) come before min_new_tokens; the second "ab" stops.
+    assert detok.finish_reason == {"type": "stop", "matched": "ab"}
+    assert detok.text == "ab cd "
+
+
+def test_max_new_tokens_zero_and_one(tok):
+    params = SamplingParams(max_new_tokens=0)
+    assert IncrementalDetokenizer.finish_without_tokens(params) == ("", True, {"type": "length", "length": 0})
+    assert IncrementalDetokenizer.finish_without_tokens(SamplingParams()) is None
+    detok = IncrementalDetokenizer(tok, [1, 2], params, [2])
+    assert detok.finished and detok.finish_reason == {"type": "length", "length": 0} and detok.text == ""
+    with pytest.raises(RuntimeError):
+        detok.append(5)
+
+    ids = tok.encode("😀", add_special_tokens=False)  # the first token holds half of the emoji
+    deltas, one = stream(tok, ids, max_new_tokens=1)
+    assert one.finish_reason == {"type": "length", "length": 1}
+    assert deltas == [full_decode(tok, ids[:1])]  # flushed at finish, U+FFFD and all
+
+
+def test_finish_flushes_held_text(tok):
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=("world peace",)), [2])
+    for token in tok.encode("hello world", add_special_tokens=False):
+        detok.append(token)
+    result = detok.finish({"type": "abort", "message": "client left"})
+    assert result.finished and result.text_delta == "world"
+    assert detok.text == "hello world"
+
+
+def test_work_per_token_is_bounded_by_a_window(tok, byte_ids):
+    class CountingTokenizer:
+        max_len = 0
+
+        def decode(self, ids, **kwargs):
+            self.max_len = max(self.max_len, len(ids))
+            return tok.decode(ids, **kwargs)
+
+    counting = CountingTokenizer()
+    # Lone continuation bytes decode to U+FFFD forever; CJK characters split across tokens.
+    ids = [byte_ids[0x80 + i % 48] for i in range(300)] + tok.encode("你好世界" * 40, add_special_tokens=False)
+    detok = IncrementalDetokenizer(counting, tok.encode(PROMPT), SamplingParams(max_new_tokens=len(ids)), [2])
+    deltas = [detok.append(t).text_delta for t in ids]
+    assert counting.max_len <= 16
+    assert "".join(deltas) == full_decode(tok, ids)
+
+
+token_ids = st.one_of(
+    st.integers(0, 49151),
+    st.integers(0, 20),  # special tokens
+    st.integers(100, 300),  # mostly single bytes
+)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(ids=st.lists(token_ids, max_size=40), skip_special_tokens=st.booleans())
+def test_deltas_concatenate_to_the_full_decode(tok, ids, skip_special_tokens):
+    detok = IncrementalDetokenizer(tok, tok.encode(PROMPT), SamplingParams(max_new_tokens=1000, skip_special_tokens=skip_special_tokens), [])
+    deltas = [detok.append(t).text_delta for t in ids]
+    deltas.append(detok.finish({"type": "abort", "message": ""}).text_delta)
+    full = full_decode(tok, ids, skip_special_tokens)
+    assert "".join(deltas) == detok.text == full
+    if FFFD not in full:
+        assert not any(FFFD in d for d in deltas)
+
+
+STOPS = ["ab", "é😀", " b", "😀\n", "a a"]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    text=st.text(alphabet="ab é😀\n", max_size=30),
+    stop=st.sampled_from(STOPS),
+    no_stop_trim=st.booleans(),
+)
+def test_stop_strings_on_random_text(tok, text, stop, no_stop_trim):
+    ids = tok.encode(text, add_special_tokens=False)
+    deltas, detok = stream(tok, ids, eos=(), stop=(stop,), no_stop_trim=no_stop_trim, max_new_tokens=1000)
+    if not detok.finished:
+        deltas.append(detok.finish({"type": "abort", "message": ""}).text_delta)
+    assert "".join(deltas) == detok.text
+    assert not any(FFFD in d for d in deltas)
+    consumed = full_decode(tok, ids[: detok.num_tokens])
+    if detok.finish_reason["type"] == "stop":
+        assert detok.finish_reason["matched"] == stop
+        assert stop in consumed
+        assert detok.text == (consumed if no_stop_trim else consumed[: consumed.find(stop)])
+    else:
+        assert stop not in text
+        assert detok.text == text
