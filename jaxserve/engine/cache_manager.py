@@ -47,6 +47,8 @@ class CacheManager:
         """
         assert not req.page_table and req.last_node is None
         key = req.fill_ids[: len(req.fill_ids) - 1]
+        if req.wants_input_logprobs:  # positions from logprob_start_len - 1 on must be computed
+            key = key[: max(0, req.logprob_start_len - 1)]
         result = self.tree.match_prefix(key, req.namespace)
         self.tree.inc_lock_ref(result.last_node)
         req.last_node = result.last_node

@@ -61,6 +61,7 @@ class RequestMeta:
     ttft: float | None = None
     output_token_logprobs: list | None = None
     output_top_logprobs: list | None = None
+    input_token_logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -290,10 +291,27 @@ class Engine:
         if batch is None:
             self._idle_checks()
             return outputs
-        logits = self.runner.forward(batch.entries())
+        want_prompt_logprobs = any(r.wants_input_logprobs and r.kv_len < len(r.input_ids) for r in batch.reqs)
+        logits = self.runner.forward(batch.entries(want_prompt_logprobs), input_logprobs=want_prompt_logprobs)
+        if want_prompt_logprobs:
+            logits, prompt_logprobs = logits
+            self._record_prompt_logprobs(batch, prompt_logprobs)
         sampling, flags = self._sampling_inputs(batch, logits.shape[0])
         sampled = self.runner.sample(logits, jax.device_put(sampling), flags)
         return outputs + self._postprocess(batch, sampled)
+
+    def _record_prompt_logprobs(self, batch: ScheduleBatch, prompt_logprobs: np.ndarray) -> None:
+        """Store log p(input[p + 1] | input[:p + 1]) for the prompt positions this step computed."""
+        t = 0
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            if req.wants_input_logprobs:
+                if req.input_token_logprobs is None:
+                    req.input_token_logprobs = [None] * len(req.input_ids)
+                for j in range(n):
+                    nxt = req.kv_len + j + 1
+                    if nxt < len(req.input_ids):
+                        req.input_token_logprobs[nxt] = float(prompt_logprobs[t + j])
+            t += n
 
     def _admit_compiled_grammars(self) -> None:
         for ready in self.grammar_queue.pop_ready():
@@ -415,6 +433,10 @@ class Engine:
             ttft=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
             output_token_logprobs=[(lp, t) for lp, t in zip(req.output_token_logprobs, req.output_ids)] if logprobs else None,
             output_top_logprobs=list(req.output_top_logprobs) if logprobs else None,
+            input_token_logprobs=(
+                [(lp, t) for lp, t in zip(req.input_token_logprobs, req.input_ids)][req.logprob_start_len :]
+                if req.wants_input_logprobs and req.input_token_logprobs is not None else None
+            ),
         )
 
     def _idle_checks(self) -> None:

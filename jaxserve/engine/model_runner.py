@@ -50,12 +50,25 @@ def forward_step(
     config: ModelConfig,
     attn_fn: Callable,
     forward_fn: Callable = llama.forward,
-) -> tuple[Float[Array, "S V"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+    return_input_logprobs: bool = False,
+) -> tuple[Float[Array, "S V"], Float[Array, " T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
     """One engine step: write the batch's K/V into the pools and return float32 logits [S, V] at
-    `batch.logits_idx` with the updated pools. Pure; `config`, `attn_fn` and `forward_fn` are static.
+    `batch.logits_idx`, the prompt logprobs [T] and the updated pools.
+
+    Prompt logprobs (`return_input_logprobs`): log p(target_ids[t] | tokens up to t) for every packed
+    token (0 where the target is -1); this needs logits at every row, so it is a separate variant.
+    Pure; `config`, `attn_fn`, `forward_fn` and `return_input_logprobs` are static.
     """
     hidden, k_pool, v_pool = forward_fn(params, k_pool, v_pool, batch, config=config, attn_fn=attn_fn)
-    return llama.compute_logits(params, hidden[batch.logits_idx]), k_pool, v_pool
+    logits = llama.compute_logits(params, hidden[batch.logits_idx])
+    if return_input_logprobs:
+        all_logits = llama.compute_logits(params, hidden)  # [T, V]
+        target = jnp.maximum(batch.target_ids, 0)
+        picked = jnp.take_along_axis(all_logits, target[:, None], axis=-1)[:, 0]
+        input_logprobs = jnp.where(batch.target_ids >= 0, picked - jax.nn.logsumexp(all_logits, axis=-1), 0.0)
+    else:
+        input_logprobs = jnp.zeros(batch.input_ids.shape, jnp.float32)
+    return logits, input_logprobs, k_pool, v_pool
 
 
 def pow2_at_least(n: int, minimum: int = 1) -> int:
@@ -89,6 +102,7 @@ class BatchEntry:
     token_ids: Sequence[int]  # the new tokens (length extend_len)
     prefix_len: int
     page_table: Sequence[int]
+    target_ids: Sequence[int] | None = None  # the token after each new token, for prompt logprobs
 
 
 class ModelRunner:
@@ -115,10 +129,15 @@ class ModelRunner:
         self.max_extend_tokens = pow2_at_least(max_extend_tokens, EXTEND_BLOCK_Q)
         self.max_pages = pow2_at_least(-(-context_length // self.page_size))
         self.min_pages = min(self.max_pages, pow2_at_least(MIN_PAGE_BUCKET_TOKENS // self.page_size))
-        step = functools.partial(forward_step, config=config, attn_fn=attn_fn)
-        self._step_jit = jax.jit(step, donate_argnums=(1, 2))
+        self._step_jit = {
+            flag: jax.jit(
+                functools.partial(forward_step, config=config, attn_fn=attn_fn, return_input_logprobs=flag),
+                donate_argnums=(1, 2),
+            )
+            for flag in (False, True)
+        }
         self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,))
-        self._step_exec: dict[BucketKey, Callable] = {}
+        self._step_exec: dict[tuple[BucketKey, bool], Callable] = {}
         self._sample_exec: dict[tuple, Callable] = {}
         self.warmed_up = False
         self.num_compiles_after_warmup = 0
@@ -168,6 +187,7 @@ class ModelRunner:
         positions = np.zeros(t_pad, np.int32)
         slot_mapping = np.zeros(t_pad, np.int32)
         logits_idx = np.zeros(s_pad, np.int32)
+        target_ids = np.full(t_pad, -1, np.int32)
         ps = self.page_size
         t = 0
         for s, e in enumerate(entries):
@@ -178,6 +198,8 @@ class ModelRunner:
             positions[t : t + n] = pos
             slot_mapping[t : t + n] = table[pos // ps] * ps + pos % ps
             logits_idx[s] = t + n - 1
+            if e.target_ids is not None:
+                target_ids[t : t + len(e.target_ids)] = e.target_ids
             t += n
         meta = build_attention_metadata(
             extend_lens,
@@ -194,15 +216,21 @@ class ModelRunner:
             slot_mapping=jnp.asarray(slot_mapping),
             attn=meta.to_device(),
             logits_idx=jnp.asarray(logits_idx),
+            target_ids=jnp.asarray(target_ids),
         )
         return batch, key
 
     # ---- execution -----------------------------------------------------------------------------
-    def forward(self, entries: Sequence[BatchEntry]) -> jax.Array:
-        """Run one step over `entries`; returns device logits [S_bucket, V] (rows past len(entries) are padding)."""
+    def forward(self, entries: Sequence[BatchEntry], input_logprobs: bool = False) -> jax.Array:
+        """Run one step over `entries`; returns device logits [S_bucket, V] (rows past len(entries) are padding).
+
+        With `input_logprobs`, returns (logits, prompt logprobs [T_bucket] as numpy) instead.
+        """
         batch, key = self.build_forward_batch(entries)
-        exe = self._step_exec.get(key) or self._compile_step(key, batch)
-        logits, self.k_pool, self.v_pool = exe(self.params, self.k_pool, self.v_pool, batch)
+        exe = self._step_exec.get((key, input_logprobs)) or self._compile_step(key, batch, input_logprobs)
+        logits, prompt_logprobs, self.k_pool, self.v_pool = exe(self.params, self.k_pool, self.v_pool, batch)
+        if input_logprobs:
+            return logits, np.asarray(prompt_logprobs)
         return logits
 
     def sample(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
@@ -215,11 +243,13 @@ class ModelRunner:
         out = exe(logits, sampling)
         return sampler_lib.SampleOutput(*jax.device_get(tuple(out)))
 
-    def _compile_step(self, key: BucketKey, batch: ForwardBatch) -> Callable:
+    def _compile_step(self, key: BucketKey, batch: ForwardBatch, input_logprobs: bool = False) -> Callable:
+        jitted = self._step_jit[input_logprobs]
         exe = self._compile(
-            lambda: self._step_jit.lower(self.params, self.k_pool, self.v_pool, batch).compile(), f"step {key}"
+            lambda: jitted.lower(self.params, self.k_pool, self.v_pool, batch).compile(),
+            f"step {key}{' with prompt logprobs' if input_logprobs else ''}",
         )
-        self._step_exec[key] = exe
+        self._step_exec[(key, input_logprobs)] = exe
         return exe
 
     def _compile(self, fn: Callable[[], Callable], what: str) -> Callable:
@@ -236,17 +266,20 @@ class ModelRunner:
         pages = [0] * key.pages_per_seq
         if key.block_q == 1:
             return [BatchEntry([0], 0, pages) for _ in range(key.num_seqs)]
-        # one sequence fewer than the bucket so the first one extends by >= 2 tokens (not a decode)
+        # one sequence fewer than the bucket so the first one extends by >= 2 tokens (not a decode);
+        # the tokens are spread evenly so that no sequence outgrows its pages_per_seq pages
         num_seqs = max(1, key.num_seqs - 1)
-        first = key.num_tokens - (num_seqs - 1)
-        return [BatchEntry([0] * first, 0, pages)] + [BatchEntry([0], 0, pages) for _ in range(num_seqs - 1)]
+        base, extra = divmod(key.num_tokens, num_seqs)
+        lens = [base + (i < extra) for i in range(num_seqs)]
+        assert lens[0] <= key.pages_per_seq * self.page_size, f"bucket {key} cannot be filled"
+        return [BatchEntry([0] * n, 0, pages) for n in lens]
 
     def precompile(self, sampler_variants: Sequence, show_progress: bool = True) -> None:
         """Compile every step bucket and the given sampler variants, then mark warm-up done.
 
         `sampler_variants`: (SamplingBatch, flags) pairs built for each sequence bucket by the engine.
         """
-        buckets = [k for k in self.all_buckets() if k not in self._step_exec]
+        buckets = [k for k in self.all_buckets() if (k, False) not in self._step_exec]
         bar = tqdm(total=len(buckets) + len(sampler_variants), desc="Compiling", unit="bucket", disable=not show_progress)
         for key in buckets:
             batch, got = self.build_forward_batch(self.dummy_entries(key))

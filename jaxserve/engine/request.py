@@ -183,6 +183,11 @@ class Req:
         return self.input_ids + self.output_ids
 
     @property
+    def wants_input_logprobs(self) -> bool:
+        """Prompt logprobs were asked for (`return_logprob` with `logprob_start_len >= 0`)."""
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
     def is_finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
 

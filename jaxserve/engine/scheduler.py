@@ -44,11 +44,13 @@ class ScheduleBatch:
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.extend_lens)
 
-    def entries(self) -> list[BatchEntry]:
-        return [
-            BatchEntry(r.fill_ids[r.kv_len : r.kv_len + n], r.kv_len, r.page_table)
-            for r, n in zip(self.reqs, self.extend_lens)
-        ]
+    def entries(self, with_targets: bool = False) -> list[BatchEntry]:
+        out = []
+        for r, n in zip(self.reqs, self.extend_lens):
+            ids = r.fill_ids
+            targets = ids[r.kv_len + 1 : r.kv_len + n + 1] if with_targets else None
+            out.append(BatchEntry(ids[r.kv_len : r.kv_len + n], r.kv_len, r.page_table, targets))
+        return out
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class ForwardBatch:
         attn: the attention layout of the batch (query blocks, page tables, kv lengths).
         logits_idx: [S] token row whose logits are sampled for each sequence (its last new token);
             padding sequences 0.
+        target_ids: [T] the token that follows each token in its sequence (-1 where unknown); read
+            only by steps that return prompt logprobs.
     """
 
     input_ids: Int32[Array, " T"]
@@ -36,3 +38,4 @@ class ForwardBatch:
     slot_mapping: Int32[Array, " T"]
     attn: AttentionMetadata
     logits_idx: Int32[Array, " S"]
+    target_ids: Int32[Array, " T"]

@@ -155,3 +155,29 @@ def test_abort_frees_pages(engine):
         engine.step()
     engine.cache.check_integrity([])
     assert engine.allocator.num_free * engine.args.page_size + engine.tree.total_size() == engine.pool_shape.num_tokens
+
+
+def test_prompt_and_output_logprobs_match_transformers(engine, tiny_model_dir):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    prompt = list(range(100, 170))
+    engine.generate(prompt[:40], {"max_new_tokens": 1})  # the cache holds part of the prompt
+    engine.add_request(prompt, {"max_new_tokens": 2, "temperature": 0}, return_logprob=True,
+                       top_logprobs_num=3, logprob_start_len=5)
+    final = None
+    while engine.has_unfinished():
+        final = next((o for o in engine.step() if o.finished), final)
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt + final.output_ids])
+        ref = torch.log_softmax(model(ids).logits[0].double(), -1).numpy()
+    meta = final.meta
+    assert [t for _, t in meta.input_token_logprobs] == prompt[5:]
+    ours_in = np.array([lp for lp, _ in meta.input_token_logprobs])
+    np.testing.assert_allclose(ours_in, [ref[i - 1, prompt[i]] for i in range(5, len(prompt))], atol=1e-4)
+    ours_out = np.array([lp for lp, _ in meta.output_token_logprobs])
+    pos = [len(prompt) - 1, len(prompt)]
+    np.testing.assert_allclose(ours_out, [ref[p, t] for p, t in zip(pos, final.output_ids)], atol=1e-4)
+    top = meta.output_top_logprobs[0]
+    assert [t for _, t in top] == list(np.argsort(-ref[pos[0]])[:3])

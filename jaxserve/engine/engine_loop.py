@@ -1,0 +1,398 @@
+"""EngineLoop: runs `Engine.step()` in one background thread and lets other threads submit requests.
+
+    loop = EngineLoop(engine); loop.start()
+    rids = loop.submit("Hello", {"max_new_tokens": 8}, on_output=print)   # validated here, now
+    loop.abort(rids[0]); loop.flush_cache().result(); loop.shutdown()
+
+Threads: the engine (scheduler, cache, tree, model runner) is touched only by the loop thread. Callers
+talk to it through an inbox of commands guarded by one condition variable; the loop drains the inbox,
+runs a step, and hands every `StepOutput` to the callback registered for its rid, on the loop thread.
+The callback must be quick and must not block (the server's wraps `loop.call_soon_threadsafe`). JAX
+releases the GIL while a step runs, so the HTTP event loop keeps serving meanwhile. With no work the
+thread sleeps on the condition; nothing spins.
+
+Validation (sampling params, tokenization, prompt length) runs synchronously in the caller's thread,
+so a bad request raises at `submit` and never reaches the loop. A step that raises fails every
+pending request with an abort finish reason carrying `status_code` 500 (SGLang's FINISH_ABORT shape),
+logs the traceback, and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from jaxserve.constrained import InvalidGrammarError
+from jaxserve.engine.engine import Engine, EngineStats, RequestError, RequestMeta, StepOutput
+from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[StepOutput], None]
+# Seconds the loop waits after a failed step before it runs another: a failure that repeats on every
+# step (a corrupt engine state) must not spin a core at 100 % or flood the log.
+FAILURE_BACKOFF_S = 0.2
+# Seconds between steps while the engine has work but runs nothing (requests wait for their grammar,
+# compiled off-thread): a short poll instead of a spin.
+NO_PROGRESS_POLL_S = 0.005
+MAX_TOP_LOGPROBS = 20
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
+
+
+class _StepResult(enum.Enum):
+    PROGRESS = "progress"
+    NO_PROGRESS = "no_progress"  # the engine has work but ran nothing (waiting for a grammar compile)
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of the engine, published by the loop thread after every iteration (tokens, requests).
+
+    The KV pool is idle when `kv_used_tokens == kv_cached_tokens` and `kv_locked_tokens == 0`: every
+    used page then belongs to the prefix cache and no request holds one.
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_pending_reqs: int = 0  # submitted and not finished, as seen by the loop (includes the inbox)
+    kv_total_tokens: int = 0
+    kv_used_tokens: int = 0
+    kv_cached_tokens: int = 0
+    kv_locked_tokens: int = 0
+    num_step_failures: int = 0
+    last_step_time: float | None = None  # time.time() of the last step that ran a batch
+    stats: EngineStats = dataclasses.field(default_factory=EngineStats)
+
+
+@dataclasses.dataclass
+class _Pending:
+    on_output: OutputCallback
+    prompt_tokens: int
+    last: StepOutput | None = None
+
+
+class EngineLoop:
+    """The engine's background thread (see the module docstring).
+
+    Args:
+        engine: a constructed `Engine`; from `start()` on only the loop thread may use it.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
+        self._pending: dict[str, _Pending] = {}  # rid -> its callback; guarded by _cond
+        self._groups: dict[str, list[str]] = {}  # base rid of an n > 1 request -> its rids
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._load = EngineLoad()
+        self._num_step_failures = 0
+        self._last_step_time: float | None = None
+
+    # ---- what the server reads (immutable after construction) ------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
+
+    @property
+    def server_args(self):
+        """The engine's resolved `ServerArgs`."""
+        return self.engine.args
+
+    @property
+    def model_path(self) -> str:
+        """The resolved model location (a directory or a .gguf file)."""
+        return self.engine.model_path
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a text (no special tokens added), or a validated copy of a list of ids.
+
+        Raises:
+            RequestError: a list holding something other than integers (field "input_ids").
+        """
+        if isinstance(prompt, str):
+            return self.engine.tokenize(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("input_ids", "token ids must be integers")
+        return list(prompt)
+
+    def load(self) -> EngineLoad:
+        """The latest snapshot of the engine's queues and KV pool (never blocks)."""
+        return self._load
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        if self._thread is None:
+            self._publish_load()
+            self._thread = threading.Thread(target=self._run, name="jaxserve-engine-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the thread after its current step; pending requests finish with an abort reason."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._fail_all("the server is shutting down", status_code=503)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # ---- requests (any thread) ------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | dict | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        on_output: OutputCallback,
+    ) -> list[str]:
+        """Validate a request now and queue it; returns the rids of its `n` sequences.
+
+        `on_output` is called on the loop thread with every `StepOutput` of those rids; the last one
+        has `finished=True`. A `max_new_tokens` absent from a dict `sampling_params` defaults to
+        SGLang's 128, cut to what the context leaves; one given explicitly must fit the context.
+
+        Raises:
+            SamplingParamsError: an invalid sampling parameter (names it).
+            RequestError: empty or too long prompt, bad token ids, a rid in use, bad top_logprobs_num,
+                an invalid regex / json_schema / ebnf (its field; compiled here, in the caller's thread).
+            RuntimeError: the loop is shut down.
+        """
+        params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
+        explicit_max = isinstance(sampling_params, SamplingParams) or (sampling_params or {}).get("max_new_tokens") is not None
+        input_ids = self.tokenize(prompt)
+        self.engine.validate_input_ids(input_ids, params.max_new_tokens)
+        room = self.engine.context_length - len(input_ids)
+        if params.max_new_tokens > room:
+            if explicit_max:
+                raise RequestError(
+                    "max_new_tokens",
+                    f"the prompt has {len(input_ids)} tokens and {params.max_new_tokens} new tokens are asked "
+                    f"for: together over the context length {self.engine.context_length}",
+                )
+            params = dataclasses.replace(params, max_new_tokens=room)
+        if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise RequestError("top_logprobs_num", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}")
+        self._check_grammar(params)
+        base = rid or new_rid()
+        rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
+
+        def add() -> None:
+            try:
+                got = self.engine.add_request(
+                    input_ids, params, rid=base, return_logprob=return_logprob,
+                    top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                )
+                assert got == rids, (got, rids)
+            except Exception as e:  # validated already: this is an engine bug, fail only this request
+                logger.exception("engine.add_request failed for %s", base)
+                self._fail(rids, f"the engine refused the request: {e}", status_code=500)
+
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine loop is shut down")
+            taken = [r for r in [base, *rids] if r in self._pending or r in self._groups]
+            if taken:
+                raise RequestError("rid", f"request id {taken[0]!r} is already in use")
+            for r in rids:
+                self._pending[r] = _Pending(on_output, len(input_ids))
+            if params.n > 1:
+                self._groups[base] = rids
+            self._inbox.append(add)
+            self._cond.notify()
+        return rids
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's constraint now (the engine caches it) so that a bad one is a
+        RequestError naming the field, not an aborted request later."""
+        field = next((k for k in CONSTRAINT_FIELDS if getattr(params, k) is not None), None)
+        compile_grammar = getattr(self.engine, "compile_grammar", None)
+        if field is None or compile_grammar is None:
+            return
+        try:
+            compile_grammar(params)
+        except InvalidGrammarError as e:
+            raise RequestError(field, f"invalid {field}: {e}") from None
+
+    def abort(self, rid: str) -> bool:
+        """Abort a request (or every sequence of an n > 1 request by its base rid). Thread-safe.
+
+        Its callback then receives a last output with finish reason `{"type": "abort", ...}`.
+        Returns False when the rid is unknown or already finished.
+        """
+        with self._cond:
+            targets = [r for r in self._groups.get(rid, [rid]) if r in self._pending]
+            if not targets:
+                return False
+            self._inbox.append(lambda: self._abort_in_loop(targets))
+            self._cond.notify()
+        return True
+
+    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the loop thread between steps; the future holds its result or error."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine loop is shut down")
+            self._inbox.append(run)
+            self._cond.notify()
+        return future
+
+    def flush_cache(self) -> concurrent.futures.Future:
+        """Empty the prefix cache on the loop thread. The future raises RuntimeError (with the reason)
+        when requests are queued or running."""
+        return self.call(lambda engine: engine.flush_cache())
+
+    # ---- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._inbox and not self._stopping and not self.engine.has_unfinished():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands = list(self._inbox)
+                self._inbox.clear()
+            for command in commands:
+                try:
+                    command()
+                except Exception:  # an abort or add that hit an engine bug: keep serving the others
+                    logger.exception("engine loop command failed")
+            result = self._step() if self.engine.has_unfinished() else _StepResult.PROGRESS
+            try:
+                self._publish_load()
+            except Exception:
+                logger.exception("could not snapshot the engine's load")
+            if result is _StepResult.FAILED:
+                time.sleep(FAILURE_BACKOFF_S)
+            elif result is _StepResult.NO_PROGRESS:
+                with self._cond:  # e.g. only grammars compiling: poll, but wake at once for new commands
+                    if not self._inbox and not self._stopping:
+                        self._cond.wait(NO_PROGRESS_POLL_S)
+
+    def _step(self) -> "_StepResult":
+        """Run one engine step and deliver its outputs."""
+        num_steps = self.engine.stats.num_steps
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._num_step_failures += 1
+            logger.exception("engine step failed; failing every pending request")
+            self._abort_everything_in_engine()
+            self._fail_all(f"engine error: {type(e).__name__}: {e}", status_code=500)
+            return _StepResult.FAILED
+        if outputs:
+            self._last_step_time = time.time()
+        for out in outputs:
+            self._deliver(out)
+        return _StepResult.PROGRESS if outputs or self.engine.stats.num_steps != num_steps else _StepResult.NO_PROGRESS
+
+    def _deliver(self, out: StepOutput) -> None:
+        with self._cond:
+            pending = self._pending.get(out.rid)
+            if pending is None:
+                return  # aborted after a failure: its callback already got its last output
+            pending.last = out
+            if out.finished:
+                self._forget(out.rid)
+        try:
+            pending.on_output(out)
+        except Exception:
+            logger.exception("output callback of %s failed; aborting it", out.rid)
+            if not out.finished:
+                self._abort_in_loop([out.rid])
+
+    def _abort_in_loop(self, rids: list[str]) -> None:
+        for r in rids:
+            if not self.engine.abort(r):
+                # not in the engine (never added, or already finished): answer the callback directly
+                self._fail([r], "aborted by the client", status_code=None)
+
+    def _abort_everything_in_engine(self) -> None:
+        with self._cond:
+            rids = list(self._pending)
+        for r in rids:
+            try:
+                self.engine.abort(r)
+            except Exception:
+                logger.exception("could not abort %s after a failed step", r)
+
+    def _fail_all(self, message: str, status_code: int | None) -> None:
+        with self._cond:
+            rids = list(self._pending)
+        self._fail(rids, message, status_code)
+
+    def _fail(self, rids: list[str], message: str, status_code: int | None) -> None:
+        """Give each rid's callback a last, aborted output (built from the last output it had)."""
+        reason = finish_abort(message)
+        if status_code is not None:
+            reason["status_code"] = status_code
+        for r in rids:
+            with self._cond:
+                pending = self._pending.get(r)
+                if pending is None:
+                    continue
+                self._forget(r)
+            last = pending.last
+            if last is not None:
+                meta = dataclasses.replace(last.meta, finish_reason=reason)
+                out = StepOutput(r, [], last.output_ids, last.text, "", True, meta)
+            else:
+                meta = RequestMeta(r, pending.prompt_tokens, 0, 0, reason, 0.0)
+                out = StepOutput(r, [], [], "", "", True, meta)
+            try:
+                pending.on_output(out)
+            except Exception:
+                logger.exception("output callback of %s failed", r)
+
+    def _forget(self, rid: str) -> None:
+        """Drop a finished rid (caller holds the lock); a group goes when its last sequence does."""
+        del self._pending[rid]
+        base, _, index = rid.rpartition("-")
+        group = self._groups.get(base)
+        if group is not None and rid in group and not any(r in self._pending for r in group):
+            del self._groups[base]
+
+    def _publish_load(self) -> None:
+        engine = self.engine
+        with self._cond:
+            num_pending = len(self._pending)
+        self._load = EngineLoad(
+            num_running_reqs=engine.scheduler.num_running,
+            num_waiting_reqs=len(engine.scheduler.waiting),
+            num_pending_reqs=num_pending,
+            kv_total_tokens=engine.pool_shape.num_tokens,
+            kv_used_tokens=engine.cache.used_tokens(),
+            kv_cached_tokens=engine.tree.total_size(),
+            kv_locked_tokens=engine.tree.protected_size(),
+            num_step_failures=self._num_step_failures,
+            last_step_time=self._last_step_time,
+            stats=dataclasses.replace(engine.stats),
+        )
