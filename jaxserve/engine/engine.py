@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, size_pool
 from jaxserve.cache.radix_tree import RadixCache
+from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
 from jaxserve.config import ServerArgs
 from jaxserve.constrained import GrammarCompiler, GrammarQueue, GrammarSpec, get_grammar_backend
 from jaxserve.constrained.bitmask import allocate_bitmask
@@ -79,7 +80,7 @@ class StepOutput:
 
 @dataclasses.dataclass
 class EngineStats:
-    """Cumulative counters and current gauges (tokens, requests, seconds)."""
+    """Cumulative counters over the engine's lifetime (tokens, requests, steps)."""
 
     num_requests: int = 0
     num_finished_requests: int = 0
@@ -89,6 +90,29 @@ class EngineStats:
     cached_tokens: int = 0
     num_steps: int = 0
     num_decode_steps: int = 0
+    release_mode: str = "off"  # gauge: the KV release policy's adaptive mode (jaxserve/cache/adaptive.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """Counters plus current gauges, read at one moment (for /metrics, /get_server_info and logs).
+
+    token_usage: share of the KV pool's tokens in use (0..1). cache_hit_rate: cached / prompt tokens
+    over the lifetime. gen_throughput: generated tokens per second over the last log interval.
+    """
+
+    counters: EngineStats
+    num_retracted_requests: int
+    num_jit_compiles: int
+    num_running_reqs: int
+    num_queue_reqs: int
+    num_grammar_queue_reqs: int
+    kv_used_tokens: int
+    kv_evictable_tokens: int
+    kv_total_tokens: int
+    token_usage: float
+    cache_hit_rate: float
+    gen_throughput: float
 
 
 class Engine:
@@ -128,11 +152,15 @@ class Engine:
             mem_fraction_static=args.mem_fraction_static,
             weights_bytes=weights_bytes,
             platform=platform,
+            max_num_pages=args.radix_cache_max_num_blocks,
         )
         k_pool, v_pool = allocate_pools(self.pool_shape)
         self.allocator = PageAllocator(self.pool_shape.num_pages)
         self.tree = RadixCache(page_size=args.page_size, disable=args.disable_radix_cache)
-        self.cache = CacheManager(self.allocator, self.tree, args.page_size)
+        self.release_policy = None if args.disable_radix_cache else ReleasePolicy(
+            ReleasePolicyConfig.from_server_args(args), self.tree, self.allocator, self.pool_shape
+        )
+        self.cache = CacheManager(self.allocator, self.tree, args.page_size, self.release_policy)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 page_size=args.page_size,
@@ -157,6 +185,8 @@ class Engine:
             max_extend_tokens=min(chunk, self.context_length),
             context_length=self.context_length,
         )
+        if self.release_policy is not None:
+            self.release_policy.attach_io(self.runner)  # host tier and copy-on-write copy through the runner
         self.grammar_backend = get_grammar_backend(
             args.grammar_backend, self.tokenizer, whitespace_pattern=args.constrained_json_whitespace_pattern,
             vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids,
@@ -167,6 +197,8 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._finished_outside_step: list[StepOutput] = []
         self.stats = EngineStats()
+        self._throughput_mark = (time.perf_counter(), 0)
+        self._gen_throughput = 0.0
         if not args.disable_precompile:
             self.runner.precompile(self._sampler_warmup_variants())
         else:
@@ -277,7 +309,7 @@ class Engine:
         if self.scheduler.has_work():
             num = self.scheduler.num_running + len(self.scheduler.waiting)
             raise RuntimeError(f"cannot flush the cache while {num} requests are running or waiting")
-        self.allocator.free(self.tree.reset())
+        self.cache.flush()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._finished_outside_step) or self.grammar_queue.num_pending > 0
@@ -357,7 +389,11 @@ class Engine:
     def _postprocess(self, batch: ScheduleBatch, sampled: sampler_lib.SampleOutput) -> list[StepOutput]:
         produced = self.scheduler.advance(batch)
         self.stats.num_steps += 1
-        self.stats.num_decode_steps += batch.is_decode_only
+        self.stats.release_mode = self.cache.release_mode
+        if batch.is_decode_only:
+            self.stats.num_decode_steps += 1
+            if self.stats.num_decode_steps % self.args.decode_log_interval == 0:
+                self._log_stats()
         now = time.perf_counter()
         outputs = []
         for i, (req, is_real) in enumerate(zip(batch.reqs, produced)):
@@ -438,6 +474,42 @@ class Engine:
                 if req.wants_input_logprobs and req.input_token_logprobs is not None else None
             ),
         )
+
+    def snapshot(self) -> EngineSnapshot:
+        """Counters and gauges now. Safe to call from another thread (reads only)."""
+        used = self.cache.used_tokens() - self.tree.evictable_size()
+        total = self.pool_shape.num_tokens
+        s = dataclasses.replace(self.stats)
+        return EngineSnapshot(
+            counters=s,
+            num_retracted_requests=self.scheduler.num_retractions,
+            num_jit_compiles=self.runner.num_compiles_after_warmup,
+            num_running_reqs=self.scheduler.num_running,
+            num_queue_reqs=len(self.scheduler.waiting),
+            num_grammar_queue_reqs=self.grammar_queue.num_pending,
+            kv_used_tokens=max(0, used),
+            kv_evictable_tokens=self.tree.evictable_size(),
+            kv_total_tokens=total,
+            token_usage=max(0, used) / total,
+            cache_hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            gen_throughput=self._gen_throughput,
+        )
+
+    def _log_stats(self) -> None:
+        now = time.perf_counter()
+        t0, g0 = self._throughput_mark
+        self._gen_throughput = (self.stats.generation_tokens - g0) / max(now - t0, 1e-9)
+        self._throughput_mark = (now, self.stats.generation_tokens)
+        snap = self.snapshot()
+        logger.info(
+            "Decode batch. #running-req: %d, #queue-req: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "cache hit rate: %.3f",
+            snap.num_running_reqs, snap.num_queue_reqs, snap.token_usage, snap.gen_throughput, snap.cache_hit_rate,
+        )
+
+    def radix_cache_stats(self) -> RadixCacheStats | None:
+        """The KV release policy's stats (None with the radix cache disabled). O(tree nodes)."""
+        return self.cache.radix_cache_stats(self.scheduler.live_reqs())
 
     def _idle_checks(self) -> None:
         if self.args.enable_debug_checks and not self.scheduler.has_work():
