@@ -9,10 +9,13 @@ talk to it through an inbox of commands guarded by one condition variable; the l
 runs a step, and hands every `StepOutput` to the callback registered for its rid, on the loop thread.
 The callback must be quick and must not block (the server's wraps `loop.call_soon_threadsafe`). JAX
 releases the GIL while a step runs, so the HTTP event loop keeps serving meanwhile. With no work the
-thread sleeps on the condition; nothing spins.
+thread sleeps on the condition; while requests only wait for their grammar (compiled off-thread) it
+polls every few milliseconds; it never spins.
 
-Validation (sampling params, tokenization, prompt length) runs synchronously in the caller's thread,
-so a bad request raises at `submit` and never reaches the loop. A step that raises fails every
+Validation (sampling params, tokenization, prompt length, grammar compilation) runs synchronously in
+the caller's thread, through the engine's read-only, thread-safe methods (`tokenize`,
+`validate_input_ids`, `compile_grammar`), so a bad request raises at `submit` and never reaches the
+loop. A step that raises fails every
 pending request with an abort finish reason carrying `status_code` 500 (SGLang's FINISH_ABORT shape),
 logs the traceback, and the loop keeps serving.
 """
@@ -69,6 +72,7 @@ class EngineLoad:
     num_step_failures: int = 0
     last_step_time: float | None = None  # time.time() of the last step that ran a batch
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
+    snapshot: Any = None  # the engine's own `EngineSnapshot` (for /metrics), where it has one
 
 
 @dataclasses.dataclass
@@ -82,7 +86,7 @@ class EngineLoop:
     """The engine's background thread (see the module docstring).
 
     Args:
-        engine: a constructed `Engine`; from `start()` on only the loop thread may use it.
+        engine: a constructed `Engine`; from `start()` on only the loop thread may change it.
     """
 
     def __init__(self, engine: Engine):
@@ -96,6 +100,7 @@ class EngineLoop:
         self._load = EngineLoad()
         self._num_step_failures = 0
         self._last_step_time: float | None = None
+        self._observers: list[OutputCallback] = []
 
     # ---- what the server reads (immutable after construction) ------------------------------------
     @property
@@ -127,6 +132,11 @@ class EngineLoop:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise RequestError("input_ids", "token ids must be integers")
         return list(prompt)
+
+    def add_output_observer(self, observer: OutputCallback) -> None:
+        """Also hand every delivered `StepOutput` to `observer` (on the loop thread; metrics use it),
+        from the next output on."""
+        self._observers.append(observer)
 
     def load(self) -> EngineLoad:
         """The latest snapshot of the engine's queues and KV pool (never blocks)."""
@@ -231,7 +241,7 @@ class EngineLoop:
         try:
             compile_grammar(params)
         except InvalidGrammarError as e:
-            raise RequestError(field, f"invalid {field}: {e}") from None
+            raise RequestError(field, str(e)) from None
 
     def abort(self, rid: str) -> bool:
         """Abort a request (or every sequence of an n > 1 request by its base rid). Thread-safe.
@@ -315,6 +325,11 @@ class EngineLoop:
         return _StepResult.PROGRESS if outputs or self.engine.stats.num_steps != num_steps else _StepResult.NO_PROGRESS
 
     def _deliver(self, out: StepOutput) -> None:
+        for observer in self._observers:
+            try:
+                observer(out)
+            except Exception:
+                logger.exception("output observer failed")
         with self._cond:
             pending = self._pending.get(out.rid)
             if pending is None:
@@ -395,4 +410,5 @@ class EngineLoop:
             num_step_failures=self._num_step_failures,
             last_step_time=self._last_step_time,
             stats=dataclasses.replace(engine.stats),
+            snapshot=engine.snapshot() if hasattr(engine, "snapshot") else None,
         )

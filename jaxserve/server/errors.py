@@ -1,0 +1,147 @@
+"""HTTP errors in OpenAI's shape, for every endpoint (native and OpenAI alike):
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "top_p", "code": "invalid_value"}}
+
+Bad input is a 400 naming the field in `param`, whatever layer finds it: pydantic (wrong type,
+missing field: not FastAPI's 422), `SamplingParamsError` / `RequestError` from the engine (value out
+of range, prompt too long or empty), or the API layer (`APIError`). A 500 is left for real bugs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import pydantic
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from jaxserve.engine.engine import RequestError
+from jaxserve.engine.request import SamplingParamsError
+
+_TYPE_OF_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error the API returns as-is. `param` names the offending request field (None when none)."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+
+
+def error_body(message: str, status_code: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object. `type` follows the status (invalid_request_error for 400, ...)."""
+    err_type = _TYPE_OF_STATUS.get(status_code, "server_error" if status_code >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(message: str, status_code: int = 400, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, param, code), status_code=status_code)
+
+
+def from_engine_error(e: SamplingParamsError | RequestError, rename: Mapping[str, str] | None = None) -> APIError:
+    """A 400 for an engine validation error; `rename` maps engine field names to the API's
+    (max_new_tokens -> max_tokens for OpenAI requests, for instance)."""
+    field = (rename or {}).get(e.field, e.field)
+    message = str(e)
+    if isinstance(e, SamplingParamsError):  # its message starts with the engine's field name
+        message = f"{field}: {message.split(': ', 1)[-1]}"
+    code = "context_length_exceeded" if "context length" in message else "invalid_value"
+    return APIError(message, 400, param=field, code=code)
+
+
+def from_validation_error(e: pydantic.ValidationError) -> APIError:
+    """A 400 naming the first invalid field (e.g. `messages[0].content`), pydantic's message included."""
+    errors = e.errors(include_url=False)
+    err = errors[0]
+    loc = err.get("loc", ())
+    param = _loc_to_param(loc)
+    kind = err.get("type", "")
+    # a union field reports one error per member it tried: name the members instead
+    is_union = len(loc) > 1 and isinstance(loc[-1], str) and _loc_to_param(loc[:-1]) == param
+    members = [x["loc"][len(loc) - 1] for x in errors if len(x["loc"]) >= len(loc) and x["loc"][: len(loc) - 1] == loc[:-1]]
+    if is_union and len(members) > 1:
+        expected = ", ".join(dict.fromkeys(members))
+        return APIError(f"{param}: has the wrong type; expected one of: {expected}", 400, param=param, code="invalid_type")
+    if param is None:
+        return APIError(err.get("msg", "invalid request"), 400, code="invalid_type")
+    if kind == "missing":
+        return APIError(f"{param}: field required", 400, param=param, code="missing_required_parameter")
+    if kind == "extra_forbidden":
+        return APIError(f"{param}: unknown field", 400, param=param, code="unknown_parameter")
+    return APIError(f"{param}: {err.get('msg', 'invalid value')}", 400, param=param, code="invalid_type")
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content'. Pydantic adds the member of a
+    union it tried (`str`, `list[int]`, `function-after[...]`) to the path: those parts are dropped
+    (field names are identifiers; union members contain brackets or are type names)."""
+    type_names = {"str", "int", "float", "bool", "list", "dict", "none"}
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in type_names:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Parse a request body as a JSON object. Raises APIError (400) for an empty or malformed body
+    or one that is not an object."""
+    if not raw.strip():
+        raise APIError("the request body is empty; send a JSON object", 400, code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", 400, code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}", 400, code="invalid_json")
+    return body
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(exc.message, exc.status_code, exc.param, exc.code)
+
+
+async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
+    err = from_engine_error(exc)  # type: ignore[arg-type]
+    return error_response(err.message, err.status_code, err.param, err.code)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    err = from_validation_error(exc)  # type: ignore[arg-type]
+    return error_response(err.message, err.status_code, err.param, err.code)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    message = exc.detail if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
+    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette re-raises the exception after this response, and uvicorn logs its traceback
+    return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, code="internal_error")
+
+
+EXCEPTION_HANDLERS = {
+    APIError: _api_error,
+    SamplingParamsError: _engine_error,
+    RequestError: _engine_error,
+    pydantic.ValidationError: _validation_error,
+    HTTPException: _http_error,
+    Exception: _internal_error,
+}

@@ -1,0 +1,140 @@
+"""SGLang's native API: POST /generate.
+
+    {"text": "Hello", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    -> {"text": "...", "output_ids": [...], "meta_info": {"id", "prompt_tokens", "completion_tokens",
+        "cached_tokens", "finish_reason", "e2e_latency", ...}}
+
+A list of texts (or of token-id lists) gives a list of outputs, `n` outputs per prompt in order; one
+prompt with n > 1 also gives a list. With `"stream": true` every engine step sends an event per
+sequence with the CUMULATIVE text and output_ids (SGLang's behaviour) and an `index`, then
+`data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.engine.engine import RequestError, StepOutput
+from jaxserve.engine.request import SamplingParamsError
+from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect
+from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
+from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
+from jaxserve.server.sse import DONE, SSEResponse, sse_event
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prompt:
+    prompt: str | list[int]
+    sampling_params: dict[str, Any]
+    rid: str | None
+
+
+def _expand(req: GenerateRequest) -> tuple[list[_Prompt], bool, str]:
+    """The prompts of a request, whether it is a batch, and the name of its prompt field."""
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError("give exactly one of text and input_ids", 400, param="text", code="invalid_value")
+    field = "text" if req.text is not None else "input_ids"
+    value = req.text if req.text is not None else req.input_ids
+    is_batch = isinstance(value, list) and (field == "text" or (bool(value) and isinstance(value[0], list)))
+    prompts = list(value) if is_batch else [value]
+    if not prompts:
+        raise APIError(f"{field} is an empty batch", 400, param=field, code="invalid_value")
+    if not is_batch and isinstance(req.rid, list):
+        raise APIError("rid must be a string for a single prompt", 400, param="rid", code="invalid_value")
+    params = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params or {}] * len(prompts)
+    rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
+    for name, values in (("sampling_params", params), ("rid", rids)):
+        if len(values) != len(prompts):
+            raise APIError(f"{name} has {len(values)} entries for {len(prompts)} prompts", 400, param=name, code="invalid_value")
+    return [_Prompt(p, dict(sp), r) for p, sp, r in zip(prompts, params, rids)], is_batch, field
+
+
+def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str) -> None:
+    rename = {"prompt": field, "input_ids": field}
+    try:
+        for p in prompts:
+            group.submit(
+                p.prompt, p.sampling_params, rid=p.rid, return_logprob=req.return_logprob,
+                top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len,
+            )
+    except (SamplingParamsError, RequestError) as e:
+        group.abort()  # the prompts of the batch submitted before the bad one
+        raise from_engine_error(e, rename) from None
+    except BaseException:
+        group.abort()
+        raise
+
+
+def to_output(out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None) -> dict[str, Any]:
+    """A StepOutput as SGLang's output dict; logprobs become [logprob, token_id, text or None]."""
+    meta = out.meta
+
+    def triple(logprob: float, token_id: int) -> list[Any]:
+        return [logprob, token_id, tokenizer.decode([token_id]) if with_text else None]
+
+    info = MetaInfo(
+        id=meta.id,
+        prompt_tokens=meta.prompt_tokens,
+        completion_tokens=meta.completion_tokens,
+        cached_tokens=meta.cached_tokens,
+        finish_reason=meta.finish_reason,
+        e2e_latency=meta.e2e_latency,
+        output_token_logprobs=None if meta.output_token_logprobs is None
+        else [triple(lp, t) for lp, t in meta.output_token_logprobs],
+        output_top_logprobs=None if meta.output_top_logprobs is None
+        else [[triple(lp, t) for lp, t in top] for top in meta.output_top_logprobs],
+        input_token_logprobs=None if getattr(meta, "input_token_logprobs", None) is None
+        else [triple(lp, t) for lp, t in meta.input_token_logprobs],
+    )
+    result = GenerateOutput(text=out.text, output_ids=out.output_ids, meta_info=info, index=index).model_dump()
+    if index is None:
+        del result["index"]
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs"):
+        if result["meta_info"][key] is None:
+            del result["meta_info"][key]
+    return result
+
+
+def failure_of(out: StepOutput) -> tuple[int, str] | None:
+    """(HTTP status, message) when the engine failed the request (an abort with a status_code);
+    None for success and for an abort the client asked for."""
+    reason = out.meta.finish_reason or {}
+    if reason.get("type") == "abort" and reason.get("status_code"):
+        return int(reason["status_code"]), str(reason.get("message", "the request failed"))
+    return None
+
+
+async def generate(request: Request) -> Response:
+    """POST /generate (see the module docstring)."""
+    engine_loop = request.app.state.engine_loop
+    req = GenerateRequest.model_validate(parse_json_body(await request.body()))
+    prompts, is_batch, field = _expand(req)
+    group = RequestGroup(engine_loop)
+    _submit(group, req, prompts, field)
+    tokenizer = engine_loop.tokenizer
+    if req.stream:
+        return SSEResponse(_stream(group, tokenizer, req.return_text_in_logprobs))
+    async with abort_on_disconnect(request, group):
+        outputs = await group.wait()
+    for out in outputs:
+        if (failure := failure_of(out)) is not None:
+            return error_response(failure[1], failure[0], code="engine_error")
+    results = [to_output(out, tokenizer, req.return_text_in_logprobs) for out in outputs]
+    return JSONResponse(results if is_batch or len(results) > 1 else results[0])
+
+
+async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool) -> AsyncIterator[str]:
+    index = {rid: i for i, rid in enumerate(group.rids)}
+    try:
+        async for out in group:
+            if (failure := failure_of(out)) is not None:
+                yield sse_event(error_body(failure[1], failure[0], code="engine_error"))
+                continue
+            yield sse_event(to_output(out, tokenizer, with_text, index[out.rid]))
+        yield DONE
+    finally:
+        group.abort()

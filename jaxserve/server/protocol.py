@@ -1,0 +1,265 @@
+"""Request and response schemas of the HTTP API (pydantic): SGLang's native /generate and OpenAI's
+/v1/completions, /v1/chat/completions and /v1/models.
+
+Requests validate in strict mode: a string where a number belongs is a 400 naming the field, not a
+silent conversion. A JSON `null` means "the default" for every field (OpenAI clients send
+`"top_p": null`). OpenAI requests ignore fields they do not know (clients add vendor fields); the
+native request rejects them, so a misspelt `return_logprobs` is reported instead of ignored.
+Beyond OpenAI's fields, OpenAI requests take SGLang's extras: regex, json_schema, ebnf, ignore_eos,
+no_stop_trim, skip_special_tokens, stop_token_ids, min_tokens, top_k, min_p, repetition_penalty, rid.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+# ---- native (SGLang) ----------------------------------------------------------------------------
+class GenerateRequest(_Request):
+    """POST /generate. One prompt (`text` or `input_ids`) or a batch (a list of them); per-prompt
+    `sampling_params` and `rid` may be lists of the same length."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+
+
+class MetaInfo(BaseModel):
+    """SGLang's meta_info. Lengths in tokens, latency in seconds. Logprobs are
+    `[logprob, token_id, token_text or null]` triples (top: a list of them per output token)."""
+
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: dict[str, Any] | None
+    e2e_latency: float
+    output_token_logprobs: list[list[Any]] | None = None
+    output_top_logprobs: list[list[list[Any]]] | None = None
+    input_token_logprobs: list[list[Any]] | None = None  # from logprob_start_len on; the first may be null
+
+
+class GenerateOutput(BaseModel):
+    """One sequence of a /generate response. In a stream, `text` and `output_ids` are cumulative and
+    `index` says which sequence of a batch (or of n) the event belongs to."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    index: int | None = None
+
+
+# ---- OpenAI: requests ---------------------------------------------------------------------------
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _OpenAISampling(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # SGLang's extra sampling fields
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
+    ignore_eos: bool | None = None
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    rid: str | None = None
+
+
+class CompletionRequest(_OpenAISampling):
+    """POST /v1/completions. `prompt`: a text, a list of texts, token ids, or a list of those.
+    `max_tokens` defaults to 16 (OpenAI's default), cut to what the context leaves."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    """POST /v1/chat/completions. Without max_tokens / max_completion_tokens the reply may use the
+    rest of the context."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+# ---- OpenAI: responses --------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists over output tokens."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,82 @@
+"""A model-free stand-in for `Engine`, for testing the engine loop and the app without JAX work."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from jaxserve.config import ServerArgs
+from jaxserve.engine.engine import EngineStats, RequestError, RequestMeta, StepOutput
+from jaxserve.engine.request import SamplingParams, finish_abort, finish_length
+
+
+class FakeEngine:
+    """One token (id 7, text "x") per running request per step; `fail_next_step` makes a step raise."""
+
+    def __init__(self, step_time: float = 0.005):
+        self.context_length = 64
+        self.step_time = step_time
+        self.reqs: dict[str, dict] = {}
+        self.finished: list[StepOutput] = []
+        self.num_steps = 0
+        self.fail_next_step = False
+        self.stats = EngineStats()
+        self.scheduler = SimpleNamespace(num_running=0, waiting=[])
+        self.cache = SimpleNamespace(used_tokens=lambda: 16 * len(self.reqs))
+        self.tree = SimpleNamespace(total_size=lambda: 0, protected_size=lambda: 0)
+        self.pool_shape = SimpleNamespace(num_tokens=1024)
+        self.thread_ids: set[int] = set()
+        self.tokenizer = None
+        self.model_path = "/models/fake-model"
+        self.args = ServerArgs(model_path="/models/fake-model")
+
+    def tokenize(self, prompt):
+        return [ord(c) % 50 + 1 for c in prompt] if isinstance(prompt, str) else list(prompt)
+
+    def validate_input_ids(self, ids, max_new_tokens=0):
+        if not ids:
+            raise RequestError("prompt", "the prompt is empty")
+
+    def add_request(self, ids, params: SamplingParams, *, rid, return_logprob, top_logprobs_num, logprob_start_len):
+        self.thread_ids.add(threading.get_ident())
+        rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        for r in rids:
+            self.reqs[r] = {"prompt": len(ids), "out": [], "max": params.max_new_tokens}
+        return rids
+
+    def _output(self, rid, new, finished, reason=None):
+        req = self.reqs[rid]
+        meta = RequestMeta(rid, req["prompt"], len(req["out"]), 0, reason, 0.0)
+        if finished:
+            del self.reqs[rid]
+        return StepOutput(rid, new, list(req["out"]), "x" * len(req["out"]), "x" if new else "", finished, meta)
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        self.num_steps += 1
+        time.sleep(self.step_time)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("boom")
+        outs, self.finished = self.finished, []
+        for rid in list(self.reqs):
+            req = self.reqs[rid]
+            req["out"].append(7)
+            done = len(req["out"]) >= req["max"]
+            outs.append(self._output(rid, [7], done, finish_length(req["max"]) if done else None))
+        self.scheduler.num_running = len(self.reqs)
+        return outs
+
+    def abort(self, rid):
+        if rid not in self.reqs:
+            return False
+        self.finished.append(self._output(rid, [], True, finish_abort("aborted by the client")))
+        return True
+
+    def has_unfinished(self):
+        return bool(self.reqs or self.finished)
+
+    def flush_cache(self):
+        if self.reqs:
+            raise RuntimeError(f"cannot flush the cache while {len(self.reqs)} requests are running or waiting")

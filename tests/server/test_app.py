@@ -1,0 +1,88 @@
+"""The Starlette app over an EngineLoop with a fake engine (no model, no subprocess): auth, the error
+shape of an engine failure, and how OpenAI fields map onto sampling params."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from jaxserve.config import ServerArgs
+from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.server.app import create_app, served_model_name
+from jaxserve.server.errors import APIError
+from jaxserve.server.openai_api import sampling_params_of
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tests.server.fakes import FakeEngine
+
+
+@pytest.fixture
+def engine_loop():
+    loop = EngineLoop(FakeEngine()).start()
+    yield loop
+    loop.shutdown()
+
+
+def _client(engine_loop, **args) -> TestClient:
+    return TestClient(create_app(engine_loop, ServerArgs(model_path="/models/fake-model", **args)))
+
+
+def test_api_key(engine_loop):
+    with _client(engine_loop, api_key="secret") as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):
+            r = client.get("/v1/models", headers=headers)
+            assert r.status_code == 401
+            err = r.json()["error"]
+            assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+        assert client.post("/generate", json={"text": "hi"}).status_code == 401
+        assert client.get("/health").status_code == 200  # liveness probes need no key
+        r = client.get("/v1/models", headers={"Authorization": "Bearer secret"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "fake-model"
+        info = client.get("/get_server_info", headers={"Authorization": "Bearer secret"}).json()
+        assert info["api_key"] == "***"
+
+
+def test_no_api_key_needed_by_default(engine_loop):
+    with _client(engine_loop) as client:
+        r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}})
+        assert r.status_code == 200 and r.json()["output_ids"] == [7, 7, 7]
+
+
+def test_engine_failure_is_a_500_with_the_error_shape(engine_loop):
+    engine_loop.engine.fail_next_step = True
+    with _client(engine_loop) as client:
+        r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 5}})
+        assert r.status_code == 500
+        assert "boom" in r.json()["error"]["message"] and r.json()["error"]["type"] == "server_error"
+        engine_loop.engine.fail_next_step = True
+        with client.stream("POST", "/generate", json={"text": "hi", "stream": True}) as stream:
+            data = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+        assert "boom" in json.loads(data[-2])["error"]["message"] and data[-1] == "[DONE]"
+        assert client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_sampling_params_mapping():
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "top_p": None,
+        "temperature": 0.5, "stop": "END", "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [3],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}},
+    })
+    params = sampling_params_of(req, 5)
+    assert params == {"max_new_tokens": 5, "min_new_tokens": 2, "temperature": 0.5, "n": 1, "stop": "END",
+                      "stop_token_ids": [3], "ignore_eos": True, "json_schema": '{"type": "integer"}'}
+    obj = CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
+    assert json.loads(sampling_params_of(obj, 16)["json_schema"]) == {"type": "object"}
+    extra = CompletionRequest.model_validate({"prompt": "x", "regex": "[ab]+", "json_schema": {"type": "string"}})
+    assert sampling_params_of(extra, 16)["regex"] == "[ab]+"
+    both = CompletionRequest.model_validate({"prompt": "x", "json_schema": "{}", "response_format": {"type": "json_object"}})
+    with pytest.raises(APIError) as e:
+        sampling_params_of(both, 16)
+    assert e.value.param == "response_format"
+
+
+def test_served_model_name():
+    assert served_model_name(ServerArgs(), "/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
+    assert served_model_name(ServerArgs(model_path="/m/llama.Q8_0.gguf"), "/m/llama.Q8_0.gguf") == "llama"
+    assert served_model_name(ServerArgs(model_path="/m/hf_dir/"), "/m/hf_dir/") == "hf_dir"
+    assert served_model_name(ServerArgs(served_model_name="mine"), "/m/x") == "mine"

@@ -1,0 +1,107 @@
+"""Bad input gets a 400 in OpenAI's error shape naming the field, and the server keeps serving."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+LONG_TEXT = "hello " * 400  # > 256 tokens, the test server's context length
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+# (endpoint, body (dict, or raw bytes), expected param or None, text expected in the message)
+BAD_INPUTS = [
+    (CHAT, {"messages": MSG, "temperature": -1}, "temperature", ">= 0"),
+    (CHAT, {"messages": MSG, "top_p": 0}, "top_p", "(0, 1]"),
+    (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p", "(0, 1]"),
+    (CHAT, {"messages": MSG, "min_p": 2}, "min_p", "[0, 1]"),
+    (CHAT, {"messages": MSG, "top_k": 0}, "top_k", "top_k"),
+    (CHAT, {"messages": MSG, "n": 0}, "n", ">= 1"),
+    (CHAT, {"messages": MSG, "stop": [""]}, "stop", "empty"),
+    (CHAT, {"messages": MSG, "max_tokens": -1}, "max_tokens", ">= 0"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": -1}, "max_completion_tokens", ">= 0"),
+    (CHAT, {"messages": MSG, "max_tokens": 1000}, "max_tokens", "256"),
+    (CHAT, {"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages", "256"),
+    (CHAT, {"messages": []}, "messages", "at least one"),
+    (CHAT, {"messages": "hi"}, "messages", "list"),
+    (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "role"),
+    (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature", "number"),
+    (CHAT, {"messages": MSG, "n": "3"}, "n", "integer"),
+    (CHAT, {"messages": MSG, "stream": "yes"}, "stream", "bool"),
+    (CHAT, {"messages": MSG, "top_logprobs": 3}, "top_logprobs", "logprobs"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "20"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format.json_schema.schema", "schema"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, "response_format.type", "json"),
+    (CHAT, {}, "messages", "required"),
+    (CHAT, b'{"messages": [', None, "JSON"),
+    (CHAT, b"", None, "empty"),
+    (CHAT, b"[1, 2]", None, "object"),
+    (COMPLETIONS, {"prompt": ""}, "prompt", "empty"),
+    (COMPLETIONS, {"prompt": []}, "prompt", "empty"),
+    (COMPLETIONS, {"prompt": LONG_TEXT}, "prompt", "256"),
+    (COMPLETIONS, {"prompt": [1, True]}, "prompt", "type"),
+    (COMPLETIONS, {"prompt": [10**9]}, "prompt", "token ids"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, "max_tokens", ">= 0"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 99}, "logprobs", "20"),
+    (COMPLETIONS, {"prompt": "hi", "frequency_penalty": 3}, "frequency_penalty", "[-2, 2]"),
+    (COMPLETIONS, {"prompt": "hi", "seed": "x"}, "seed", "integer"),
+    ("/generate", {"text": "hi", "sampling_params": {"temprature": 0}}, "temprature", "unknown"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_p": 2}}, "top_p", "(0, 1]"),
+    ("/generate", {"text": "hi", "input_ids": [1]}, "text", "exactly one"),
+    ("/generate", {"sampling_params": {}}, "text", "exactly one"),
+    ("/generate", {"text": ""}, "text", "empty"),
+    ("/generate", {"input_ids": [-1]}, "input_ids", "token ids"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params", "2 prompts"),
+    ("/generate", {"text": "hi", "return_logprobs": True}, "return_logprobs", "unknown"),
+    ("/generate", {"text": "hi", "top_logprobs_num": 21}, "top_logprobs_num", "20"),
+    ("/generate", {"text": LONG_TEXT}, "text", "256"),
+    ("/abort_request", {}, "rid", "rid"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,fragment", BAD_INPUTS, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD_INPUTS)])
+def test_bad_input_is_a_400_naming_the_field(http, path, body, param, fragment):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
+    assert fragment.lower() in err["message"].lower(), err
+
+
+def test_prompt_too_long_message_gives_both_numbers(http):
+    r = http.post(COMPLETIONS, json={"prompt": LONG_TEXT})
+    message = r.json()["error"]["message"]
+    num_tokens = int(re.search(r"prompt has (\d+) tokens", message).group(1))
+    assert num_tokens > 256 and "context length is 256" in message, message
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_null_means_default(http):
+    body = {"messages": MSG, "max_tokens": 2, "top_p": None, "temperature": None, "stop": None, "n": None,
+            "stream": None, "seed": None}
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_unknown_route_and_method(http):
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = http.get("/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_server_still_serves_after_bad_input(http):
+    for path, body, _, _ in BAD_INPUTS[:5]:
+        http.post(path, json=body)
+    assert http.get("/health").status_code == 200
+    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")

@@ -1,0 +1,120 @@
+"""POST /generate (SGLang's native API) and the operational endpoints, against the real server."""
+
+from __future__ import annotations
+
+import json
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+
+
+def _sse_payloads(lines) -> list:
+    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    return events
+
+
+def test_generate_plain(http):
+    r = http.post("/generate", json={"text": "The capital of France is", "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out["text"], str) and len(out["output_ids"]) == 8
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 8 and meta["prompt_tokens"] > 0
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert meta["cached_tokens"] >= 0 and meta["e2e_latency"] > 0 and meta["id"]
+    assert "output_token_logprobs" not in meta
+
+
+def test_generate_input_ids_equals_text(http, default_tokenizer):
+    ids = default_tokenizer.encode("Hello world", add_special_tokens=False)
+    by_text = http.post("/generate", json={"text": "Hello world", "sampling_params": GREEDY}).json()
+    by_ids = http.post("/generate", json={"input_ids": ids, "sampling_params": GREEDY}).json()
+    assert by_text["meta_info"]["prompt_tokens"] == by_ids["meta_info"]["prompt_tokens"] == len(ids)
+    assert by_ids["output_ids"] == by_text["output_ids"]
+    none = http.post("/generate", json={"input_ids": ids, "sampling_params": {**GREEDY, "max_new_tokens": 0}}).json()
+    assert none["output_ids"] == [] and none["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_generate_batch_matches_single(http):
+    prompts = ["Once upon a time", "def fibonacci(n):", "1, 2, 3,"]
+    singles = [http.post("/generate", json={"text": p, "sampling_params": GREEDY}).json() for p in prompts]
+    batch = http.post("/generate", json={"text": prompts, "sampling_params": GREEDY}).json()
+    assert isinstance(batch, list) and len(batch) == 3
+    assert [b["output_ids"] for b in batch] == [s["output_ids"] for s in singles]
+    per_prompt = http.post(
+        "/generate", json={"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": [GREEDY, {**GREEDY, "max_new_tokens": 3}]}
+    ).json()
+    assert [len(b["output_ids"]) for b in per_prompt] == [8, 3]
+
+
+def test_generate_n_gives_a_list(http):
+    out = http.post("/generate", json={"text": "Hi", "sampling_params": {**GREEDY, "n": 2, "max_new_tokens": 4}}).json()
+    assert isinstance(out, list) and len(out) == 2
+    assert out[0]["output_ids"] == out[1]["output_ids"]  # greedy
+
+
+def test_generate_logprobs(http):
+    body = {"text": "Hello", "sampling_params": {**GREEDY, "max_new_tokens": 4}, "return_logprob": True,
+            "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 4 and len(meta["output_top_logprobs"]) == 4
+    logprob, token_id, text = meta["output_token_logprobs"][0]
+    assert logprob <= 0 and isinstance(token_id, int) and isinstance(text, str)
+    top = meta["output_top_logprobs"][0]
+    assert len(top) == 2 and top[0][1] == token_id  # greedy: the chosen token is the most likely
+
+
+def test_generate_stream_is_cumulative(http):
+    body = {"text": "The capital of France is", "sampling_params": GREEDY}
+    full = http.post("/generate", json=body).json()
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        payloads = _sse_payloads(r.iter_lines())
+    assert payloads[-1] == "[DONE]"
+    events = [json.loads(p) for p in payloads[:-1]]
+    assert len(events) >= 2
+    for prev, cur in zip(events, events[1:]):
+        assert cur["text"].startswith(prev["text"])
+        assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
+    last = events[-1]
+    assert last["text"] == full["text"] and last["output_ids"] == full["output_ids"]
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+
+
+def test_generate_stream_batch_has_indexes(http):
+    body = {"text": ["a b c", "x y z"], "sampling_params": {**GREEDY, "max_new_tokens": 3}, "stream": True}
+    with http.stream("POST", "/generate", json=body) as r:
+        payloads = _sse_payloads(r.iter_lines())
+    assert payloads[-1] == "[DONE]"
+    events = [json.loads(p) for p in payloads[:-1]]
+    finished = [e["index"] for e in events if e["meta_info"]["finish_reason"] is not None]
+    assert sorted(finished) == [0, 1]
+
+
+def test_model_and_server_info(http):
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"] and info["tokenizer_path"]
+    server = http.get("/get_server_info").json()
+    assert server["context_length"] == 256 and server["max_running_requests"] == 16
+    assert server["kv_pool"]["total_tokens"] >= 4096 - 16
+    assert server["engine_stats"]["num_requests"] > 0
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == server["served_model_name"]
+
+
+def test_health_generate_and_flush_cache(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/health_generate").status_code == 200
+    r = http.post("/flush_cache")
+    assert r.status_code == 200, r.text
+    info = http.get("/get_server_info").json()
+    assert info["kv_pool"]["cached_tokens"] == 0 and info["kv_pool"]["used_tokens"] == 0
+
+
+def test_metrics(http):
+    http.post("/generate", json={"text": "metrics please", "sampling_params": {"max_new_tokens": 2}})
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "jaxserve_prompt_tokens_total" in r.text and "jaxserve_num_running_reqs" in r.text
+    count = [line for line in r.text.splitlines() if line.startswith("jaxserve_time_to_first_token_seconds_count")]
+    assert count and float(count[0].split()[-1]) >= 1

@@ -1,0 +1,36 @@
+"""`python scripts/serve.py` with no model flags serves the default model (SmolLM2-135M-Instruct).
+
+Slow: it loads the GGUF model and precompiles every shape bucket (minutes on a 2-core CPU the first
+time; the persistent XLA cache makes later runs faster). Only --port is given, since 30000 may be taken.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.server.conftest import ServerProcess
+
+STARTUP_TIMEOUT_S = 1200
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(STARTUP_TIMEOUT_S + 300)
+def test_serve_default_model(tmp_path):
+    server = ServerProcess([], tmp_path / "serve.log")
+    try:
+        server.wait_healthy(STARTUP_TIMEOUT_S)
+        log = server.log()
+        ready = [line for line in log.splitlines() if line.startswith("jaxserve ready:")]
+        assert ready == [f"jaxserve ready: serving SmolLM2-135M-Instruct at {server.url} (OpenAI API at /v1)"], log[-2000:]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        assert client.models.list().data[0].id == "SmolLM2-135M-Instruct"
+        resp = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0,
+        )
+        assert resp.choices[0].finish_reason in ("stop", "length")
+        assert resp.choices[0].message.content.strip()
+        assert resp.usage.completion_tokens > 0
+    finally:
+        server.stop()
