@@ -206,6 +206,22 @@ class ServerArgs:
     enable_debug_checks: bool = _flag(False, "check the radix tree and allocator invariants whenever the engine is idle")
     grammar_backend: str = _flag("llguidance", "llguidance | none", choices=("llguidance", "none"))
     constrained_json_whitespace_pattern: str | None = _flag(None, "regex for whitespace allowed in constrained JSON")
+    disable_jump_forward: bool = _flag(False, "sample every token of a constrained output instead of appending the tokens its grammar forces (jump-forward)")
+    # KV release policy (jaxserve/cache/release_policy.py): memory behaviour only, never outputs
+    radix_cache_block_size: int | None = _flag(None, "alias of --page-size (tokens per KV page); wins when given")
+    radix_cache_max_num_blocks: int | None = _flag(None, "cap the device KV pool at this many pages")
+    radix_cache_max_frozen_ratio: float = _flag(0.9, "share of the KV pool that frozen (locked, being-served) prefixes may hold; admission waits beyond it")
+    enable_hierarchical_cache: bool = _flag(False, "soft release: move cold radix-cache nodes to a host-memory KV tier and recall them on a match instead of recomputing")
+    hicache_ratio: float = _flag(2.0, "host KV tier capacity / device KV pool capacity")
+    hicache_size: float = _flag(0.0, "host KV tier size in GB; 0 uses --hicache-ratio")
+    radix_cache_soft_free_threshold: float = _flag(3.0, "seconds without a hit after which an unlocked node is cold and may be soft-freed to the host tier")
+    radix_cache_evict_threshold: float = _flag(0.8, "KV pool usage above which cold nodes are soft-freed proactively")
+    enable_auto_merge: bool = _flag(False, "coalescing: copy-on-write reuse of partly matched pages, keep short private tails, merge single-child chains")
+    merge_max_suffix_tokens: int = _flag(8, "longest private tail (tokens) kept in the radix cache when a request ends")
+    merge_min_shared_ratio: float = _flag(0.6, "a private tail is kept only when at least this share of its path is shared with other requests")
+    release_conservative_batch_size: int = _flag(8, "below this many running requests: no proactive soft release and no merging")
+    release_aggressive_batch_size: int = _flag(16, "from this many running requests on: proactive soft release and merging")
+    enable_radix_cache_stats: bool = _flag(False, "log radix cache stats once per second ([RadixCache] Nodes, Shared, Frozen, SoftFreed, Merged)")
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
@@ -219,6 +235,7 @@ class ServerArgs:
             max_running_requests=self.max_running_requests or (64 if on_cpu else 256),
             chunked_prefill_size=self.chunked_prefill_size or (512 if on_cpu else 8192),
             attention_backend=self.attention_backend or ("xla" if on_cpu else "pallas"),
+            page_size=self.radix_cache_block_size or self.page_size,
         )
         args.validate()
         return args
@@ -239,6 +256,28 @@ class ServerArgs:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        self._validate_release_policy()
+
+    def _validate_release_policy(self) -> None:
+        block = self.radix_cache_block_size
+        if block is not None and (block < 1 or block & (block - 1)):
+            raise ValueError(f"--radix-cache-block-size must be a power of two >= 1, got {block}")
+        if self.radix_cache_max_num_blocks is not None and self.radix_cache_max_num_blocks < 2:
+            raise ValueError(f"--radix-cache-max-num-blocks must be >= 2, got {self.radix_cache_max_num_blocks}")
+        for name in ("radix_cache_max_frozen_ratio", "radix_cache_evict_threshold", "merge_min_shared_ratio"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1], got {value}")
+        if self.radix_cache_max_frozen_ratio == 0:
+            raise ValueError("--radix-cache-max-frozen-ratio must be > 0")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError(f"--hicache-ratio must be > 0 and --hicache-size >= 0, got {self.hicache_ratio}, {self.hicache_size}")
+        if self.radix_cache_soft_free_threshold < 0:
+            raise ValueError(f"--radix-cache-soft-free-threshold must be >= 0, got {self.radix_cache_soft_free_threshold}")
+        if self.merge_max_suffix_tokens < 0:
+            raise ValueError(f"--merge-max-suffix-tokens must be >= 0, got {self.merge_max_suffix_tokens}")
+        if self.release_conservative_batch_size < 0 or self.release_aggressive_batch_size < 0:
+            raise ValueError("--release-conservative-batch-size and --release-aggressive-batch-size must be >= 0")
 
     @staticmethod
     def add_cli_args(parser) -> None:

@@ -411,7 +411,10 @@ class Engine:
                     [(float(sampled.top_logprobs[i, j]), int(sampled.top_ids[i, j])) for j in range(k)]
                 )
             new_ids, delta = self._append_tokens(req, [token])
-            if req.grammar is not None and not req.is_finished and not self.args.disable_jump_forward:
+            # Forced tokens are never sampled, so they have no logprobs: requests that return logprobs
+            # sample every token to keep output_token_logprobs aligned with output_ids.
+            jump_forward = not (self.args.disable_jump_forward or req.return_logprob)
+            if req.grammar is not None and not req.is_finished and jump_forward:
                 forced = req.grammar.jump_forward_tokens()[: req.remaining_new_tokens()]
                 if forced:
                     req.num_forced_tokens += len(forced)
