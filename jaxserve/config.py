@@ -180,7 +180,7 @@ class ServerArgs:
     served_model_name: str | None = _flag(None, "model name reported by the API (default: derived from the path)")
     host: str = _flag("127.0.0.1", "HTTP host")
     port: int = _flag(30000, "HTTP port")
-    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request except /health")
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"))
     context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)")
@@ -252,6 +252,8 @@ class ServerArgs:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"--context-length must be >= 2, got {self.context_length}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
+            raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking; got 0")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         if not 0 < self.port < 65536:

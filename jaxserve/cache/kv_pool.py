@@ -6,7 +6,8 @@ Page 0 is a reserved dummy page that padding tokens write to; it is never handed
 Sizing (`size_pool`): `--max-total-tokens` wins; otherwise `--mem-fraction-static` of the device's
 memory minus the weights. On CPU, where JAX reports no device memory, the base is the RAM available
 now (`/proc/meminfo` MemAvailable) and the default fraction is 0.3, so the serving process leaves room
-for the OS, the tokenizer and XLA's temporaries. On accelerators the default fraction is 0.85.
+for the OS, the tokenizer and XLA's temporaries. On accelerators the default fraction is 0.85. The
+memory-derived size is rounded down to 3 significant bits so that restarts reuse compiled executables.
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ def size_pool(
     mem_fraction_static: float | None,
     weights_bytes: int,
     platform: str,
+    max_num_pages: int | None = None,
 ) -> PoolShape:
-    """Choose the number of pages (see the module docstring for the rule).
+    """Choose the number of pages (see the module docstring for the rule); `max_num_pages`
+    (`--radix-cache-max-num-blocks`) caps the usable pages.
 
     Raises:
         ValueError: the memory budget leaves no room for two pages.
@@ -85,11 +88,22 @@ def size_pool(
     else:
         fraction = mem_fraction_static or (0.3 if platform == "cpu" else 0.85)
         budget = available_memory_bytes() * fraction - (0 if platform == "cpu" else weights_bytes)
-        num_tokens = int(budget // probe.bytes_per_token)
+        num_tokens = _round_down_coarse(int(budget // probe.bytes_per_token))
     num_pages = num_tokens // page_size + 1
+    if max_num_pages is not None:
+        num_pages = min(num_pages, max_num_pages + 1)
     if num_pages < 3:
         raise ValueError(f"the KV pool would hold {num_tokens} tokens: raise --max-total-tokens or --mem-fraction-static")
     return dataclasses.replace(probe, num_pages=num_pages)
+
+
+def _round_down_coarse(n: int) -> int:
+    """Round down to 3 significant bits (at most 8 sizes per octave): free memory drifts between
+    starts, and a pool of a different size is a different shape, which would miss the compilation cache."""
+    if n < 16:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return n // step * step
 
 
 def allocate_pools(shape: PoolShape) -> tuple[jax.Array, jax.Array]:

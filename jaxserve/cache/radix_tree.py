@@ -13,8 +13,20 @@ partly matching page (copy-on-write) is the release policy's job, not the tree's
 
 All sizes are in tokens; a node of `k` tokens holds `k // page_size` pages. The tree is pure Python
 plus numpy and knows nothing of devices, requests or the scheduler. Policies (soft release to a host
-tier, merging, admission limits) sit beside it and use `TreeNode.host_pages`, `last_access_time` and
-`hit_count`; the tree itself only carries them along.
+tier, merging, admission limits; jaxserve/cache/release_policy.py) sit beside it and use
+`TreeNode.host_pages`, `last_access_time` and `hit_count`; the tree carries them along and offers the
+few primitives they need:
+
+- Two tiers. A node lives either on the device (`pages` set, `host_pages` None) or only in the host
+  tier (`pages` empty, `host_pages` set). Device residency is closed under prefixes: the parent of a
+  device node is on the device, so a match is a device prefix followed by host-resident nodes, which
+  `MatchResult.host_nodes` reports. `offload` / `restore` move a node between the tiers (the caller
+  copies the KV); `evict(offload=...)` lets a host tier take victims instead of dropping them.
+  Host-resident nodes are never locked.
+- Tails. `insert_tail` keeps a leaf of fewer than page_size tokens in one partly filled page (a short
+  private tail, release policy stage 3). Page-aligned lookups never reach a tail (its child key is
+  shorter than a page); it is read only by copy-on-write into a fresh page.
+- `remove_leaf` and `merge_child` (path compression) for the policy's host LRU and merging.
 """
 
 from __future__ import annotations
@@ -45,9 +57,11 @@ class TreeNode:
         last_access_time: time (seconds, from the cache's `time_fn`) of the last match or insert
             that walked through this node.
         hit_count: number of `match_prefix` calls that matched (part of) this node.
-        host_pages: hook for the host tier (release policy stage 2): host-pool page ids holding a copy
-            of this node's KV, laid out like `pages`, or None. The tree only slices it on a split and
-            checks its length; copying, recalling and freeing host pages belong to the host tier.
+        host_pages: host-tier page ids holding this node's KV while the node is host-resident
+            (release policy stage 2), laid out like `pages`; None while it is on the device. A node
+            is in exactly one tier: on the device `pages` is set and `host_pages` None, on the host
+            `pages` is empty. The tree slices it on a split and checks it; copying, recalling and
+            freeing host pages belong to the host tier.
     """
 
     __slots__ = (
@@ -89,6 +103,11 @@ class TreeNode:
     def is_leaf(self) -> bool:
         return not self.children
 
+    @property
+    def is_on_device(self) -> bool:
+        """True when the node's KV is in the device pool (always for the root)."""
+        return self.host_pages is None
+
     def __repr__(self) -> str:
         return (
             f"TreeNode(id={self.id}, num_tokens={len(self.key)}, num_children={len(self.children)}, "
@@ -102,13 +121,21 @@ class MatchResult(NamedTuple):
     Attributes:
         pages: [num_tokens // page_size] int32 page ids of the matched prefix, in sequence order.
         num_tokens: matched tokens (a multiple of page_size).
-        last_node: the node the match ends at (the root when nothing matched); lock it to pin the
-            matched prefix.
+        last_node: the device node the match ends at (the root when nothing matched); lock it to pin
+            the matched prefix.
+        host_nodes: host-resident nodes that continue the match below `last_node`, in path order
+            (each a child of the one before); recalling them extends the match by their tokens.
     """
 
     pages: Int32[np.ndarray, " P"]
     num_tokens: int
     last_node: TreeNode
+    host_nodes: tuple[TreeNode, ...] = ()
+
+    @property
+    def num_host_tokens(self) -> int:
+        """Tokens matched in host-resident nodes past `num_tokens`."""
+        return sum(len(node.key) for node in self.host_nodes)
 
 
 class InsertResult(NamedTuple):
@@ -119,22 +146,27 @@ class InsertResult(NamedTuple):
         duplicate_pages: int32 page ids the caller passed for the already-cached part that differ
             from the tree's own pages there; the tree did not take them and the caller must free them.
         last_node: the node holding the key's last token (the root for an empty key).
+        freed_host_pages: host-tier page ids of host-resident nodes on the key's path that took the
+            caller's device pages instead; the host tier frees them.
     """
 
     num_existing_tokens: int
     duplicate_pages: Int32[np.ndarray, " D"]
     last_node: TreeNode
+    freed_host_pages: Int32[np.ndarray, " H"] = _EMPTY_PAGES
 
 
 class RadixCache:
     """Prefix cache over paged KV: match, insert, lock, evict (SGLang RadixAttention).
 
     Eviction uses a min-heap of (last_access_time, node id, node) kept up to date incrementally:
-    a node is pushed when it becomes an unlocked leaf (insert, unlock, eviction of its last child) and
-    entries that went stale (the node was locked, got a child or was removed) are dropped when popped
-    (lazy deletion). A node has at most one entry, so the heap never outgrows the tree. Access times
-    only grow, so an entry's time is a lower bound of its node's; a popped entry whose time is older
-    than its node's is pushed back with the current time, which keeps the order exact LRU.
+    a node is pushed when it becomes an unlocked device leaf (on the device with no child on the
+    device: insert, unlock, eviction or offload of its last device child, restore) and entries that
+    went stale (the node was locked, got a device child, moved to the host or was removed) are dropped
+    when popped (lazy deletion). A node has at most one entry; entries of removed nodes are compacted
+    away when the heap outgrows twice the tree. Access times only grow, so an entry's time is a lower
+    bound of its node's; a popped entry whose time is older than its node's is pushed back with the
+    current time, which keeps the order exact LRU.
 
     Args:
         page_size: tokens per KV page (>= 1).
@@ -166,6 +198,8 @@ class RadixCache:
         self._heap: list[tuple[float, int, TreeNode]] = []
         self._evictable_size = 0
         self._protected_size = 0
+        self._host_size = 0
+        self._num_nodes = 0
 
     @property
     def root(self) -> TreeNode:
@@ -174,16 +208,28 @@ class RadixCache:
     # Sizes (tokens)
 
     def evictable_size(self) -> int:
-        """Cached tokens that no lock protects (what `evict` can free)."""
+        """Device-resident cached tokens that no lock protects (what `evict` can free)."""
         return self._evictable_size
 
     def protected_size(self) -> int:
-        """Cached tokens on locked paths."""
+        """Cached tokens on locked paths (all on the device)."""
         return self._protected_size
 
     def total_size(self) -> int:
-        """All cached tokens."""
+        """All device-resident cached tokens."""
         return self._evictable_size + self._protected_size
+
+    def host_size(self) -> int:
+        """Cached tokens of host-resident nodes."""
+        return self._host_size
+
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root excluded."""
+        return self._num_nodes
+
+    def is_tail(self, node: TreeNode) -> bool:
+        """True for a tail leaf (fewer than page_size tokens in one partly filled page)."""
+        return 0 < len(node.key) < self.page_size
 
     # Match and insert
 
@@ -192,7 +238,8 @@ class RadixCache:
 
         A match that ends inside a node splits that node at the page boundary, so the returned
         `last_node` covers exactly the matched prefix. Refreshes `last_access_time` and increments
-        `hit_count` of every matched node.
+        `hit_count` of every matched node. The match goes on through host-resident nodes, which it
+        reports in `host_nodes` without counting their tokens in `num_tokens`.
 
         Args:
             key: token ids; a trailing partial page is ignored.
@@ -208,9 +255,11 @@ class RadixCache:
         node = self._root
         node.last_access_time = now
         matched_pages = []
-        pos = 0
+        host_nodes = []
+        parent = node
+        pos = num_device_tokens = 0
         while pos < len(key):
-            child = node.children.get(self._child_key(node, key, pos, namespace))
+            child = parent.children.get(self._child_key(parent, key, pos, namespace))
             if child is None:
                 break
             match_len = self._match_len(child.key, key, pos)
@@ -219,13 +268,17 @@ class RadixCache:
                 child = self._split(child, match_len)
             child.last_access_time = now
             child.hit_count += 1
-            matched_pages.append(child.pages)
-            node = child
             pos += match_len
+            if child.is_on_device:
+                matched_pages.append(child.pages)
+                node, num_device_tokens = child, pos
+            else:
+                host_nodes.append(child)
+            parent = child
             if is_partial:
                 break
         pages = np.concatenate(matched_pages) if matched_pages else _EMPTY_PAGES
-        return MatchResult(pages, pos, node)
+        return MatchResult(pages, num_device_tokens, node, tuple(host_nodes))
 
     def insert(
         self,
@@ -237,7 +290,9 @@ class RadixCache:
 
         The already-cached part of `key` keeps the tree's pages: the caller's pages there that differ
         from the tree's are returned as `duplicate_pages` for the caller to free. The tree takes the
-        caller's remaining pages. Refreshes `last_access_time` along the path (no hit is counted).
+        caller's remaining pages, and its pages for host-resident nodes on the path (whose host
+        copies come back in `freed_host_pages`). Refreshes `last_access_time` along the path (no hit
+        is counted).
 
         Args:
             key: token ids, `len(key)` a multiple of page_size (tokens).
@@ -266,6 +321,7 @@ class RadixCache:
         node = self._root
         node.last_access_time = now
         tree_pages = []
+        freed_host_pages = []
         pos = 0
         while pos < len(key):
             child = node.children.get(self._child_key(node, key, pos, namespace))
@@ -275,6 +331,9 @@ class RadixCache:
             if match_len < len(child.key):
                 child = self._split(child, match_len)
             child.last_access_time = now
+            if not child.is_on_device:
+                start = pos // page_size
+                freed_host_pages.append(self.restore(child, pages[start : start + len(child.host_pages)].copy()))
             tree_pages.append(child.pages)
             node = child
             pos += match_len
@@ -284,12 +343,46 @@ class RadixCache:
             caller_pages = pages[: pos // page_size]
             duplicate_pages = caller_pages[caller_pages != np.concatenate(tree_pages)]
         if pos < len(key):
-            leaf = TreeNode(key[pos:], pages[pos // page_size :].copy(), node, namespace, now)
-            node.children[self._child_key(node, key, pos, namespace)] = leaf
-            self._evictable_size += len(leaf.key)
-            self._push_candidate(leaf)
-            node = leaf
-        return InsertResult(num_existing_tokens, duplicate_pages, node)
+            node = self._add_leaf(node, key, pos, pages[pos // page_size :].copy(), namespace, now)
+        host_freed = np.concatenate(freed_host_pages) if freed_host_pages else _EMPTY_PAGES
+        return InsertResult(num_existing_tokens, duplicate_pages, node, host_freed)
+
+    def insert_tail(
+        self, parent: TreeNode, tail_key: Sequence[int], page: int, namespace: Hashable = None
+    ) -> InsertResult:
+        """Keep a short tail (fewer than page_size tokens) below `parent` in one partly filled page.
+
+        Used by the release policy's coalescing stage for short private tails that a plain page-aligned
+        insert would drop. Page-aligned matches never reach a tail; it is read by copy-on-write only.
+
+        Args:
+            parent: a device-resident node (or the root) ending right before `tail_key`.
+            tail_key: 1..page_size-1 token ids.
+            page: the page holding them in slots 0..len(tail_key)-1.
+            namespace: the namespace, used when `parent` is the root.
+
+        Returns:
+            InsertResult; when the same tail is already cached, `duplicate_pages` is `[page]`.
+
+        Raises:
+            ValueError: bad tail length, or `parent` is not a device node in the tree.
+        """
+        if not 0 < len(tail_key) < self.page_size:
+            raise ValueError(f"insert_tail: a tail holds 1..{self.page_size - 1} tokens, got {len(tail_key)}")
+        if (parent.parent is None and parent is not self._root) or not parent.is_on_device:
+            raise ValueError(f"insert_tail: {parent!r} is not a device node in the tree")
+        pages = np.asarray([page], dtype=np.int32)
+        if self.disable:
+            return InsertResult(0, pages, self._root)
+        tail_key = tuple(int(t) for t in tail_key)
+        namespace = namespace if parent is self._root else parent.namespace
+        now = self.time_fn()
+        existing = parent.children.get(self._child_key(parent, tail_key, 0, namespace))
+        if existing is not None:
+            existing.last_access_time = now
+            return InsertResult(len(tail_key), pages, existing)
+        leaf = self._add_leaf(parent, tail_key, 0, pages, namespace, now)
+        return InsertResult(0, _EMPTY_PAGES, leaf)
 
     # Locks
 
@@ -327,7 +420,7 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 num_released += len(node.key)
-                if not node.children:
+                if self._is_device_leaf(node):
                     self._push_candidate(node)
             node = node.parent
         self._evictable_size += num_released
@@ -336,13 +429,26 @@ class RadixCache:
 
     # Eviction
 
-    def evict(self, num_tokens: int) -> Int32[np.ndarray, " F"]:
-        """Free at least `num_tokens` tokens (or all evictable ones if fewer), least recently used first.
+    def evict(
+        self,
+        num_tokens: int,
+        offload: Callable[[TreeNode], Int32[np.ndarray, " P"] | None] | None = None,
+    ) -> Int32[np.ndarray, " F"]:
+        """Free at least `num_tokens` device tokens (or all evictable ones if fewer), LRU first.
 
-        Only unlocked leaves are evicted, whole; a parent left an unlocked leaf becomes a candidate.
+        Victims are unlocked device leaves (no child on the device), whole; a parent left an unlocked
+        device leaf becomes a candidate. Without `offload` a victim is removed from the tree (a victim
+        with host-resident children is skipped: only a host tier can release it).
+
+        Args:
+            num_tokens: device tokens to free.
+            offload: host-tier hook (release policy stage 2), called with each victim before it is
+                released. It returns the host page ids that will hold the victim's KV (the victim then
+                stays in the tree, host-resident), or None to drop the victim; before returning None
+                it must have removed the victim's host-resident children (`remove_leaf`).
 
         Returns:
-            int32 page ids no longer held by the tree; the caller returns them to its allocator.
+            int32 device page ids no longer held by the tree; the caller returns them to its allocator.
         """
         if self.disable:
             return _EMPTY_PAGES
@@ -352,26 +458,144 @@ class RadixCache:
         while num_freed < num_tokens and heap:
             access_time, _, node = heapq.heappop(heap)
             node._in_heap = False
-            if node.parent is None or node.children or node.lock_ref > 0:
+            if node.parent is None or node.lock_ref > 0 or not self._is_device_leaf(node):
                 continue
             if access_time < node.last_access_time:
                 self._push_candidate(node)
                 continue
-            parent = node.parent
-            del parent.children[self._child_key(parent, node.key, 0, node.namespace)]
-            node.parent = None
-            freed.append(node.pages)
+            host_pages = offload(node) if offload is not None else None
+            if host_pages is not None:
+                freed.append(self.offload(node, host_pages))
+            elif node.children:
+                continue
+            else:
+                freed.append(node.pages)
+                self.remove_leaf(node)
             num_freed += len(node.key)
-            self._evictable_size -= len(node.key)
-            if parent is not self._root and not parent.children and parent.lock_ref == 0:
-                self._push_candidate(parent)
         return np.concatenate(freed) if freed else _EMPTY_PAGES
+
+    # Tiers, removal and merging (the release policy's primitives)
+
+    def offload(self, node: TreeNode, host_pages: Sequence[int] | Int32[np.ndarray, " P"]) -> Int32[np.ndarray, " P"]:
+        """Make `node` host-resident: it keeps its place in the tree, its KV now lives in `host_pages`.
+
+        The caller copies the KV before the returned device pages are reused.
+
+        Args:
+            node: an unlocked device node with no child on the device.
+            host_pages: host-tier page ids, one per device page of the node.
+
+        Returns:
+            the node's former int32 device page ids; the caller frees them.
+
+        Raises:
+            ValueError: if `node` is locked, host-resident, not in the tree, has a device child, or
+                the page count differs.
+        """
+        host_pages = np.asarray(host_pages, dtype=np.int32).reshape(-1)
+        if node.parent is None or not node.is_on_device or node.lock_ref > 0 or not self._is_device_leaf(node):
+            raise ValueError(f"offload: {node!r} is not an unlocked device leaf in the tree")
+        if len(host_pages) != len(node.pages):
+            raise ValueError(f"offload: {len(host_pages)} host pages for {len(node.pages)} pages of {node!r}")
+        pages = node.pages
+        node.pages = _EMPTY_PAGES
+        node.host_pages = host_pages
+        self._evictable_size -= len(node.key)
+        self._host_size += len(node.key)
+        parent = node.parent
+        if parent is not self._root and parent.lock_ref == 0 and self._is_device_leaf(parent):
+            self._push_candidate(parent)
+        return pages
+
+    def restore(self, node: TreeNode, pages: Sequence[int] | Int32[np.ndarray, " P"]) -> Int32[np.ndarray, " P"]:
+        """Bring a host-resident `node` back to the device into `pages` (the caller copied its KV there).
+
+        Returns:
+            the node's former int32 host page ids; the host tier frees them.
+
+        Raises:
+            ValueError: if `node` is not host-resident, its parent is not on the device, or the page
+                count differs.
+        """
+        pages = np.asarray(pages, dtype=np.int32).reshape(-1)
+        if node.parent is None or node.is_on_device or not node.parent.is_on_device:
+            raise ValueError(f"restore: {node!r} is not a host-resident node below a device node")
+        if len(pages) != len(node.host_pages):
+            raise ValueError(f"restore: {len(pages)} pages for {len(node.host_pages)} host pages of {node!r}")
+        host_pages = node.host_pages
+        node.pages = pages
+        node.host_pages = None
+        self._host_size -= len(node.key)
+        self._evictable_size += len(node.key)
+        self._push_candidate(node)
+        return host_pages
+
+    def remove_leaf(self, node: TreeNode) -> None:
+        """Remove an unlocked leaf (either tier) from the tree.
+
+        Its `pages` / `host_pages` stay readable on the removed node; the caller frees them.
+
+        Raises:
+            ValueError: if `node` is locked, has children or is not in the tree.
+        """
+        if node.parent is None or node.children or node.lock_ref > 0:
+            raise ValueError(f"remove_leaf: {node!r} is not an unlocked leaf in the tree")
+        parent = node.parent
+        del parent.children[self._child_key(parent, node.key, 0, node.namespace)]
+        node.parent = None
+        self._num_nodes -= 1
+        if node.host_pages is None:
+            self._evictable_size -= len(node.key)
+        else:
+            self._host_size -= len(node.key)
+        if parent is not self._root and parent.lock_ref == 0 and self._is_device_leaf(parent):
+            self._push_candidate(parent)
+
+    def can_merge_child(self, node: TreeNode) -> bool:
+        """True when `node` and its only child are unlocked, in the same tier, and neither is a tail."""
+        if node.parent is None or len(node.children) != 1 or node.lock_ref > 0:
+            return False
+        (child,) = node.children.values()
+        return (
+            child.lock_ref == 0
+            and child.is_on_device == node.is_on_device
+            and not self.is_tail(child)
+            and not self.is_tail(node)
+        )
+
+    def merge_child(self, node: TreeNode) -> TreeNode:
+        """Path compression: fold the only child of `node` into `node` (which keeps its identity).
+
+        The merged node keeps `node`'s hit_count and the later of the two access times.
+
+        Raises:
+            ValueError: if `can_merge_child(node)` is False.
+        """
+        if not self.can_merge_child(node):
+            raise ValueError(f"merge_child: {node!r} has no mergeable only child")
+        (child,) = node.children.values()
+        node.key = node.key + child.key
+        if node.is_on_device:
+            node.pages = np.concatenate([node.pages, child.pages])
+        else:
+            node.host_pages = np.concatenate([node.host_pages, child.host_pages])
+        node.last_access_time = max(node.last_access_time, child.last_access_time)
+        node.children = child.children
+        for grandchild in node.children.values():
+            grandchild.parent = node
+        child.parent = None
+        child.children = {}
+        self._num_nodes -= 1
+        if node.is_on_device and self._is_device_leaf(node):
+            self._push_candidate(node)
+        return node
 
     def reset(self) -> Int32[np.ndarray, " F"]:
         """Empty the tree.
 
         Returns:
-            int32 page ids of every page the tree held; the caller frees them.
+            int32 device page ids of every page the tree held; the caller frees them (host pages
+            belong to the host tier, which resets itself).
 
         Raises:
             RuntimeError: if any node is locked.
@@ -393,7 +617,7 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def check_integrity(self) -> None:
-        """Verify sizes, locks, page counts, page uniqueness, links and heap coverage.
+        """Verify sizes, locks, page counts, tiers, page uniqueness, links and heap coverage.
 
         Cost is linear in the tree size; run it in tests or when the engine is idle.
 
@@ -402,12 +626,15 @@ class RadixCache:
         """
         root = self._root
         assert root.parent is None and root.key == () and len(root.pages) == 0, "root must be empty"
+        assert root.host_pages is None, "root must be on the device"
         page_size = self.page_size
-        evictable = protected = 0
+        evictable = protected = host = num_nodes = 0
         seen_pages: set[int] = set()
+        seen_host_pages: set[int] = set()
         heap_ids = {entry[2].id for entry in self._heap}
         assert len(heap_ids) == len(self._heap), "a node has more than one eviction heap entry"
         for node in self.iter_nodes():
+            num_nodes += 1
             assert node._in_heap == (node.id in heap_ids), (
                 f"{node!r}: in-heap flag {node._in_heap} disagrees with the eviction heap"
             )
@@ -421,31 +648,45 @@ class RadixCache:
             assert parent is root or parent.namespace == node.namespace, (
                 f"{node!r} namespace differs from its parent's ({parent.namespace!r})"
             )
-            assert len(node.key) > 0 and len(node.key) % page_size == 0, (
-                f"{node!r}: key of {len(node.key)} tokens is not a positive multiple of page_size"
-            )
+            if self.is_tail(node):
+                assert not node.children, f"tail {node!r} has children"
+            else:
+                assert len(node.key) > 0 and len(node.key) % page_size == 0, (
+                    f"{node!r}: key of {len(node.key)} tokens is not a positive multiple of page_size"
+                )
+            num_pages = -(-len(node.key) // page_size)
             assert node.pages.dtype == np.int32 and node.pages.ndim == 1, (
                 f"{node!r}: pages must be a 1-D int32 array, got {node.pages.dtype} {node.pages.shape}"
             )
-            assert len(node.pages) == len(node.key) // page_size, (
-                f"{node!r}: {len(node.pages)} pages for {len(node.key)} tokens"
+            if node.is_on_device:
+                assert len(node.pages) == num_pages, f"{node!r}: {len(node.pages)} pages for {len(node.key)} tokens"
+                for page in node.pages.tolist():
+                    assert page not in seen_pages, f"page {page} is held twice (again by {node!r})"
+                    seen_pages.add(page)
+            else:
+                assert len(node.pages) == 0, f"host-resident {node!r} still holds device pages"
+                assert node.host_pages.dtype == np.int32 and len(node.host_pages) == num_pages, (
+                    f"{node!r}: {len(node.host_pages)} host pages for {len(node.key)} tokens"
+                )
+                assert node.lock_ref == 0, f"host-resident {node!r} is locked"
+                for page in node.host_pages.tolist():
+                    assert page not in seen_host_pages, f"host page {page} is held twice (again by {node!r})"
+                    seen_host_pages.add(page)
+            assert parent.is_on_device or not node.is_on_device, (
+                f"device node {node!r} below host-resident {parent!r}"
             )
-            assert node.host_pages is None or len(node.host_pages) == len(node.pages), (
-                f"{node!r}: {len(node.host_pages)} host pages for {len(node.pages)} pages"
-            )
-            for page in node.pages.tolist():
-                assert page not in seen_pages, f"page {page} is held twice (again by {node!r})"
-                seen_pages.add(page)
             children_locks = sum(child.lock_ref for child in node.children.values())
             assert node.lock_ref >= children_locks, (
                 f"{node!r}: lock_ref below its children's total ({children_locks})"
             )
-            if node.lock_ref > 0:
+            if not node.is_on_device:
+                host += len(node.key)
+            elif node.lock_ref > 0:
                 protected += len(node.key)
             else:
                 evictable += len(node.key)
-                if not node.children:
-                    assert node._in_heap, f"unlocked leaf {node!r} is not an eviction candidate"
+                if self._is_device_leaf(node):
+                    assert node._in_heap, f"unlocked device leaf {node!r} is not an eviction candidate"
         assert root.lock_ref == 0, f"root lock_ref is {root.lock_ref}"
         assert evictable == self._evictable_size, (
             f"evictable_size {self._evictable_size} != {evictable} tokens found in the tree"
@@ -453,7 +694,10 @@ class RadixCache:
         assert protected == self._protected_size, (
             f"protected_size {self._protected_size} != {protected} tokens found in the tree"
         )
-        assert not heap_ids, f"eviction heap holds {len(heap_ids)} nodes that are not in the tree"
+        assert host == self._host_size, f"host_size {self._host_size} != {host} tokens found in the tree"
+        assert num_nodes == self._num_nodes, f"num_nodes {self._num_nodes} != {num_nodes} nodes found"
+        stray = [entry[2] for entry in self._heap if entry[2].id in heap_ids]
+        assert all(node.parent is None for node in stray), "eviction heap holds a node unreachable from the root"
 
     # Internals
 
@@ -502,13 +746,51 @@ class RadixCache:
             upper.host_pages = node.host_pages[:num_pages]
             node.host_pages = node.host_pages[num_pages:]
         parent.children[self._child_key(parent, node.key, 0, node.namespace)] = upper
+        self._num_nodes += 1
         node.key = node.key[num_tokens:]
         node.pages = node.pages[num_pages:]
         node.parent = upper
         upper.children[self._child_key(upper, node.key, 0, node.namespace)] = node
         return upper
 
+    def _add_leaf(
+        self,
+        parent: TreeNode,
+        key: tuple[int, ...],
+        pos: int,
+        pages: Int32[np.ndarray, " P"],
+        namespace: Hashable,
+        now: float,
+    ) -> TreeNode:
+        leaf = TreeNode(key[pos:], pages, parent, namespace, now)
+        parent.children[self._child_key(parent, key, pos, namespace)] = leaf
+        self._num_nodes += 1
+        self._evictable_size += len(leaf.key)
+        self._push_candidate(leaf)
+        return leaf
+
+    @staticmethod
+    def _is_device_leaf(node: TreeNode) -> bool:
+        """On the device with no child on the device (the eviction candidates, when unlocked)."""
+        if node.host_pages is not None:
+            return False
+        return not node.children or not any(child.host_pages is None for child in node.children.values())
+
     def _push_candidate(self, node: TreeNode) -> None:
         if not node._in_heap:
             node._in_heap = True
             heapq.heappush(self._heap, (node.last_access_time, node.id, node))
+            if len(self._heap) > 2 * self._num_nodes + 64:
+                self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        """Keep only current candidates, so the next compaction is at least `num_nodes` pushes away."""
+        kept = []
+        for entry in self._heap:
+            node = entry[2]
+            if node.parent is not None and node.lock_ref == 0 and self._is_device_leaf(node):
+                kept.append(entry)
+            else:
+                node._in_heap = False
+        self._heap[:] = kept  # in place: `evict` holds a reference to the list
+        heapq.heapify(self._heap)

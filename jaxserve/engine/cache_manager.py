@@ -6,6 +6,10 @@ The scheduler asks this manager, never the allocator or the tree directly:
     cache_prefix(req)   after a prefill chunk: insert the computed prefix into the tree and lock it
     release(req)        on finish or retraction: insert what was computed, unlock, free the rest
 
+The release policy (jaxserve/cache/release_policy.py) hooks in here when given: eviction soft-frees to
+the host tier first, a match recalls host-resident nodes and copies a partly matched page
+(copy-on-write), release may keep a short tail, and admission respects the frozen-ratio cap.
+
 Every page is at any time in exactly one place: the free list, the tree, or the private tail of one
 request's page table (pages past the part that the tree holds). `check_integrity` asserts it.
 """
@@ -14,19 +18,26 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxserve.cache.freezing import path_len
 from jaxserve.cache.kv_pool import PageAllocator
-from jaxserve.cache.radix_tree import RadixCache
+from jaxserve.cache.radix_tree import RadixCache, TreeNode
+from jaxserve.cache.release_policy import PolicyMatch, RadixCacheStats, ReleasePolicy
 from jaxserve.engine.request import Req
 
 
 class CacheManager:
     """Owns page ownership for requests (see the module docstring)."""
 
-    def __init__(self, allocator: PageAllocator, tree: RadixCache, page_size: int):
+    def __init__(
+        self, allocator: PageAllocator, tree: RadixCache, page_size: int, policy: ReleasePolicy | None = None
+    ):
         self.allocator = allocator
         self.tree = tree
         self.page_size = page_size
+        self.policy = policy if not tree.disable else None
         self.num_evicted_tokens = 0
+        # rid -> (lookup tokens, match) of a request matched but not run yet (for the hit rates)
+        self._unadmitted: dict[str, tuple[int, PolicyMatch]] = {}
 
     # ---- capacity -------------------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -54,11 +65,24 @@ class CacheManager:
         req.last_node = result.last_node
         req.page_table = [int(p) for p in result.pages]
         req.kv_len = result.num_tokens
-        return result.num_tokens
+        if self.policy is not None:
+            m = self.policy.extend_match(result, key, req.namespace)
+            req.last_node = m.last_node
+            req.page_table = [int(p) for p in m.pages] + ([int(m.cow_page)] if m.cow_page is not None else [])
+            req.kv_len = m.num_tokens + m.num_cow_tokens
+            self._unadmitted[req.rid] = (len(key), m)
+        return req.kv_len
 
     def peek_prefix_len(self, req: Req) -> int:
-        """Length of the cached prefix of `req` without locking it (for scheduling policies)."""
-        return self.tree.match_prefix(req.fill_ids[: len(req.fill_ids) - 1], req.namespace).num_tokens
+        """Length of the cached prefix of `req` (host tier included) without locking it (for scheduling policies)."""
+        result = self.tree.match_prefix(req.fill_ids[: len(req.fill_ids) - 1], req.namespace)
+        return result.num_tokens + result.num_host_tokens
+
+    def can_freeze(self, req: Req, num_new_tokens: int) -> bool:
+        """Whether freezing `num_new_tokens` more prompt tokens of matched `req` fits the frozen-ratio cap."""
+        if self.policy is None:
+            return True
+        return self.policy.can_freeze(num_new_tokens, path_len(req.last_node))
 
     def can_grow(self, num_pages: int) -> bool:
         return num_pages * self.page_size <= self.available_tokens()
@@ -76,17 +100,23 @@ class CacheManager:
     def _reserve(self, num_pages: int) -> bool:
         short = num_pages - self.allocator.num_free
         if short > 0:
-            freed = self.tree.evict(short * self.page_size)
-            self.num_evicted_tokens += len(freed) * self.page_size
-            self.allocator.free(freed)
+            before = self.allocator.num_free
+            if self.policy is not None:
+                self.policy.reserve(num_pages)
+            else:
+                self.allocator.free(self.tree.evict(short * self.page_size))
+            self.num_evicted_tokens += (self.allocator.num_free - before) * self.page_size
         return self.allocator.can_allocate(num_pages)
 
     def cache_prefix(self, req: Req) -> None:
         """Insert the computed, page-aligned prefix of `req` into the tree and move its lock there."""
+        if self.policy is not None and req.rid in self._unadmitted:
+            self.policy.record_lookup(*self._unadmitted.pop(req.rid))
         self._insert(req, keep_tail=True)
 
     def release(self, req: Req) -> None:
         """On finish or retraction: insert the computed prefix, unlock, free all private pages."""
+        self._unadmitted.pop(req.rid, None)
         self._insert(req, keep_tail=False)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = None
@@ -104,17 +134,46 @@ class CacheManager:
         key = req.fill_ids[:num_aligned]
         result = self.tree.insert(key, np.asarray(req.page_table[:num_pages], np.int32), req.namespace)
         self.allocator.free(result.duplicate_pages)
+        if self.policy is not None:
+            self.policy.on_insert(result)
         tail = req.page_table[num_pages:]
         if keep_tail:
             # the tree may hold other pages for the part it already had: switch to them
-            match = self.tree.match_prefix(key, req.namespace)
-            assert match.num_tokens == num_aligned, (match.num_tokens, num_aligned)
-            self.tree.inc_lock_ref(match.last_node)
+            assert path_len(result.last_node) == num_aligned, (path_len(result.last_node), num_aligned)
+            self.tree.inc_lock_ref(result.last_node)
             self.tree.dec_lock_ref(req.last_node)
-            req.last_node = match.last_node
-            req.page_table = [int(p) for p in match.pages] + tail
-        else:
-            self.allocator.free(tail)
+            req.last_node = result.last_node
+            req.page_table = [int(p) for p in _path_pages(result.last_node)] + tail
+            return
+        tail_key = req.fill_ids[num_aligned : req.kv_len]
+        if tail and tail_key and self.policy is not None and self.policy.keep_tail(result.last_node, tail_key, req.namespace):
+            kept = self.tree.insert_tail(result.last_node, tail_key, tail[0], req.namespace)
+            self.allocator.free(kept.duplicate_pages)
+            tail = tail[1:]
+        self.allocator.free(tail)
+
+    # ---- maintenance and visibility -------------------------------------------------------------
+    def on_schedule(self, num_running: int) -> None:
+        """Once per scheduler iteration: the release policy's lightweight check."""
+        if self.policy is not None:
+            self.policy.on_schedule(num_running)
+
+    @property
+    def release_mode(self) -> str:
+        """The release policy's adaptive mode ("off" without a policy)."""
+        return self.policy.mode.value if self.policy is not None else "off"
+
+    def radix_cache_stats(self, live_reqs) -> RadixCacheStats | None:
+        """The release policy's stats snapshot (None without a policy); `live_reqs` are the running
+        requests, whose private pages count in the block utilization."""
+        if self.policy is None:
+            return None
+        private = sum(r.kv_len - path_len(r.last_node) for r in live_reqs if r.last_node is not None)
+        return self.policy.stats(private)
+
+    def flush(self) -> None:
+        """Drop every cached prefix, on both tiers. Raises RuntimeError while any prefix is locked."""
+        self.allocator.free(self.policy.flush() if self.policy is not None else self.tree.reset())
 
     def check_integrity(self, live_reqs) -> None:
         """Assert that free list, tree and private request pages partition the usable pages exactly."""
@@ -134,3 +193,16 @@ class CacheManager:
         assert not free & set(owners), f"pages both free and owned: {sorted(free & set(owners))[:10]}"
         total = len(free) + len(owners)
         assert total == self.allocator.num_usable, f"{self.allocator.num_usable - total} pages leaked"
+        host = self.policy.host if self.policy is not None else None
+        if host is not None:
+            held = sum(len(n.host_pages) for n in self.tree.iter_nodes() if not n.is_on_device)
+            assert held == host.num_used, f"host tier: {host.num_used} pages used, the tree holds {held}"
+
+
+def _path_pages(node: TreeNode) -> np.ndarray:
+    """Device page ids from the root down to `node` (all on the device), in sequence order."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.pages)
+        node = node.parent
+    return np.concatenate(parts[::-1]) if parts else np.zeros((0,), np.int32)

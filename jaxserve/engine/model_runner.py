@@ -17,9 +17,11 @@ For research code: `forward_step` is the pure function that gets jitted; call it
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import time
 from typing import Callable, NamedTuple, Sequence
 
@@ -281,20 +283,89 @@ class ModelRunner:
         """
         buckets = [k for k in self.all_buckets() if (k, False) not in self._step_exec]
         bar = tqdm(total=len(buckets) + len(sampler_variants), desc="Compiling", unit="bucket", disable=not show_progress)
+        jobs: list[tuple[object, Callable]] = []
         for key in buckets:
             batch, got = self.build_forward_batch(self.dummy_entries(key))
             assert got == key, (got, key)
-            self._compile_step(key, batch)
-            bar.update()
+            jobs.append(((key, False), self._step_jit[False].lower(self.params, self.k_pool, self.v_pool, batch)))
         for sampling, flags in sampler_variants:
             s = sampling.temperature.shape[0]
             logits = jnp.zeros((s, self.config.vocab_size), jnp.float32)
             key = (s, flags, jax.tree.map(lambda x: x.shape, sampling))
             if key not in self._sample_exec:
-                self._sample_exec[key] = self._sample_jit.lower(logits, sampling, flags).compile()
-            bar.update()
+                jobs.append((key, self._sample_jit.lower(logits, sampling, flags)))
+        # XLA compiles outside the GIL: one worker per core roughly divides start-up time by the cores
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            futures = {pool.submit(lowered.compile): key for key, lowered in jobs}
+            for fut in concurrent.futures.as_completed(futures):
+                key = futures[fut]
+                table = self._step_exec if isinstance(key[0], BucketKey) else self._sample_exec
+                table[key] = fut.result()
+                bar.update()
+        self.compile_seconds += time.perf_counter() - t0
         bar.close()
         self.warmed_up = True
 
     def mark_warmed_up(self) -> None:
         self.warmed_up = True
+
+    # ---- KV page copies (release policy, issue 8) ------------------------------------------------
+    # `KVPageIO` (jaxserve/cache/page_io.py) over the device pools: the host tier's device <-> host
+    # copies and copy-on-write of a partly matched page. Page counts are padded to powers of two with
+    # the dummy page 0, so each bucket compiles once; writes are donated updates of the pools.
+
+    def read_pages(self, pages) -> "DevicePageRead":
+        """Start copying K/V of `pages` to the host (`copy_to_host_async`); finish with `.result()`."""
+        idx = _padded_page_ids(pages)
+        k, v = _gather_pages_jit(self.k_pool, self.v_pool, jnp.asarray(idx))
+        k.copy_to_host_async()
+        v.copy_to_host_async()
+        return DevicePageRead(k, v)
+
+    def write_pages(self, pages, k: np.ndarray, v: np.ndarray) -> None:
+        """Write host K/V `[L, len(pages), ps, KVH, D]` into device `pages`."""
+        idx = _padded_page_ids(pages)
+        n, pad = len(pages), len(idx) - len(pages)
+        if pad:
+            widths = [(0, 0), (0, pad)] + [(0, 0)] * (k.ndim - 2)
+            k, v = np.pad(k[:, :n], widths), np.pad(v[:, :n], widths)
+        self.k_pool, self.v_pool = _scatter_pages_jit(self.k_pool, self.v_pool, jnp.asarray(idx), k, v)
+
+    def copy_pages(self, src, dst) -> None:
+        """Copy device pages `src` onto `dst` (whole pages, K and V)."""
+        src_idx, dst_idx = _padded_page_ids(src), _padded_page_ids(dst)
+        self.k_pool, self.v_pool = _copy_pages_jit(self.k_pool, self.v_pool, jnp.asarray(src_idx), jnp.asarray(dst_idx))
+
+
+class DevicePageRead:
+    """A device -> host copy of K/V pages in flight (`PendingRead`)."""
+
+    def __init__(self, k: jax.Array, v: jax.Array):
+        self._k, self._v = k, v
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(self._k), np.asarray(self._v)
+
+
+def _padded_page_ids(pages) -> np.ndarray:
+    pages = np.asarray(pages, np.int32).reshape(-1)
+    out = np.zeros(pow2_at_least(len(pages)), np.int32)
+    out[: len(pages)] = pages
+    return out
+
+
+@jax.jit
+def _gather_pages_jit(k_pool, v_pool, pages):
+    # [L, N, ps, KVH, D] -> [L, n, ps, KVH, D]
+    return k_pool[:, pages], v_pool[:, pages]
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _scatter_pages_jit(k_pool, v_pool, pages, k, v):
+    return k_pool.at[:, pages].set(k.astype(k_pool.dtype)), v_pool.at[:, pages].set(v.astype(v_pool.dtype))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _copy_pages_jit(k_pool, v_pool, src, dst):
+    return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])

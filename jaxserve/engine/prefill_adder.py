@@ -48,7 +48,7 @@ class PrefillAdder:
         self.cache.match(req)
         remaining = len(req.fill_ids) - req.kv_len
         reserve = int(req.remaining_new_tokens() * self.new_token_ratio)
-        if remaining + reserve > self.kv_budget_tokens:
+        if remaining + reserve > self.kv_budget_tokens or not self.cache.can_freeze(req, remaining):
             self.cache.release(req)
             return AddResult.NO_KV
         result = self._add(req, remaining, first_admission=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -81,6 +82,8 @@ class SamplingParams:
         _check_type("n", self.n, int)
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             _check_type(name, getattr(self, name), (int, float))
+            if not math.isfinite(getattr(self, name)):
+                raise SamplingParamsError(name, f"must be a finite number, got {getattr(self, name)}")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             _check_type(name, getattr(self, name), bool)
         if self.seed is not None:

@@ -99,6 +99,7 @@ class Scheduler:
     # ---- batch selection ------------------------------------------------------------------------
     def schedule(self) -> ScheduleBatch | None:
         """The next batch to run, or None when there is nothing to do."""
+        self.cache.on_schedule(self.num_running)  # KV release policy: mode, copies, proactive release
         want_prefill = bool(self.waiting or self.chunked_req)
         alternate = self._last_was_prefill and self.running and not self.config.enable_mixed_chunk
         if want_prefill and not alternate:

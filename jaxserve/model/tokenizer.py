@@ -83,7 +83,9 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None, use_cache
     if use_cache and (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     logger.info("building the tokenizer from GGUF metadata (once; cached afterwards)")
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    from jaxserve.model.gguf_tokenizer import tokenizer_from_gguf
+
+    tok = tokenizer_from_gguf(path)
     if use_cache:
         try:
             tok.save_pretrained(str(cached))

@@ -106,6 +106,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}", 400, code="invalid_json") from None
+    except RecursionError:
+        raise APIError("the request body is nested too deeply", 400, code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}", 400, code="invalid_json")
     return body
