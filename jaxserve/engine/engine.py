@@ -165,8 +165,9 @@ class Engine:
             SchedulerConfig(
                 page_size=args.page_size,
                 max_running_requests=args.max_running_requests,
-                max_prefill_tokens=args.max_prefill_tokens,
-                chunked_prefill_size=args.chunked_prefill_size,
+                # the token budget of a step never exceeds the largest compiled extend bucket
+                max_prefill_tokens=min(args.max_prefill_tokens, self.context_length),
+                chunked_prefill_size=min(args.chunked_prefill_size, self.context_length),
                 enable_mixed_chunk=args.enable_mixed_chunk,
                 schedule_policy=args.schedule_policy,
                 disable_radix_cache=args.disable_radix_cache,
