@@ -18,6 +18,7 @@ import re
 import jsonschema
 import pytest
 
+from tests.constrained.random_walk import max_structural_whitespace_run
 from jaxserve.constrained import InvalidGrammarError
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import SamplingParams, SamplingParamsError
@@ -44,25 +45,7 @@ def chat(engine: Engine, message: str) -> str:
     )
 
 
-def longest_whitespace_run_outside_strings(text: str) -> int:
-    """Longest run of JSON whitespace between tokens (characters inside string literals do not count)."""
-    longest = run = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch in " \t\r\n":
-            run += 1
-            longest = max(longest, run)
-        else:
-            run = 0
-            in_string = ch == '"'
-    return longest
+longest_whitespace_run_outside_strings = max_structural_whitespace_run
 
 
 @contextlib.contextmanager
