@@ -1,0 +1,85 @@
+"""/metrics against the real server: exact counters, cumulative hit rate, and bench_serving's totals."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import wait_idle
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
+
+
+def scrape(http) -> dict[str, float]:
+    """Every sample of /metrics parsed by prometheus-client's own text parser: name -> value."""
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            assert sample.labels.get("model_name"), f"{sample.name} has no model_name label"
+            if sample.name.endswith("_bucket"):
+                continue
+            out[sample.name] = sample.value
+    return out
+
+
+def counter_delta(before: dict, after: dict, name: str) -> float:
+    return after[f"jaxserve_{name}"] - before.get(f"jaxserve_{name}", 0.0)
+
+
+def test_counters_equal_known_totals(http):
+    wait_idle(http)
+    before = scrape(http)
+    prompts = [[100 + i] * (5 + 3 * i) for i in range(4)]
+    for p in prompts:
+        r = http.post("/generate", json={"input_ids": p, "sampling_params": {"max_new_tokens": 7, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+    wait_idle(http)
+    after = scrape(http)
+    assert counter_delta(before, after, "prompt_tokens_total") == sum(map(len, prompts))
+    assert counter_delta(before, after, "generation_tokens_total") == 7 * len(prompts)
+    assert counter_delta(before, after, "num_requests_total") == len(prompts)
+    assert after["jaxserve_num_running_reqs"] == 0
+    assert after["jaxserve_time_to_first_token_seconds_count"] - before.get("jaxserve_time_to_first_token_seconds_count", 0) == 4
+    # cumulative over the lifetime, not the last batch
+    rate = after["jaxserve_cached_tokens_total"] / after["jaxserve_prompt_tokens_total"]
+    assert after["jaxserve_cache_hit_rate"] == pytest.approx(rate)
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_serving_for_metrics", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script executes
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dataset", ["random", "generated-shared-prefix", "sharegpt"])
+def test_bench_serving_totals_equal_server_counters(http, base_url, tmp_path, dataset, tiny_model_dir):
+    bench = load_bench()
+    args = ["--backend", "jaxserve", "--base-url", base_url, "--dataset-name", dataset, "--num-prompts", "4",
+            "--max-concurrency", "2", "--disable-tqdm", "--seed", "3", "--warmup-requests", "0",
+            "--tokenizer", tiny_model_dir, "--random-input-len", "24", "--random-output-len", "5",
+            "--gsp-num-groups", "2", "--gsp-prompts-per-group", "2", "--gsp-system-prompt-len", "32",
+            "--gsp-question-len", "8", "--gsp-output-len", "5", "--sharegpt-output-len", "5"]
+    if dataset == "sharegpt":
+        convs = [{"conversations": [{"from": "human", "value": f"Tell me about the number {i} and its friends."},
+                                    {"from": "gpt", "value": "It is a fine number, one of many."}]} for i in range(6)]
+        path = tmp_path / "sharegpt.json"
+        path.write_text(json.dumps(convs))
+        args += ["--dataset-path", str(path)]
+    wait_idle(http)
+    before = scrape(http)
+    record = bench.main(args)
+    wait_idle(http)
+    after = scrape(http)
+    assert record["completed"] == 4 and record["failed"] == 0
+    assert record["total_input_tokens"] == counter_delta(before, after, "prompt_tokens_total")
+    assert record["total_output_tokens"] == counter_delta(before, after, "generation_tokens_total")
+    assert record["total_cached_tokens"] == counter_delta(before, after, "cached_tokens_total")
