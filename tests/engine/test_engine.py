@@ -181,3 +181,13 @@ def test_prompt_and_output_logprobs_match_transformers(engine, tiny_model_dir):
     np.testing.assert_allclose(ours_out, [ref[p, t] for p, t in zip(pos, final.output_ids)], atol=1e-4)
     top = meta.output_top_logprobs[0]
     assert [t for _, t in top] == list(np.argsort(-ref[pos[0]])[:3])
+
+
+def test_pallas_backend_matches_xla_end_to_end(tiny_model_dir):
+    """The engine with --attention-backend pallas (interpret mode on CPU) gives the XLA path's tokens."""
+    prompts = mixed_prompts(3, seed=11)
+    kw = dict(max_total_tokens=512, max_running_requests=4, chunked_prefill_size=32, context_length=128)
+    params = {"max_new_tokens": 4, "temperature": 0}
+    xla = make_engine(tiny_model_dir, attention_backend="xla", **kw).generate([p[:100] for p in prompts], params)
+    pallas = make_engine(tiny_model_dir, attention_backend="pallas", **kw).generate([p[:100] for p in prompts], params)
+    assert [o["output_ids"] for o in pallas] == [o["output_ids"] for o in xla]
