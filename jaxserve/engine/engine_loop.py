@@ -73,6 +73,7 @@ class EngineLoad:
     last_step_time: float | None = None  # time.time() of the last step that ran a batch
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
     snapshot: Any = None  # the engine's own `EngineSnapshot` (for /metrics), where it has one
+    radix_cache: Any = None  # the release policy's `RadixCacheStats`, refreshed at most once a second
 
 
 @dataclasses.dataclass
@@ -101,6 +102,8 @@ class EngineLoop:
         self._num_step_failures = 0
         self._last_step_time: float | None = None
         self._observers: list[OutputCallback] = []
+        self._radix_stats = None
+        self._radix_stats_time = float("-inf")
 
     # ---- what the server reads (immutable after construction) ------------------------------------
     @property
@@ -411,4 +414,13 @@ class EngineLoop:
             last_step_time=self._last_step_time,
             stats=dataclasses.replace(engine.stats),
             snapshot=engine.snapshot() if hasattr(engine, "snapshot") else None,
+            radix_cache=self._radix_cache_stats(),
         )
+
+    def _radix_cache_stats(self):
+        """The tree walk costs O(nodes), so it runs here on the loop thread at most once a second."""
+        now = time.monotonic()
+        if now - self._radix_stats_time >= 1.0 and hasattr(self.engine, "radix_cache_stats"):
+            self._radix_stats = self.engine.radix_cache_stats()
+            self._radix_stats_time = now
+        return self._radix_stats

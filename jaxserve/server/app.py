@@ -171,7 +171,7 @@ def _metrics_endpoint(engine_loop: EngineLoop, model_name: str):
     observe every output on the loop thread."""
     from jaxserve.server.metrics import CONTENT_TYPE, ServingMetrics
 
-    metrics = ServingMetrics(lambda: engine_loop.load().snapshot, model_name)
+    metrics = ServingMetrics(lambda: engine_loop.load().snapshot, model_name, lambda: engine_loop.load().radix_cache)
     engine_loop.add_output_observer(metrics.observe)
 
     async def endpoint(request: Request) -> Response:

@@ -62,17 +62,77 @@ class _EngineCollector(Collector):
             yield from self._extra_fn(self._labels)
 
 
+_RECALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class RadixCacheExporter:
+    """`jaxserve_radix_cache_*` from the release policy's `RadixCacheStats` (issue 8's names).
+
+    Cumulative byte totals (`soft_freed_bytes`, `recalled_bytes`) are exported as gauges under those
+    exact names; merges and evictions are counters (`_merge_count_total`, `_eviction_count_total`);
+    cached tokens by tier are `jaxserve_radix_cache_cached_tokens_total{tier="device"|"host"}`.
+    Recall latencies feed the `_recall_latency_seconds` histogram at scrape time.
+    """
+
+    def __init__(self, stats_fn: Callable, registry: CollectorRegistry, model_name: str):
+        self._stats_fn = stats_fn
+        self._seen_recalls = 0
+        self._recall = Histogram(
+            "jaxserve_radix_cache_recall_latency_seconds", "Host -> device recall latency",
+            labelnames=["model_name"], buckets=_RECALL_BUCKETS, registry=registry,
+        ).labels(model_name)
+
+    def families(self, labels: list[str]) -> Iterable:
+        s = self._stats_fn()
+        if s is None:
+            return
+        new = s.num_recalls - self._seen_recalls
+        if new > 0:
+            for latency in s.recall_latency_s[-min(new, len(s.recall_latency_s)):]:
+                self._recall.observe(latency)
+            self._seen_recalls = s.num_recalls
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            m = GaugeMetricFamily(f"jaxserve_radix_cache_{name}", doc, labels=["model_name"])
+            m.add_metric(labels, value)
+            return m
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            m = CounterMetricFamily(f"jaxserve_radix_cache_{name}", doc, labels=["model_name"])
+            m.add_metric(labels, value)
+            return m
+
+        yield gauge("nodes_total", "Nodes in the radix tree", s.nodes_total)
+        yield gauge("shared_ratio", "Share of nodes matched by more than the request that inserted them", s.shared_ratio)
+        yield gauge("frozen_nodes", "Locked (frozen) nodes", s.frozen_nodes)
+        yield gauge("soft_freed_bytes", "Bytes moved device -> host tier (cumulative)", s.soft_freed_bytes)
+        yield gauge("recalled_bytes", "Bytes recalled host -> device (cumulative)", s.recalled_bytes)
+        yield counter("merge_count", "Single-child chains merged", s.merge_count)
+        yield counter("eviction_count", "Nodes dropped for good", s.eviction_count)
+        yield gauge("hit_rate", "Cached / looked-up tokens (all tiers)", s.hit_rate)
+        yield gauge("num_blocks_used", "Device KV pages allocated", s.num_blocks_used)
+        yield gauge("block_utilization", "Used token slots / slots of allocated pages", s.block_utilization)
+        tiers = CounterMetricFamily("jaxserve_radix_cache_cached_tokens", "Cached prompt tokens by tier",
+                                    labels=["model_name", "tier"])
+        tiers.add_metric(labels + ["device"], s.cached_hit_tokens - s.host_hit_tokens)
+        tiers.add_metric(labels + ["host"], s.host_hit_tokens)
+        yield tiers
+
+
 class ServingMetrics:
     """The registry behind /metrics plus the latency observer fed with every engine output.
 
     Args:
         snapshot_fn: returns an `EngineSnapshot` (thread-safe read).
         model_name: value of the `model_name` label.
-        extra_fn: optional generator of more metric families (e.g. the radix cache's), given the labels.
+        radix_stats_fn: returns the release policy's `RadixCacheStats` (or None), for `jaxserve_radix_cache_*`.
     """
 
-    def __init__(self, snapshot_fn: Callable, model_name: str, extra_fn: Callable | None = None):
+    def __init__(self, snapshot_fn: Callable, model_name: str, radix_stats_fn: Callable | None = None):
         self.registry = CollectorRegistry()
+        extra_fn = None
+        if radix_stats_fn is not None:
+            extra_fn = RadixCacheExporter(radix_stats_fn, self.registry, model_name).families
         self.registry.register(_EngineCollector(snapshot_fn, model_name, extra_fn))
         self._model_name = model_name
         kw = dict(labelnames=["model_name"], registry=self.registry)

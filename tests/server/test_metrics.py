@@ -83,3 +83,20 @@ def test_bench_serving_totals_equal_server_counters(http, base_url, tmp_path, da
     assert record["total_input_tokens"] == counter_delta(before, after, "prompt_tokens_total")
     assert record["total_output_tokens"] == counter_delta(before, after, "generation_tokens_total")
     assert record["total_cached_tokens"] == counter_delta(before, after, "cached_tokens_total")
+
+
+def test_radix_cache_metrics_are_exported(http):
+    prompt = [7] * 40
+    for _ in range(2):
+        http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})
+    wait_idle(http)
+    import time
+
+    time.sleep(1.2)  # the radix stats refresh at most once a second
+    http.post("/generate", json={"input_ids": [8, 9], "sampling_params": {"max_new_tokens": 1}})
+    values = scrape(http)
+    for name in ("nodes_total", "shared_ratio", "frozen_nodes", "soft_freed_bytes", "recalled_bytes",
+                 "merge_count_total", "eviction_count_total", "hit_rate", "num_blocks_used", "block_utilization"):
+        assert f"jaxserve_radix_cache_{name}" in values, name
+    assert values["jaxserve_radix_cache_nodes_total"] >= 1
+    assert "jaxserve_radix_cache_recall_latency_seconds_count" in values
