@@ -168,7 +168,9 @@ def test_release_policy_machine_page_size_1():
 
 def test_release_policy_machine_page_size_4():
     seen = run_machine(4, 80)
-    assert all(seen.values()), str(seen)
+    # merges and tails depend on how long steps take (the policy's clock), so under a loaded machine a
+    # run may see none; test_release_policy.py covers them deterministically with a fake clock
+    assert seen["recalls"] and seen["drops"] and seen["soft_freed"] and seen["cow_tokens"], str(seen)
 
 
 def test_cow_matches_page_size_1_hits():
