@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import itertools
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -216,7 +216,3 @@ def finish_length(length: int) -> dict:
 
 def finish_abort(message: str) -> dict:
     return {"type": "abort", "message": message}
-
-
-def as_token_lists(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-    return [list(map(int, p)) for p in prompts]

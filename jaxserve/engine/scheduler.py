@@ -16,7 +16,6 @@ import logging
 import random
 from dataclasses import dataclass
 
-from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.model_runner import BatchEntry
 from jaxserve.engine.prefill_adder import AddResult, PrefillAdder
@@ -253,7 +252,3 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def make_radix_cache(page_size: int, disable: bool) -> RadixCache:
-    return RadixCache(page_size=page_size, disable=disable)

@@ -18,7 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int32
+from jaxtyping import Array, Float
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch

@@ -306,12 +306,8 @@ def _restore(cache_dir: Path) -> tuple[ModelConfig, ModelParams]:
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
     config = ModelConfig(**raw)
     with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(cache_dir.absolute() / "params")
-        tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
         restored = ckptr.restore(cache_dir.absolute() / "params")
-    del tree
-    params = _params_from_tree(restored)
-    return config, params
+    return config, _params_from_tree(restored)
 
 
 def _params_from_tree(tree) -> ModelParams:
