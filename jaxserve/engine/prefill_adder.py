@@ -40,13 +40,13 @@ class PrefillAdder:
 
     def add_continuing(self, req: Req) -> AddResult:
         """The next chunk of the request chunked in an earlier batch (already matched and locked)."""
-        remaining = len(req.fill_ids) - req.kv_len
+        remaining = req.fill_len - req.kv_len
         return self._add(req, remaining, first_admission=False)
 
     def add_new(self, req: Req) -> AddResult:
         """Match the cached prefix of a waiting request and admit as much of it as the budgets allow."""
         self.cache.match(req)
-        remaining = len(req.fill_ids) - req.kv_len
+        remaining = req.fill_len - req.kv_len
         reserve = int(req.remaining_new_tokens() * self.new_token_ratio)
         if remaining + reserve > self.kv_budget_tokens or not self.cache.can_freeze(req, remaining):
             self.cache.release(req)

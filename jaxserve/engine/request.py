@@ -185,6 +185,18 @@ class Req:
         """Prompt + generated tokens: what must be in the KV cache before the next decode."""
         return self.input_ids + self.output_ids
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without concatenating prompt and output (start, end >= 0)."""
+        n = len(self.input_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.input_ids[start:end] + (self.output_ids[: end - n] if end > n else [])
+
+    @property
+    def fill_len(self) -> int:
+        """len(fill_ids) without building the list (the scheduler asks for it every step)."""
+        return len(self.input_ids) + len(self.output_ids)
+
     @property
     def wants_input_logprobs(self) -> bool:
         """Prompt logprobs were asked for (`return_logprob` with `logprob_start_len >= 0`)."""

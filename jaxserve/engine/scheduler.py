@@ -46,9 +46,8 @@ class ScheduleBatch:
     def entries(self, with_targets: bool = False) -> list[BatchEntry]:
         out = []
         for r, n in zip(self.reqs, self.extend_lens):
-            ids = r.fill_ids
-            targets = ids[r.kv_len + 1 : r.kv_len + n + 1] if with_targets else None
-            out.append(BatchEntry(ids[r.kv_len : r.kv_len + n], r.kv_len, r.page_table, targets))
+            targets = r.fill_slice(r.kv_len + 1, r.kv_len + n + 1) if with_targets else None
+            out.append(BatchEntry(r.fill_slice(r.kv_len, r.kv_len + n), r.kv_len, r.page_table, targets))
         return out
 
 
@@ -187,17 +186,17 @@ class Scheduler:
         """
         reqs, budget = [], self._token_budget()
         for r in self.running:
-            n = len(r.fill_ids) - r.kv_len
+            n = r.fill_len - r.kv_len
             if n == 1 or n <= budget - len(self.running):
                 reqs.append(r)
                 budget -= n - 1
-        need = sum(self.cache.pages_needed(r, len(r.fill_ids)) for r in reqs)
+        need = sum(self.cache.pages_needed(r, r.fill_len) for r in reqs)
         while not self.cache.can_grow(need) and len(reqs) > 1:
             victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             reqs.remove(victim)
             self.retract(victim)
-            need = sum(self.cache.pages_needed(r, len(r.fill_ids)) for r in reqs)
-        ready = [r for r in reqs if self.cache.grow(r, len(r.fill_ids))]
+            need = sum(self.cache.pages_needed(r, r.fill_len) for r in reqs)
+        ready = [r for r in reqs if self.cache.grow(r, r.fill_len)]
         if len(ready) < len(reqs):
             raise RuntimeError("KV pool cannot hold a single decoding request; raise --max-total-tokens")
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
@@ -221,7 +220,7 @@ class Scheduler:
         for req, n in zip(batch.reqs, batch.extend_lens):
             was_prefilling = req not in self.running
             req.kv_len += n
-            complete = req.kv_len == len(req.fill_ids)
+            complete = req.kv_len == req.fill_len
             if was_prefilling:
                 self.cache.cache_prefix(req)
                 if complete:
@@ -243,7 +242,7 @@ class Scheduler:
 
 
 def _new_token_lens(reqs: list[Req]) -> list[int]:
-    return [len(r.fill_ids) - r.kv_len for r in reqs]
+    return [r.fill_len - r.kv_len for r in reqs]
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
