@@ -1,8 +1,8 @@
 """Pure-XLA ragged paged attention: the CPU fast path and the reference the Pallas kernel is tested against.
 
-Each query block gathers the pages of its own sequence from the pool and runs a masked softmax over
-them, so cost is `NB * Bq * P * page_size`: proportional to the tokens of the step times the kv bucket
-of their own sequence, never to the whole batch's KV.
+Each query block reads the pages of its own sequence from the pool, a block of keys at a time, up to its
+last causal position: cost is proportional to the step's tokens times the KV each one attends to, never
+to the whole batch's KV or to the bucket's padding.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Int32
 from jaxserve.pallas.metadata import AttentionMetadata
 
 _MASK_VALUE = -1e30
+KV_BLOCK_TOKENS = 256  # keys per inner-loop step of the XLA path; measured best of 128/256/1024 on CPU
 
 
 def write_kv(
@@ -44,31 +45,68 @@ def ragged_paged_attention_xla(
     layer: Int32[Array, ""],
     meta: AttentionMetadata,
     sm_scale: float,
+    kv_block: int = KV_BLOCK_TOKENS,
 ) -> Float[Array, "T H D"]:
     """Causal attention of each packed query token over its sequence's KV in layer `layer` of the pool.
 
     The K/V of this step's tokens must already be written (see `write_kv`). Query heads are grouped over
-    kv heads (GQA, `H = KVH * G`). Softmax is computed in float32. Rows of padding tokens hold garbage.
+    kv heads (GQA, `H = KVH * G`). Rows of padding tokens hold garbage.
+
+    Algorithm: flash attention (Dao et al., 2022) run as XLA loops. For each query block, a loop over
+    blocks of `kv_block` tokens of its own sequence keeps a running max, denominator and output in
+    float32 (the online softmax), and stops at the block's last causal position. So a block reads only
+    the KV it attends to: padding blocks (no rows) cost nothing, the pages a shorter sequence leaves
+    unused in the bucket are never read, and a prefill does about half the work of a full square.
+    Materializing every block's whole KV bucket at once was 5-30x slower on CPU (docs/benchmarks.md).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_pool.shape
     group = num_heads // num_kv_heads
     num_blocks, block_q = meta.block_token_idx.shape
     pages_per_seq = meta.page_table.shape[1]
-    kv_len = pages_per_seq * page_size
+    pages_per_chunk = max(1, min(kv_block // page_size, pages_per_seq))
+    chunk = pages_per_chunk * page_size
+    # Pad the page table to whole chunks; the extra entries read the dummy page and are masked.
+    page_table = jnp.pad(meta.page_table, ((0, 0), (0, -pages_per_seq % pages_per_chunk)))
 
+    # Rows of a block are laid out head-group-major, [KVH, G * Bq, D], so each kv head is one matmul.
     qb = q[meta.block_token_idx].reshape(num_blocks, block_q, num_kv_heads, group, head_dim)
-    pages = meta.page_table[meta.block_seq_id]  # [NB, P]
-    k = k_pool[layer, pages].reshape(num_blocks, kv_len, num_kv_heads, head_dim)
-    v = v_pool[layer, pages].reshape(num_blocks, kv_len, num_kv_heads, head_dim)
+    qb = qb.transpose(0, 2, 3, 1, 4).reshape(num_blocks, num_kv_heads, group * block_q, head_dim)
+    row_offset = jnp.tile(jnp.arange(block_q, dtype=jnp.int32), group)  # [G * Bq] query row of each row
 
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qb, k, preferred_element_type=jnp.float32) * sm_scale
-    q_pos = meta.block_q_start[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None, :]  # [NB, Bq]
-    kv_pos = jnp.arange(kv_len, dtype=jnp.int32)
-    mask = kv_pos[None, None, :] <= q_pos[:, :, None]  # [NB, Bq, S]
-    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    def attend_block(args):
+        q_blk, seq, q_start, num_q = args
+        q_pos = q_start + row_offset
+        kv_end = jnp.where(num_q > 0, q_start + num_q, 0)  # causal: keys at positions < kv_end
+        num_chunks = (kv_end + chunk - 1) // chunk
+
+        def kv_step(c, carry):
+            run_max, denom, acc = carry
+            pages = jax.lax.dynamic_slice(page_table[seq], (c * pages_per_chunk,), (pages_per_chunk,))
+            # Index the pool directly: slicing out the layer first would copy the whole layer.
+            k = k_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim)
+            v = v_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim)
+            s = jnp.einsum("krd,skd->krs", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
+            kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            s = jnp.where(kv_pos[None, None, :] <= q_pos[None, :, None], s, _MASK_VALUE)
+            new_max = jnp.maximum(run_max, s.max(axis=-1))
+            p = jnp.exp(s - new_max[..., None])
+            rescale = jnp.exp(run_max - new_max)
+            denom = denom * rescale + p.sum(axis=-1)
+            pv = jnp.einsum("krs,skd->krd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            return new_max, denom, acc * rescale[..., None] + pv
+
+        rows = group * block_q
+        init = (
+            jnp.full((num_kv_heads, rows), _MASK_VALUE, jnp.float32),
+            jnp.zeros((num_kv_heads, rows), jnp.float32),
+            jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32),
+        )
+        _, denom, acc = jax.lax.fori_loop(0, num_chunks, kv_step, init)
+        return acc / jnp.maximum(denom, 1e-30)[..., None]
+
+    out = jax.lax.map(attend_block, (qb, meta.block_seq_id, meta.block_q_start, meta.block_num_q))
+    out = out.reshape(num_blocks, num_kv_heads, group, block_q, head_dim).transpose(0, 3, 1, 2, 4)
     out = out.reshape(num_blocks * block_q, num_heads, head_dim)
     return out[meta.token_out_idx].astype(q.dtype)
 
