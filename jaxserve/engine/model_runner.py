@@ -5,10 +5,16 @@ runs one compiled executable per bucket. Executables are compiled ahead of time 
 progress bar) and kept in a dict, so every compile is explicit and counted (`num_compiles_after_warmup`).
 
 Buckets:
-    decode steps   (every sequence adds one token): T = S in powers of two up to max_running_requests,
-                   P (pages per sequence) in powers of two; query blocks of 1 row.
-    extend steps   (prefill chunks, possibly mixed with decodes): T in powers of two up to the chunk
-                   size, S = min(T, max S bucket), P as above; query blocks of EXTEND_BLOCK_Q rows.
+    decode steps   (every sequence adds one token): T = S in powers of two up to max_running_requests;
+                   query blocks of 1 row.
+    extend steps   (prefill chunks, possibly mixed with decodes): T from `extend_token_buckets` (powers
+                   of two, plus 1.5x steps from 128 tokens so a prompt pads by at most a third),
+                   S = min(T, max S bucket); query blocks of EXTEND_BLOCK_Q rows.
+    both           P (page-table width per sequence) in powers of two from MIN_PAGE_BUCKET_TOKENS of
+                   context up to the context length.
+Attention cost does not depend on P: both attention backends loop over each sequence's own pages up
+to its length. P only sizes the page table sent with each step, so its buckets start at 4096 tokens
+(one P bucket for contexts up to 4096) and exist to keep that table small for long contexts.
 The argument pytrees (`ForwardBatch`, `SamplingBatch`) have one structure for the process's lifetime.
 
 For research code: `forward_step` is the pure function that gets jitted; call it under your own
@@ -40,7 +46,7 @@ from jaxserve.pallas.metadata import build_attention_metadata
 logger = logging.getLogger(__name__)
 
 EXTEND_BLOCK_Q = 16
-MIN_PAGE_BUCKET_TOKENS = 256
+MIN_PAGE_BUCKET_TOKENS = 4096
 
 
 def forward_step(
@@ -77,6 +83,17 @@ def pow2_at_least(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     n = max(n, minimum, 1)
     return 1 << (n - 1).bit_length()
+
+
+def extend_token_buckets(lo: int, hi: int) -> list[int]:
+    """Extend-step token buckets from lo to hi (powers of two, both): powers of two, plus the midpoint
+    1.5 x 2^k between 128 and hi, so a step of n >= 128 tokens runs in a bucket < 1.5 n (< 2 n below)."""
+    out = []
+    for t in pow2_range(lo, hi):
+        if t >= 256 and t // 4 * 3 >= 128:
+            out.append(t // 4 * 3)
+        out.append(t)
+    return out
 
 
 def pow2_range(lo: int, hi: int) -> list[int]:
@@ -129,6 +146,7 @@ class ModelRunner:
         self.page_size = k_pool.shape[2]
         self.max_seqs = pow2_at_least(max_running_requests)
         self.max_extend_tokens = pow2_at_least(max_extend_tokens, EXTEND_BLOCK_Q)
+        self.extend_tokens = extend_token_buckets(EXTEND_BLOCK_Q, self.max_extend_tokens)
         self.max_pages = pow2_at_least(-(-context_length // self.page_size))
         self.min_pages = min(self.max_pages, pow2_at_least(MIN_PAGE_BUCKET_TOKENS // self.page_size))
         self._step_jit = {
@@ -160,9 +178,9 @@ class ModelRunner:
             if s > self.max_seqs:
                 raise ValueError(f"{num_seqs} decodes exceed max_running_requests bucket {self.max_seqs}")
             return BucketKey(s, s, pages, 1)
-        t = pow2_at_least(num_tokens, EXTEND_BLOCK_Q)
-        if t > self.max_extend_tokens:
+        if num_tokens > self.max_extend_tokens:
             raise ValueError(f"{num_tokens} tokens exceed the extend bucket {self.max_extend_tokens}")
+        t = next(t for t in self.extend_tokens if t >= num_tokens)
         s = min(t, self.max_seqs)
         if num_seqs > s:
             raise ValueError(f"{num_seqs} sequences exceed bucket {s}")
@@ -173,7 +191,7 @@ class ModelRunner:
         decode = [BucketKey(s, s, p, 1) for s in pow2_range(1, self.max_seqs) for p in pages]
         extend = [
             BucketKey(t, min(t, self.max_seqs), p, EXTEND_BLOCK_Q)
-            for t in pow2_range(EXTEND_BLOCK_Q, self.max_extend_tokens)
+            for t in self.extend_tokens
             for p in pages
         ]
         return decode + extend
