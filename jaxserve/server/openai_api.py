@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -267,11 +267,10 @@ async def completions(request: Request) -> Response:
     return JSONResponse(response.model_dump())
 
 
-async def _completion_stream(group: RequestGroup, req: CompletionRequest, response_id: str, model: str,
-                             echoes: list[str], tokenizer: Any) -> AsyncIterator[str]:
+def _completion_stream(group: RequestGroup, req: CompletionRequest, response_id: str, model: str,
+                       echoes: list[str], tokenizer: Any) -> AsyncIterator[str]:
     index = {rid: i for i, rid in enumerate(group.rids)}
-    sent = dict.fromkeys(group.rids, 0)  # output tokens whose logprobs were sent
-    offsets = {rid: len(echoes[index[rid] // req.n]) for rid in group.rids}
+    offsets = {rid: len(echoes[index[rid] // req.n]) for rid in group.rids}  # text offset of the next token
     texts = _TokenTexts(tokenizer)
     created = int(time.time())
 
@@ -279,27 +278,58 @@ async def _completion_stream(group: RequestGroup, req: CompletionRequest, respon
         choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
         return _chunk_event(CompletionChunk(id=response_id, created=created, model=model, choices=[choice]))
 
+    def logprobs_since(out: StepOutput, start: int) -> CompletionLogprobs:
+        logprobs = _completion_logprobs(out, start, texts, offsets[out.rid], req.logprobs)
+        offsets[out.rid] += sum(len(t) for t in logprobs.tokens)
+        return logprobs
+
+    return _stream_events(
+        group, req,
+        opening=[chunk(i, echoes[i // req.n]) for i in index.values()] if req.echo else [],
+        logprobs_since=logprobs_since if req.logprobs is not None else None,
+        delta=chunk,
+        finish=lambda i, reason, matched: chunk(i, "", None, reason, matched),
+        usage=lambda usage: _chunk_event(CompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)),
+    )
+
+
+async def _stream_events(
+    group: RequestGroup,
+    req: _OpenAISampling,
+    *,
+    opening: list[str],
+    logprobs_since: Callable[[StepOutput, int], Any] | None,
+    delta: Callable[[int, str, Any], str],
+    finish: Callable[[int, str | None, Any], str],
+    usage: Callable[[UsageInfo], str],
+) -> AsyncIterator[str]:
+    """The SSE events of one streamed OpenAI request group, shared by completions and chat.
+
+    `opening` events go first; then, per engine output, a `delta` event for new text or logprobs (from
+    `logprobs_since(out, first new token)`, None when logprobs were not asked for) and a `finish` event
+    when a choice ends; then the `usage` event if `stream_options.include_usage`, and `[DONE]`. Leaving
+    the stream early (client gone) aborts the group's requests.
+    """
+    index = {rid: i for i, rid in enumerate(group.rids)}
+    sent = dict.fromkeys(group.rids, 0)  # output tokens whose logprobs were sent
     try:
-        if req.echo:
-            for rid, i in index.items():
-                yield chunk(i, echoes[i // req.n])
+        for event in opening:
+            yield event
         async for out in group:
             i = index[out.rid]
             if (failure := failure_of(out)) is not None:
                 yield sse_event(error_body(failure[1], failure[0], code="engine_error"))
                 continue
             logprobs = None
-            if req.logprobs is not None and len(out.output_ids) > sent[out.rid]:
-                logprobs = _completion_logprobs(out, sent[out.rid], texts, offsets[out.rid], req.logprobs)
+            if logprobs_since is not None and len(out.output_ids) > sent[out.rid]:
+                logprobs = logprobs_since(out, sent[out.rid])
                 sent[out.rid] = len(out.output_ids)
-                offsets[out.rid] += sum(len(t) for t in logprobs.tokens)
             if out.text_delta or logprobs is not None:
-                yield chunk(i, out.text_delta, logprobs)
+                yield delta(i, out.text_delta, logprobs)
             if out.finished:
-                yield chunk(i, "", None, *finish_reason_of(out))
+                yield finish(i, *finish_reason_of(out))
         if req.stream_options is not None and req.stream_options.include_usage:
-            usage = _usage([group.final[r] for r in group.rids], req.n)
-            yield _chunk_event(CompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage))
+            yield usage(_usage([group.final[r] for r in group.rids], req.n))
         yield DONE
     finally:
         group.abort()
@@ -369,10 +399,8 @@ async def chat_completions(request: Request) -> Response:
     return JSONResponse(response.model_dump())
 
 
-async def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: str, model: str,
-                       tokenizer: Any) -> AsyncIterator[str]:
-    index = {rid: i for i, rid in enumerate(group.rids)}
-    sent = dict.fromkeys(group.rids, 0)
+def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: str, model: str,
+                 tokenizer: Any) -> AsyncIterator[str]:
     texts = _TokenTexts(tokenizer)
     created = int(time.time())
 
@@ -380,28 +408,14 @@ async def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response
         choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
         return _chunk_event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice]))
 
-    try:
-        for i in index.values():
-            yield chunk(i, ChatDelta(role="assistant", content=""))
-        async for out in group:
-            i = index[out.rid]
-            if (failure := failure_of(out)) is not None:
-                yield sse_event(error_body(failure[1], failure[0], code="engine_error"))
-                continue
-            logprobs = None
-            if req.logprobs and len(out.output_ids) > sent[out.rid]:
-                logprobs = _chat_logprobs(out, sent[out.rid], texts)
-                sent[out.rid] = len(out.output_ids)
-            if out.text_delta or logprobs is not None:
-                yield chunk(i, ChatDelta(content=out.text_delta), logprobs)
-            if out.finished:
-                yield chunk(i, ChatDelta(), None, *finish_reason_of(out))
-        if req.stream_options is not None and req.stream_options.include_usage:
-            usage = _usage([group.final[r] for r in group.rids], req.n)
-            yield _chunk_event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage))
-        yield DONE
-    finally:
-        group.abort()
+    return _stream_events(
+        group, req,
+        opening=[chunk(i, ChatDelta(role="assistant", content="")) for i in range(len(group.rids))],
+        logprobs_since=(lambda out, start: _chat_logprobs(out, start, texts)) if req.logprobs else None,
+        delta=lambda i, text, logprobs: chunk(i, ChatDelta(content=text), logprobs),
+        finish=lambda i, reason, matched: chunk(i, ChatDelta(), None, reason, matched),
+        usage=lambda usage: _chunk_event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)),
+    )
 
 
 # ---- /v1/models -----------------------------------------------------------------------------------
