@@ -362,9 +362,8 @@ class Engine:
         if not any(r.grammar is not None for r in reqs):
             return None
         bitmask = allocate_bitmask(len(reqs), self.model_config.vocab_size)
-        for i, r in enumerate(reqs):
-            if r.grammar is not None:
-                r.grammar.fill_bitmask(bitmask[i])
+        # one call for the batch: the llguidance backend fills the rows in parallel outside the GIL
+        self.grammar_backend.fill_bitmask_batch([(r.grammar, i) for i, r in enumerate(reqs) if r.grammar is not None], bitmask)
         return bitmask
 
     def _sampling_inputs(self, batch: ScheduleBatch, num_seqs: int):
