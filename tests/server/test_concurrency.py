@@ -58,11 +58,25 @@ def test_non_streaming_client_disconnect_aborts(http, base_url):
     aborted_before = http.get("/get_server_info").json()["engine_stats"]["num_aborted_requests"]
     body = {**_long_stream_body(), "stream": False}
     body["sampling_params"]["max_new_tokens"] = 240
-    try:
-        httpx.post(base_url + "/generate", json=body, timeout=1.0)
-    except httpx.TimeoutException:
-        pass
-    info = wait_idle(http, timeout=5)
+
+    async def post_then_leave_while_it_runs():
+        # Leave once the engine runs the request (not after a fixed time: on a fast machine the whole
+        # generation can end first, and then there is nothing to abort).
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            post = asyncio.create_task(client.post("/generate", json=body))
+            deadline = time.monotonic() + 30
+            while (await client.get("/get_server_info")).json()["num_running_reqs"] == 0:
+                assert not post.done(), "the request ended before the engine reported it running"
+                assert time.monotonic() < deadline, "the request never started running"
+                await asyncio.sleep(0.005)
+            post.cancel()  # closes the connection mid-request
+            try:
+                await post
+            except asyncio.CancelledError:
+                pass
+
+    asyncio.run(post_then_leave_while_it_runs())
+    info = wait_idle(http, timeout=10)
     assert info["engine_stats"]["num_aborted_requests"] == aborted_before + 1
 
 
