@@ -90,7 +90,7 @@ def extend_token_buckets(lo: int, hi: int) -> list[int]:
     1.5 x 2^k between 128 and hi, so a step of n >= 128 tokens runs in a bucket < 1.5 n (< 2 n below)."""
     out = []
     for t in pow2_range(lo, hi):
-        if t >= 256 and t // 4 * 3 >= 128:
+        if t >= 256:  # the midpoint 3/4 t is then >= 192
             out.append(t // 4 * 3)
         out.append(t)
     return out

@@ -51,13 +51,16 @@ def ragged_paged_attention_xla(
 
     The K/V of this step's tokens must already be written (see `write_kv`). Query heads are grouped over
     kv heads (GQA, `H = KVH * G`). Rows of padding tokens hold garbage.
+    `kv_block` is the number of keys per inner-loop step (static; rounded down to whole pages, at
+    least one page); `sm_scale` is usually head_dim ** -0.5.
 
     Algorithm: flash attention (Dao et al., 2022) run as XLA loops. For each query block, a loop over
     blocks of `kv_block` tokens of its own sequence keeps a running max, denominator and output in
     float32 (the online softmax), and stops at the block's last causal position. So a block reads only
     the KV it attends to: padding blocks (no rows) cost nothing, the pages a shorter sequence leaves
     unused in the bucket are never read, and a prefill does about half the work of a full square.
-    Materializing every block's whole KV bucket at once was 5-30x slower on CPU (docs/benchmarks.md).
+    Materializing every block's whole KV bucket at once was 1.5-17x slower on CPU (docs/benchmarks.md,
+    `scripts/bench_attention.py`).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_pool.shape
