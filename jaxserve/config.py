@@ -195,6 +195,13 @@ class ServerArgs:
                                  choices=("lpm", "fcfs", "lof", "random", "dfs-weight"))
     disable_radix_cache: bool = _flag(False, "turn off prefix sharing")
     attention_backend: str | None = _flag(None, "xla | pallas (default: xla on CPU, pallas elsewhere)", choices=("xla", "pallas"))
+    layer_loop: str | None = _flag(
+        None,
+        "host: run the layers as one jitted layer step per layer, called from Python (XLA:CPU copies each "
+        "layer's weights out of a lax.scan); scan: one executable per step, lax.scan over the layers "
+        "(default: host on CPU, scan elsewhere)",
+        choices=("host", "scan"),
+    )
     disable_precompile: bool = _flag(False, "compile shape buckets on first use instead of at start-up")
     compilation_cache_dir: str | None = _flag(None, "persistent XLA compilation cache (default under the user cache dir); 'none' disables")
     weights_cache_dir: str | None = _flag(None, "converted-weights cache (default under the user cache dir)")
@@ -235,6 +242,7 @@ class ServerArgs:
             max_running_requests=self.max_running_requests or (64 if on_cpu else 256),
             chunked_prefill_size=self.chunked_prefill_size or (512 if on_cpu else 8192),
             attention_backend=self.attention_backend or ("xla" if on_cpu else "pallas"),
+            layer_loop=self.layer_loop or ("host" if on_cpu else "scan"),
             page_size=self.radix_cache_block_size or self.page_size,
         )
         args.validate()

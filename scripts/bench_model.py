@@ -2,9 +2,11 @@
 
 Both run the same work in the same process, float32 on CPU: a 512-token prefill, and one decode step
 for a batch of B sequences that each have 512 tokens of KV cached (B = 1, 8, 32). Each number is the
-median of --repeats timed runs after a warm-up run.
+median of --repeats timed runs after a warm-up run. jaxserve runs once per --layer-loops value (the
+model runner's `layer_loop`: "host" calls one jitted layer step per layer, "scan" runs one executable
+with lax.scan over the stacked layers), so the two are compared in the same invocation too.
 
-    python scripts/bench_model.py [--repeats 5] [--prompt-len 512] [--batch-sizes 1 8 32]
+    python scripts/bench_model.py [--repeats 5] [--prompt-len 512] [--batch-sizes 1 8 32] [--layer-loops host scan]
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def jax_runner(config, params, max_seqs: int, context: int) -> ModelRunner:
+def jax_runner(config, params, max_seqs: int, context: int, layer_loop: str) -> ModelRunner:
     num_pages = max_seqs * (context // PAGE_SIZE + 1) + 1
     shape = (config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
     return ModelRunner(
         config, params, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
         attn_fn=ragged_paged_attention_xla, max_running_requests=max_seqs,
-        max_extend_tokens=context, context_length=context + PAGE_SIZE,
+        max_extend_tokens=context, context_length=context + PAGE_SIZE, layer_loop=layer_loop,
     )
 
 
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--layer-loops", nargs="+", default=["host", "scan"], choices=["host", "scan"])
     args = ap.parse_args()
 
     import torch
@@ -66,25 +69,28 @@ def main() -> None:
     n = args.prompt_len
     prompt = [int(x) for x in rng.integers(3, config.vocab_size, size=n)]
     max_b = max(args.batch_sizes)
-    runner = jax_runner(config, params, max_b, n + PAGE_SIZE)
     pages_per_seq = n // PAGE_SIZE + 1
 
     def seq_pages(i):
         return list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq))
 
-    rows = []
-    jax_prefill = timed(lambda: runner.forward([BatchEntry(prompt, 0, seq_pages(0))]).block_until_ready(), args.repeats)
+    def jax_times(layer_loop: str) -> list[float]:
+        """[prefill tokens/s, decode ms for each batch size] of one layer loop."""
+        runner = jax_runner(config, params, max_b, n + PAGE_SIZE, layer_loop)
+        prefill = timed(lambda: runner.forward([BatchEntry(prompt, 0, seq_pages(0))]).block_until_ready(), args.repeats)
+        out = [n / prefill]
+        for b in args.batch_sizes:
+            for i in range(b):  # fill each sequence's KV once
+                runner.forward([BatchEntry(prompt, 0, seq_pages(i))])
+            entries = [BatchEntry([prompt[-1]], n, seq_pages(i)) for i in range(b)]
+            out.append(timed(lambda: runner.forward(entries).block_until_ready(), args.repeats) * 1e3)
+        return out
+
+    ours = {loop: jax_times(loop) for loop in args.layer_loops}
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        torch_prefill = timed(lambda: tmodel(ids), args.repeats)
-    rows.append((f"prefill {n} tokens (tokens/s)", n / jax_prefill, n / torch_prefill))
-
-    for b in args.batch_sizes:
-        for i in range(b):  # fill each sequence's KV once
-            runner.forward([BatchEntry(prompt, 0, seq_pages(i))])
-        entries = [BatchEntry([prompt[-1]], n, seq_pages(i)) for i in range(b)]
-        jax_step = timed(lambda: runner.forward(entries).block_until_ready(), args.repeats)
-        with torch.no_grad():
+        ref = [n / timed(lambda: tmodel(ids), args.repeats)]
+        for b in args.batch_sizes:
             cache = DynamicCache()
             tmodel(torch.tensor([prompt] * b), past_key_values=cache, use_cache=True)
             nxt = torch.tensor([[prompt[-1]]] * b)
@@ -94,15 +100,18 @@ def main() -> None:
                 cache.crop(-1)  # drop the new token: every repeat runs at the same context length
                 return out
 
-            torch_step_s = timed(torch_step, args.repeats)
-        rows.append((f"decode step, batch {b} (ms)", jax_step * 1e3, torch_step_s * 1e3))
+            ref.append(timed(torch_step, args.repeats) * 1e3)
+    names = [f"prefill {n} tokens (tokens/s)"] + [f"decode step, batch {b} (ms)" for b in args.batch_sizes]
 
     print(f"\njax {jax.__version__} on {jax.default_backend()}, torch {torch.__version__}, {os.cpu_count()} CPUs\n")
-    print("| measure | jaxserve | transformers | ratio (speed-up) |")
-    print("|---|---|---|---|")
-    for name, ours, ref in rows:
-        speedup = ours / ref if "tokens/s" in name else ref / ours
-        print(f"| {name} | {ours:.1f} | {ref:.1f} | {speedup:.2f}x |")
+    loops = args.layer_loops
+    print("| measure | " + " | ".join(f"jaxserve ({loop})" for loop in loops) + " | transformers | "
+          + " | ".join(f"speed-up ({loop})" for loop in loops) + " |")
+    print("|---" * (2 + 2 * len(loops)) + "|")
+    for i, name in enumerate(names):
+        ups = [(ours[loop][i] / ref[i]) if i == 0 else (ref[i] / ours[loop][i]) for loop in loops]
+        print(f"| {name} | " + " | ".join(f"{ours[loop][i]:.1f}" for loop in loops) + f" | {ref[i]:.1f} | "
+              + " | ".join(f"{u:.2f}x" for u in ups) + " |")
 
 
 if __name__ == "__main__":

@@ -182,6 +182,7 @@ class Engine:
             k_pool,
             v_pool,
             attn_fn=get_attention_backend(args.attention_backend),
+            layer_loop=args.layer_loop,
             max_running_requests=args.max_running_requests,
             max_extend_tokens=min(chunk, self.context_length),
             context_length=self.context_length,

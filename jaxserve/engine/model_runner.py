@@ -65,9 +65,20 @@ def forward_step(
 
     Prompt logprobs (`return_input_logprobs`): log p(target_ids[t] | tokens up to t) for every packed
     token (0 where the target is -1); this needs logits at every row, so it is a separate variant.
-    Pure; `config`, `attn_fn`, `forward_fn` and `return_input_logprobs` are static.
+    Pure; `config`, `attn_fn`, `forward_fn` and `return_input_logprobs` are static. The engine runs this
+    same computation either as one executable (`--layer-loop scan`) or split into `llama.embed_tokens`,
+    one `llama.decoder_layer` call per layer and `head_step` (`--layer-loop host`, `HostLayerLoop`).
     """
     hidden, k_pool, v_pool = forward_fn(params, k_pool, v_pool, batch, config=config, attn_fn=attn_fn)
+    logits, input_logprobs = step_outputs(params, hidden, batch, return_input_logprobs)
+    return logits, input_logprobs, k_pool, v_pool
+
+
+def step_outputs(
+    params: llama.ModelParams, hidden: Float[Array, "T E"], batch: ForwardBatch, return_input_logprobs: bool
+) -> tuple[Float[Array, "S V"], Float[Array, " T"]]:
+    """Logits [S, V] at `batch.logits_idx` and prompt logprobs [T] (zeros unless requested) from the
+    final hidden states."""
     logits = llama.compute_logits(params, hidden[batch.logits_idx])
     if return_input_logprobs:
         all_logits = llama.compute_logits(params, hidden)  # [T, V]
@@ -76,7 +87,37 @@ def forward_step(
         input_logprobs = jnp.where(batch.target_ids >= 0, picked - jax.nn.logsumexp(all_logits, axis=-1), 0.0)
     else:
         input_logprobs = jnp.zeros(batch.input_ids.shape, jnp.float32)
-    return logits, input_logprobs, k_pool, v_pool
+    return logits, input_logprobs
+
+
+def head_step(
+    params: llama.ModelParams, h: Float[Array, "E T"], batch: ForwardBatch, *, config: ModelConfig,
+    return_input_logprobs: bool = False,
+) -> tuple[Float[Array, "S V"], Float[Array, " T"]]:
+    """The end of a host-loop step: final norm of the residual stream [E, T], then `step_outputs`."""
+    return step_outputs(params, llama.final_hidden(params, h, config=config), batch, return_input_logprobs)
+
+
+class HostLayerLoop:
+    """One compiled step of a bucket as three executables run from Python: embed, the decoder layer
+    (called once per layer with that layer's weights and index; the pools are donated, so each call
+    updates them in place) and the head. Called like a compiled `forward_step`.
+
+    Why: under `lax.scan` XLA:CPU copies each layer's slice of the stacked weights before its matmuls;
+    separate per-layer buffers are read in place (docs/benchmarks.md, "Model speed").
+    """
+
+    def __init__(self, embed: Callable, layer: Callable, head: Callable, num_layers: int):
+        self.embed, self.layer, self.head = embed, layer, head
+        self.layer_ids = [jnp.int32(i) for i in range(num_layers)]
+
+    def __call__(self, params: llama.ModelParams, k_pool, v_pool, batch: ForwardBatch):
+        outer = dataclasses.replace(params, layers=())
+        h, cos, sin = self.embed(outer, batch)
+        for p, layer in zip(params.layers, self.layer_ids):
+            h, k_pool, v_pool = self.layer(p, h, k_pool, v_pool, layer, batch, cos, sin)
+        logits, input_logprobs = self.head(outer, h, batch)
+        return logits, input_logprobs, k_pool, v_pool
 
 
 def pow2_at_least(n: int, minimum: int = 1) -> int:
@@ -138,9 +179,15 @@ class ModelRunner:
         max_running_requests: int,
         max_extend_tokens: int,
         context_length: int,
+        layer_loop: str = "scan",
     ):
+        """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
+        runs it as a `HostLayerLoop`, keeping the layer weights in per-layer buffers."""
+        if layer_loop not in ("scan", "host"):
+            raise ValueError(f"layer_loop must be 'scan' or 'host', got {layer_loop!r}")
         self.config = config
-        self.params = params
+        self.layer_loop = layer_loop
+        self.params = params if params is None else _layers_for(params, layer_loop)
         self.k_pool = k_pool
         self.v_pool = v_pool
         self.page_size = k_pool.shape[2]
@@ -154,6 +201,14 @@ class ModelRunner:
                 functools.partial(forward_step, config=config, attn_fn=attn_fn, return_input_logprobs=flag),
                 donate_argnums=(1, 2),
             )
+            for flag in (False, True)
+        }
+        self._embed_jit = jax.jit(functools.partial(llama.embed_tokens, config=config))
+        self._layer_jit = jax.jit(
+            functools.partial(llama.decoder_layer, config=config, attn_fn=attn_fn), donate_argnums=(2, 3)
+        )
+        self._head_jit = {
+            flag: jax.jit(functools.partial(head_step, config=config, return_input_logprobs=flag))
             for flag in (False, True)
         }
         self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,))
@@ -263,10 +318,31 @@ class ModelRunner:
         out = exe(logits, sampling)
         return sampler_lib.SampleOutput(*jax.device_get(tuple(out)))
 
+    def _lower_step(self, batch: ForwardBatch, input_logprobs: bool) -> dict[str, jax.stages.Lowered]:
+        """The programs of one bucket's step, lowered (not yet compiled): "step" for the scan loop;
+        "embed", "layer" and "head" for the host loop."""
+        if self.layer_loop == "scan":
+            return {"step": self._step_jit[input_logprobs].lower(self.params, self.k_pool, self.v_pool, batch)}
+        outer = dataclasses.replace(self.params, layers=())
+        num_tokens, dtype = batch.input_ids.shape[0], self.params.embed.dtype
+        h = jax.ShapeDtypeStruct((self.config.hidden_size, num_tokens), dtype)
+        rope = jax.ShapeDtypeStruct((num_tokens, self.config.head_dim), dtype)
+        layer0 = self.params.layers[0]
+        return {
+            "embed": self._embed_jit.lower(outer, batch),
+            "layer": self._layer_jit.lower(layer0, h, self.k_pool, self.v_pool, jnp.int32(0), batch, rope, rope),
+            "head": self._head_jit[input_logprobs].lower(outer, h, batch),
+        }
+
+    def _assemble_step(self, compiled: dict[str, Callable]) -> Callable:
+        if self.layer_loop == "scan":
+            return compiled["step"]
+        return HostLayerLoop(compiled["embed"], compiled["layer"], compiled["head"], self.config.num_layers)
+
     def _compile_step(self, key: BucketKey, batch: ForwardBatch, input_logprobs: bool = False) -> Callable:
-        jitted = self._step_jit[input_logprobs]
+        lowered = self._lower_step(batch, input_logprobs)
         exe = self._compile(
-            lambda: jitted.lower(self.params, self.k_pool, self.v_pool, batch).compile(),
+            lambda: self._assemble_step({name: low.compile() for name, low in lowered.items()}),
             f"step {key}{' with prompt logprobs' if input_logprobs else ''}",
         )
         self._step_exec[(key, input_logprobs)] = exe
@@ -300,27 +376,32 @@ class ModelRunner:
         `sampler_variants`: (SamplingBatch, flags) pairs built for each sequence bucket by the engine.
         """
         buckets = [k for k in self.all_buckets() if (k, False) not in self._step_exec]
-        bar = tqdm(total=len(buckets) + len(sampler_variants), desc="Compiling", unit="bucket", disable=not show_progress)
-        jobs: list[tuple[object, Callable]] = []
+        jobs: list[tuple[object, Callable]] = []  # (key, lowered); step keys are (bucket, program name)
         for key in buckets:
             batch, got = self.build_forward_batch(self.dummy_entries(key))
             assert got == key, (got, key)
-            jobs.append(((key, False), self._step_jit[False].lower(self.params, self.k_pool, self.v_pool, batch)))
+            jobs += [((key, name), lowered) for name, lowered in self._lower_step(batch, False).items()]
         for sampling, flags in sampler_variants:
             s = sampling.temperature.shape[0]
             logits = jnp.zeros((s, self.config.vocab_size), jnp.float32)
             key = (s, flags, jax.tree.map(lambda x: x.shape, sampling))
             if key not in self._sample_exec:
                 jobs.append((key, self._sample_jit.lower(logits, sampling, flags)))
+        bar = tqdm(total=len(jobs), desc="Compiling", unit="executable", disable=not show_progress)
         # XLA compiles outside the GIL: one worker per core roughly divides start-up time by the cores
         t0 = time.perf_counter()
+        step_parts: dict[BucketKey, dict[str, Callable]] = {}
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             futures = {pool.submit(lowered.compile): key for key, lowered in jobs}
             for fut in concurrent.futures.as_completed(futures):
                 key = futures[fut]
-                table = self._step_exec if isinstance(key[0], BucketKey) else self._sample_exec
-                table[key] = fut.result()
+                if isinstance(key[0], BucketKey):
+                    step_parts.setdefault(key[0], {})[key[1]] = fut.result()
+                else:
+                    self._sample_exec[key] = fut.result()
                 bar.update()
+        for key, parts in step_parts.items():
+            self._step_exec[(key, False)] = self._assemble_step(parts)
         self.compile_seconds += time.perf_counter() - t0
         bar.close()
         self.warmed_up = True
@@ -354,6 +435,16 @@ class ModelRunner:
         """Copy device pages `src` onto `dst` (whole pages, K and V)."""
         src_idx, dst_idx = _padded_page_ids(src), _padded_page_ids(dst)
         self.k_pool, self.v_pool = _copy_pages_jit(self.k_pool, self.v_pool, jnp.asarray(src_idx), jnp.asarray(dst_idx))
+
+
+def _layers_for(params: llama.ModelParams, layer_loop: str) -> llama.ModelParams:
+    """Params with the layer weights as the loop wants them: per-layer buffers (host) or stacked (scan)."""
+    stacked = isinstance(params.layers, llama.LayerParams)
+    if layer_loop == "host" and stacked:
+        return dataclasses.replace(params, layers=llama.unstack_layers(params.layers))
+    if layer_loop == "scan" and not stacked:
+        return dataclasses.replace(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params.layers))
+    return params
 
 
 class DevicePageRead:

@@ -33,23 +33,37 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-# HF tensor name suffix -> (LayerParams field, needs transpose to [in, out])
+# HF tensor name suffix -> HF projection name (weights stay in the checkpoint's [out, in] layout)
 _HF_LAYER_NAMES = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.q_proj.bias": ("bq", False),
-    "self_attn.k_proj.bias": ("bk", False),
-    "self_attn.v_proj.bias": ("bv", False),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "q_proj",
+    "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj",
+    "self_attn.o_proj.weight": "o_proj",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_proj.weight": "gate_proj",
+    "mlp.up_proj.weight": "up_proj",
+    "mlp.down_proj.weight": "down_proj",
 }
+# LayerParams field -> the HF projections concatenated (on the output axis) into it
+_LAYER_FIELDS = {
+    "attn_norm": ("attn_norm",),
+    "wqkv": ("q_proj", "k_proj", "v_proj"),
+    "wo": ("o_proj",),
+    "mlp_norm": ("mlp_norm",),
+    "w_gate_up": ("gate_proj", "up_proj"),
+    "w_down": ("down_proj",),
+    "bqkv": ("q_bias", "k_bias", "v_bias"),
+    "q_norm": ("q_norm",),
+    "k_norm": ("k_norm",),
+}
+# bumped whenever the params pytree's layout changes, so that stale converted-weights caches are rebuilt
+PARAMS_LAYOUT_VERSION = 2
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -121,7 +135,7 @@ def load_model(
 
     cache_dir = None
     if use_weights_cache:
-        key = source_fingerprint(path, extra=jnp.dtype(jdtype).name)
+        key = source_fingerprint(path, extra=f"{jnp.dtype(jdtype).name}-layout{PARAMS_LAYOUT_VERSION}")
         cache_dir = Path(weights_cache_dir or cache_root() / "weights") / key
         if (cache_dir / "config.json").is_file():
             try:
@@ -232,32 +246,34 @@ def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 def _assemble(config: ModelConfig, tensors, dtype) -> ModelParams:
     layers: dict[str, list] = {}
     globals_: dict[str, np.ndarray] = {}
-    expected = sum(1 for _ in _expected_layer_fields(config)) * config.num_layers
+    expected = sum(1 for _ in _expected_layer_tensors(config)) * config.num_layers
     bar = tqdm(total=expected + 2, desc="Loading weights", unit="tensor", leave=False)
     for name, w in tensors:
         if name.startswith("model.layers."):
             _, _, idx, rest = name.split(".", 3)
             if rest not in _HF_LAYER_NAMES:
                 continue
-            field, transpose = _HF_LAYER_NAMES[rest]
-            arr = _to_numpy(w)
-            layers.setdefault(field, [None] * config.num_layers)[int(idx)] = arr.T if transpose else arr
+            layers.setdefault(_HF_LAYER_NAMES[rest], [None] * config.num_layers)[int(idx)] = _to_numpy(w)
             bar.update()
         elif name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             globals_[name] = _to_numpy(w)
             bar.update()
     bar.close()
-    missing = [f for f in _expected_layer_fields(config) if f not in layers or any(x is None for x in layers[f])]
+    missing = [f for f in _expected_layer_tensors(config) if f not in layers or any(x is None for x in layers[f])]
     if missing or "model.embed_tokens.weight" not in globals_ or "model.norm.weight" not in globals_:
         raise ValueError(f"checkpoint is missing weights: {missing or 'embed/norm'}")
 
-    def stack(field):
-        return jnp.asarray(np.stack(layers[field]), dtype=dtype) if field in layers else None
+    def field(name: str):
+        parts = _LAYER_FIELDS[name]
+        if parts[0] not in layers:
+            return None
+        per_layer = [np.concatenate([layers[part][i] for part in parts], axis=0) for i in range(config.num_layers)]
+        return jnp.asarray(np.stack(per_layer), dtype=dtype)
 
-    layer_params = LayerParams(**{f.name: stack(f.name) for f in dataclasses.fields(LayerParams)})
+    layer_params = LayerParams(**{f.name: field(f.name) for f in dataclasses.fields(LayerParams)})
     lm_head = None
     if not config.tie_word_embeddings and "lm_head.weight" in globals_:
-        lm_head = jnp.asarray(globals_["lm_head.weight"].T, dtype=dtype)
+        lm_head = jnp.asarray(globals_["lm_head.weight"], dtype=dtype)
     return ModelParams(
         embed=jnp.asarray(globals_["model.embed_tokens.weight"], dtype=dtype),
         layers=layer_params,
@@ -266,10 +282,10 @@ def _assemble(config: ModelConfig, tensors, dtype) -> ModelParams:
     )
 
 
-def _expected_layer_fields(config: ModelConfig):
-    yield from ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+def _expected_layer_tensors(config: ModelConfig):
+    yield from ("attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "mlp_norm", "gate_proj", "up_proj", "down_proj")
     if config.attention_bias:
-        yield from ("bq", "bk", "bv")
+        yield from ("q_bias", "k_bias", "v_bias")
     if config.qk_norm:
         yield from ("q_norm", "k_norm")
 

@@ -71,6 +71,27 @@ def test_no_compile_after_warmup(tiny_model_dir):
     assert eng.runner.num_compiles_after_warmup == 0
 
 
+def test_scan_layer_loop_matches_host_loop(tiny_model_dir, solo_outputs):
+    """--layer-loop scan (one executable per step) gives the host layer loop's tokens and prompt logprobs,
+    and its precompiled buckets cover a varied workload."""
+    host = make_engine(tiny_model_dir)
+    scan = make_engine(tiny_model_dir, layer_loop="scan", disable_precompile=False, max_running_requests=8)
+    assert host.runner.layer_loop == "host" and scan.runner.layer_loop == "scan"  # the CPU default is host
+    outs = scan.generate(mixed_prompts(16), GREEDY)
+    assert [o["output_ids"] for o in outs] == solo_outputs
+    assert scan.runner.num_compiles_after_warmup == 0
+    prompt_logprobs = []
+    for eng in (host, scan):
+        eng.add_request(mixed_prompts(1, seed=5)[0], {"max_new_tokens": 2, "temperature": 0},
+                        return_logprob=True, logprob_start_len=1)
+        final = None
+        while eng.has_unfinished():
+            final = next((o for o in eng.step() if o.finished), final)
+        prompt_logprobs.append([lp for lp, _ in final.meta.input_token_logprobs])
+    assert len(prompt_logprobs[0]) > 2
+    np.testing.assert_allclose(prompt_logprobs[0], prompt_logprobs[1], atol=1e-4)
+
+
 def test_seeded_sampling_is_batch_invariant(engine):
     params = {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.9, "seed": 1234}
     prompt = mixed_prompts(1, seed=7)[0]

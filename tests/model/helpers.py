@@ -14,16 +14,23 @@ from jaxserve.pallas.reference import ragged_paged_attention_xla
 
 
 class SingleSequence:
-    """Pages 1..n of a private pool, handed out in order (page 0 stays the dummy page)."""
+    """Pages 1..n of a private pool, handed out in order (page 0 stays the dummy page).
 
-    def __init__(self, config, params, *, page_size: int, max_tokens: int = 2048, max_extend: int = 1024):
+    `all_logits` runs `llama.forward` (stacked layers under lax.scan); `last_logits` and `greedy` run the
+    model runner's step with the given `layer_loop`.
+    """
+
+    def __init__(
+        self, config, params, *, page_size: int, max_tokens: int = 2048, max_extend: int = 1024,
+        layer_loop: str = "scan",
+    ):
         num_pages = max_tokens // page_size + 2
         shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
         dtype = jax.tree.leaves(params)[0].dtype
         self.runner = ModelRunner(
             config, params, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
             attn_fn=ragged_paged_attention_xla, max_running_requests=1,
-            max_extend_tokens=max_extend, context_length=max_tokens,
+            max_extend_tokens=max_extend, context_length=max_tokens, layer_loop=layer_loop,
         )
         self.config, self.params, self.page_size = config, params, page_size
         self.page_table = list(range(1, num_pages))

@@ -63,8 +63,10 @@ def test_default_model_logits_match_transformers(default_model, torch_default_mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_default_model_greedy_matches_transformers(default_model, torch_default_model, default_tokenizer, page_size):
+@pytest.mark.parametrize("page_size,layer_loop", [(1, "scan"), (16, "host")])
+def test_default_model_greedy_matches_transformers(
+    default_model, torch_default_model, default_tokenizer, page_size, layer_loop
+):
     config, params = default_model
     questions = [
         "What is the capital of France?",
@@ -78,7 +80,7 @@ def test_default_model_greedy_matches_transformers(default_model, torch_default_
             [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True
         )
         prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
-        seq = SingleSequence(config, params, page_size=page_size, max_tokens=256)
+        seq = SingleSequence(config, params, page_size=page_size, max_tokens=256, layer_loop=layer_loop)
         ours = seq.greedy(prompt, 32)
         with torch.no_grad():
             # explicit attention mask: the chat template contains <|im_end|>, which is also the pad id
@@ -132,3 +134,9 @@ def test_tiny_checkpoints_match_transformers(tmp_path, case):
         ref = model(torch.tensor([ids])).logits[0].numpy()
     err = rel_l2(ours, ref)
     assert err.max() <= 1e-4, f"{case}: max relative L2 error {err.max():.2e}"
+    # the engine's host layer loop (per-layer buffers, one jitted layer step per layer) on a chunked prompt
+    host = SingleSequence(config, params, page_size=8, max_tokens=256, max_extend=128, layer_loop="host")
+    host.last_logits(ids[:120])
+    last = host.last_logits(ids[120:], prefix_len=120)
+    err = rel_l2(last, ref[-1])
+    assert err <= 1e-4, f"{case}: host layer loop, relative L2 error {err:.2e}"
