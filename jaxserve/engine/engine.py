@@ -591,4 +591,7 @@ def _enable_compilation_cache(cache_dir: str | None) -> None:
 
     path = cache_dir or str(cache_root() / "xla")
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # every executable: the host layer loop's programs compile in well under a second each, but there
+    # are ~100 of them, and a restart should compile nothing
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

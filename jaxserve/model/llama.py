@@ -139,8 +139,9 @@ def decoder_layer(
     of the pools, attend, run the MLP; returns the residual stream and the updated pools.
 
     The residual stream is feature-major, [E, T], so every projection is `W @ x` with W in the
-    checkpoint's [out, in] layout. On XLA:CPU this product runs 1.1-2x faster for T <= 32 than x @ W^T
-    (measured in docs/benchmarks.md, "Model speed"); per-token work (norms, RoPE, attention) uses [T, ...].
+    checkpoint's [out, in] layout. On XLA:CPU this runs decode batches (T = 2..64) 1.2-1.9x faster than
+    x [T, E] @ W [in, out], and a 512-token chunk 6% slower (docs/benchmarks.md, "Projection layout").
+    Per-token work (norms over heads, RoPE, attention) uses [T, ...].
     """
     num_tokens = h.shape[1]
     nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim

@@ -148,7 +148,9 @@ def load_model(
     else:
         tensors = _read_safetensors(path)
     get_forward(config.architecture)
-    params = _assemble(config, tensors, jdtype)
+    # committed to the default device, as params restored from the cache are: jit keys its executables
+    # (and the persistent compilation cache) on that, so both starts then share compiled programs
+    params = jax.device_put(_assemble(config, tensors, jdtype), jax.devices()[0])
     if cache_dir is not None:
         try:
             _save(cache_dir, config, params)
