@@ -285,15 +285,15 @@ class ModelRunner:
             pages_per_seq=key.pages_per_seq,
             block_q=key.block_q,
         )
-        batch = ForwardBatch(
-            input_ids=jnp.asarray(input_ids),
-            positions=jnp.asarray(positions),
-            slot_mapping=jnp.asarray(slot_mapping),
-            attn=meta.to_device(),
-            logits_idx=jnp.asarray(logits_idx),
-            target_ids=jnp.asarray(target_ids),
+        host_batch = ForwardBatch(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            attn=meta.tree(),
+            logits_idx=logits_idx,
+            target_ids=target_ids,
         )
-        return batch, key
+        return jax.device_put(host_batch), key  # one transfer call for all its arrays
 
     # ---- execution -----------------------------------------------------------------------------
     def forward(self, entries: Sequence[BatchEntry], input_logprobs: bool = False) -> jax.Array:

@@ -56,8 +56,13 @@ class HostAttentionMetadata:
     seq_kv_len: np.ndarray
     token_out_idx: np.ndarray
 
+    def tree(self) -> AttentionMetadata:
+        """The same numpy arrays as an `AttentionMetadata` pytree, to move with one `jax.device_put`
+        together with other arrays."""
+        return AttentionMetadata(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
     def to_device(self) -> AttentionMetadata:
-        return AttentionMetadata(**{f.name: jax.numpy.asarray(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        return jax.device_put(self.tree())
 
 
 def num_blocks_for(num_tokens: int, num_seqs: int, block_q: int) -> int:
