@@ -206,9 +206,9 @@ class Engine:
         else:
             self.runner.mark_warmed_up()
         logger.info(
-            "engine ready: %s, KV pool %d tokens (%d pages of %d), context %d, attention %s",
+            "engine ready: %s, KV pool %d tokens (%d pages of %d), context %d, attention %s, layer loop %s",
             cfg.architecture, self.pool_shape.num_tokens, self.pool_shape.num_pages - 1,
-            args.page_size, self.context_length, args.attention_backend,
+            args.page_size, self.context_length, args.attention_backend, args.layer_loop,
         )
 
     # ---- requests -------------------------------------------------------------------------------

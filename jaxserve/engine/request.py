@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 _INT_MAX = 2**31 - 1
+MAX_N = 128  # sequences per request (OpenAI's limit for `n`); each one is a request in the scheduler
 
 
 class SamplingParamsError(ValueError):
@@ -92,6 +93,10 @@ class SamplingParams:
             raise SamplingParamsError("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
             raise SamplingParamsError("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise SamplingParamsError(
+                "min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}"
+            )
         if self.temperature < 0:
             raise SamplingParamsError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -106,8 +111,8 @@ class SamplingParams:
             raise SamplingParamsError("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not 0 < self.repetition_penalty <= 2:
             raise SamplingParamsError("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
-        if self.n < 1:
-            raise SamplingParamsError("n", f"must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise SamplingParamsError("n", f"must be in [1, {MAX_N}], got {self.n}")
         for s in self.stop:
             if not isinstance(s, str):
                 raise SamplingParamsError("stop", "must be strings")

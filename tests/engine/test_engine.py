@@ -142,7 +142,7 @@ def test_n_greater_than_one(engine):
     "field,value",
     [
         ("max_new_tokens", -1), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0),
-        ("min_p", -0.1), ("top_k", 0), ("top_k", -2), ("n", 0), ("stop", [""]), ("frequency_penalty", 3.0),
+        ("min_p", -0.1), ("top_k", 0), ("top_k", -2), ("n", 0), ("n", 129), ("min_new_tokens", 129), ("stop", [""]), ("frequency_penalty", 3.0),
         ("temperature", "hot"),
     ],
 )

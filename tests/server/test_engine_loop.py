@@ -57,6 +57,17 @@ def test_n_sequences_and_group_abort(engine_loop):
     assert sorted(o.rid for o in got.finals()) == rids
     assert all(o.meta.finish_reason["type"] == "abort" for o in got.finals())
     assert not engine_loop.abort("grp")
+    assert "grp" not in engine_loop._groups  # a group is dropped with its last sequence
+
+
+def test_a_large_n_group_finishes_and_is_dropped(engine_loop):
+    got = Collector()
+    got.num_expected = 128
+    rids = engine_loop.submit("hi", {"max_new_tokens": 2, "n": 128}, rid="big", on_output=got)
+    assert len(rids) == 128
+    assert got.done.wait(30)
+    assert sorted(o.rid for o in got.finals()) == sorted(rids)
+    assert "big" not in engine_loop._groups
 
 
 def test_validation_errors_raise_in_the_caller(engine_loop):
