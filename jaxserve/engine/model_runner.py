@@ -1,8 +1,11 @@
 """The model runner: the only jit boundary of jaxserve.
 
 It owns the params and the KV pools, pads each host-side batch to a power-of-two shape bucket, and
-runs one compiled executable per bucket. Executables are compiled ahead of time (`precompile`, with a
-progress bar) and kept in a dict, so every compile is explicit and counted (`num_compiles_after_warmup`).
+runs that bucket's compiled step: one executable with `lax.scan` over the layers (`layer_loop="scan"`,
+`forward_step`), or embed, layer and head executables with the layer called once per layer from Python
+(`layer_loop="host"`, `HostLayerLoop`, the CPU default). Executables are compiled ahead of time
+(`precompile`, with a progress bar) and kept in a dict, so every compile is explicit and counted
+(`num_compiles_after_warmup`).
 
 Buckets:
     decode steps   (every sequence adds one token): T = S in powers of two up to max_running_requests;
@@ -17,8 +20,9 @@ to its length. P only sizes the page table sent with each step, so its buckets s
 (one P bucket for contexts up to 4096) and exist to keep that table small for long contexts.
 The argument pytrees (`ForwardBatch`, `SamplingBatch`) have one structure for the process's lifetime.
 
-For research code: `forward_step` is the pure function that gets jitted; call it under your own
-`jax.jit`, trace it or inspect its jaxpr.
+For research code: `forward_step` is the whole step as one pure function (what the scan loop jits);
+call it under your own `jax.jit`, trace it or inspect its jaxpr. The host loop computes the same step
+from its parts, `llama.embed_tokens`, `llama.decoder_layer` and `head_step`.
 """
 
 from __future__ import annotations
