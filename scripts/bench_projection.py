@@ -15,12 +15,12 @@ left out. Reported: median ms for the 30 layers and the weight bytes streamed pe
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from bench_model import timed  # scripts/ is on sys.path when this runs as a script
 
 LAYERS, E, QKV, I = 30, 576, 960, 1536
 
@@ -46,13 +46,7 @@ def median_ms(layer_fn, layers, x, repeats: int) -> float:
             y = layer_fn(p, y)
         return y.block_until_ready()
 
-    run()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return timed(run, repeats) * 1e3
 
 
 def main() -> None:

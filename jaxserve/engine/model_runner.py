@@ -111,9 +111,9 @@ class HostLayerLoop:
     separate per-layer buffers are read in place (docs/benchmarks.md, "Model speed").
     """
 
-    def __init__(self, embed: Callable, layer: Callable, head: Callable, num_layers: int):
-        self.embed, self.layer, self.head = embed, layer, head
-        self.layer_ids = [jnp.int32(i) for i in range(num_layers)]
+    def __init__(self, embed: Callable, layer: Callable, head: Callable, layer_ids: Sequence[jax.Array]):
+        """`layer_ids`: the int32 device scalar of each layer's index, made once by the runner."""
+        self.embed, self.layer, self.head, self.layer_ids = embed, layer, head, layer_ids
 
     def __call__(self, params: llama.ModelParams, k_pool, v_pool, batch: ForwardBatch):
         outer = dataclasses.replace(params, layers=())
@@ -186,12 +186,15 @@ class ModelRunner:
         layer_loop: str = "scan",
     ):
         """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
-        runs it as a `HostLayerLoop`, keeping the layer weights in per-layer buffers."""
+        runs it as a `HostLayerLoop`, with the layer weights split into per-layer buffers (stacked
+        params are split here; per-layer params given to "scan" run unrolled, see `llama.forward`)."""
         if layer_loop not in ("scan", "host"):
             raise ValueError(f"layer_loop must be 'scan' or 'host', got {layer_loop!r}")
         self.config = config
         self.layer_loop = layer_loop
-        self.params = params if params is None else _layers_for(params, layer_loop)
+        if layer_loop == "host" and params is not None and isinstance(params.layers, llama.LayerParams):
+            params = dataclasses.replace(params, layers=llama.unstack_layers(params.layers))
+        self.params = params
         self.k_pool = k_pool
         self.v_pool = v_pool
         self.page_size = k_pool.shape[2]
@@ -215,6 +218,7 @@ class ModelRunner:
             flag: jax.jit(functools.partial(head_step, config=config, return_input_logprobs=flag))
             for flag in (False, True)
         }
+        self._layer_ids = [jnp.int32(i) for i in range(config.num_layers)] if layer_loop == "host" else []
         self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,))
         self._step_exec: dict[tuple[BucketKey, bool], Callable] = {}
         self._sample_exec: dict[tuple, Callable] = {}
@@ -322,31 +326,38 @@ class ModelRunner:
         out = exe(logits, sampling)
         return sampler_lib.SampleOutput(*jax.device_get(tuple(out)))
 
-    def _lower_step(self, batch: ForwardBatch, input_logprobs: bool) -> dict[str, jax.stages.Lowered]:
+    def _lower_step(
+        self, batch: ForwardBatch, input_logprobs: bool, parts: Sequence[str] = ("embed", "layer", "head")
+    ) -> dict[str, jax.stages.Lowered]:
         """The programs of one bucket's step, lowered (not yet compiled): "step" for the scan loop;
-        "embed", "layer" and "head" for the host loop."""
+        the given `parts` of "embed", "layer" and "head" for the host loop."""
         if self.layer_loop == "scan":
             return {"step": self._step_jit[input_logprobs].lower(self.params, self.k_pool, self.v_pool, batch)}
         outer = dataclasses.replace(self.params, layers=())
         num_tokens, dtype = batch.input_ids.shape[0], self.params.embed.dtype
         h = jax.ShapeDtypeStruct((self.config.hidden_size, num_tokens), dtype)
         rope = jax.ShapeDtypeStruct((num_tokens, self.config.head_dim), dtype)
-        layer0 = self.params.layers[0]
-        return {
-            "embed": self._embed_jit.lower(outer, batch),
-            "layer": self._layer_jit.lower(layer0, h, self.k_pool, self.v_pool, jnp.int32(0), batch, rope, rope),
-            "head": self._head_jit[input_logprobs].lower(outer, h, batch),
+        lower = {
+            "embed": lambda: self._embed_jit.lower(outer, batch),
+            "layer": lambda: self._layer_jit.lower(
+                self.params.layers[0], h, self.k_pool, self.v_pool, self._layer_ids[0], batch, rope, rope
+            ),
+            "head": lambda: self._head_jit[input_logprobs].lower(outer, h, batch),
         }
+        return {name: lower[name]() for name in parts}
 
     def _assemble_step(self, compiled: dict[str, Callable]) -> Callable:
         if self.layer_loop == "scan":
             return compiled["step"]
-        return HostLayerLoop(compiled["embed"], compiled["layer"], compiled["head"], self.config.num_layers)
+        return HostLayerLoop(compiled["embed"], compiled["layer"], compiled["head"], self._layer_ids)
 
     def _compile_step(self, key: BucketKey, batch: ForwardBatch, input_logprobs: bool = False) -> Callable:
-        lowered = self._lower_step(batch, input_logprobs)
+        # the host loop's embed and layer programs are the same for both variants: compile only a head
+        other = self._step_exec.get((key, not input_logprobs))
+        reused = {"embed": other.embed, "layer": other.layer} if isinstance(other, HostLayerLoop) else {}
+        lowered = self._lower_step(batch, input_logprobs, [p for p in ("embed", "layer", "head") if p not in reused])
         exe = self._compile(
-            lambda: self._assemble_step({name: low.compile() for name, low in lowered.items()}),
+            lambda: self._assemble_step({**reused, **{name: low.compile() for name, low in lowered.items()}}),
             f"step {key}{' with prompt logprobs' if input_logprobs else ''}",
         )
         self._step_exec[(key, input_logprobs)] = exe
@@ -439,16 +450,6 @@ class ModelRunner:
         """Copy device pages `src` onto `dst` (whole pages, K and V)."""
         src_idx, dst_idx = _padded_page_ids(src), _padded_page_ids(dst)
         self.k_pool, self.v_pool = _copy_pages_jit(self.k_pool, self.v_pool, jnp.asarray(src_idx), jnp.asarray(dst_idx))
-
-
-def _layers_for(params: llama.ModelParams, layer_loop: str) -> llama.ModelParams:
-    """Params with the layer weights as the loop wants them: per-layer buffers (host) or stacked (scan)."""
-    stacked = isinstance(params.layers, llama.LayerParams)
-    if layer_loop == "host" and stacked:
-        return dataclasses.replace(params, layers=llama.unstack_layers(params.layers))
-    if layer_loop == "scan" and not stacked:
-        return dataclasses.replace(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params.layers))
-    return params
 
 
 class DevicePageRead:

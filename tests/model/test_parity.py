@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 import pytest
 
+from jaxserve.model import llama
 from jaxserve.model.loader import load_model
 from jaxserve.model.tokenizer import DEFAULT_MODEL_GGUF, default_model_path
 from tests.conftest import make_hf_checkpoint
@@ -134,6 +136,11 @@ def test_tiny_checkpoints_match_transformers(tmp_path, case):
         ref = model(torch.tensor([ids])).logits[0].numpy()
     err = rel_l2(ours, ref)
     assert err.max() <= 1e-4, f"{case}: max relative L2 error {err.max():.2e}"
+    # llama.forward over per-layer params (the host loop's storage) unrolls the layers: same logits
+    per_layer = dataclasses.replace(params, layers=llama.unstack_layers(params.layers))
+    unrolled = SingleSequence(config, per_layer, page_size=8, max_tokens=256).all_logits(ids)
+    err = rel_l2(unrolled, ref)
+    assert err.max() <= 1e-4, f"{case}: unrolled layers, max relative L2 error {err.max():.2e}"
     # the engine's host layer loop (per-layer buffers, one jitted layer step per layer) on a chunked prompt
     host = SingleSequence(config, params, page_size=8, max_tokens=256, max_extend=128, layer_loop="host")
     host.last_logits(ids[:120])
