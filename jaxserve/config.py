@@ -197,7 +197,7 @@ class ServerArgs:
     attention_backend: str | None = _flag(None, "xla | pallas (default: xla on CPU, pallas elsewhere)", choices=("xla", "pallas"))
     layer_loop: str | None = _flag(
         None,
-        "host: run the layers as one jitted layer step per layer, called from Python (XLA:CPU copies each "
+        "host: run the layers as jitted groups of up to 5 layers, called from Python (XLA:CPU copies each "
         "layer's weights out of a lax.scan); scan: one executable per step, lax.scan over the layers "
         "(default: host on CPU, scan elsewhere)",
         choices=("host", "scan"),
@@ -294,7 +294,9 @@ class ServerArgs:
         """Add one `--flag` per field to an argparse parser (booleans become store_true switches)."""
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
-            help_ = f"{f.metadata.get('help', '')} (default: {f.default})"
+            help_ = f.metadata.get("help", "")
+            if "(default" not in help_:  # a help text that explains its default keeps its own words
+                help_ += f" (default: {f.default})"
             if f.type in (bool, "bool"):
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_)
                 continue

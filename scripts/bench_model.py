@@ -3,10 +3,12 @@
 Both run the same work in the same process, float32 on CPU: a 512-token prefill, and one decode step
 for a batch of B sequences that each have 512 tokens of KV cached (B = 1, 8, 32). Each number is the
 median of --repeats timed runs after a warm-up run. jaxserve runs once per --layer-loops value (the
-model runner's `layer_loop`: "host" calls one jitted layer step per layer, "scan" runs one executable
-with lax.scan over the stacked layers), so the two are compared in the same invocation too.
+model runner's `layer_loop`: "host" calls a jitted group of layers from Python until all have run,
+"host:G" the same with at most G layers per call, "scan" runs one executable with lax.scan over the
+stacked layers); their timed runs alternate, so drift in the machine's speed hits them alike.
 
-    python scripts/bench_model.py [--repeats 5] [--prompt-len 512] [--batch-sizes 1 8 32] [--layer-loops host scan]
+    python scripts/bench_model.py [--repeats 5] [--prompt-len 512] [--batch-sizes 1 8 32]
+                                  [--layer-loops host scan host:1]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.model_runner import BatchEntry, ModelRunner
+from jaxserve.engine.model_runner import MAX_LAYERS_PER_CALL, BatchEntry, ModelRunner
 from jaxserve.model.loader import load_model
 from jaxserve.model.tokenizer import DEFAULT_MODEL_GGUF, default_model_path
 from jaxserve.pallas.reference import ragged_paged_attention_xla
@@ -38,14 +40,38 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def timed_alternating(fns: dict, repeats: int) -> dict:
+    """Median seconds of each of `fns` (name -> callable) after a warm-up call, the timed calls taken
+    round-robin."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def jax_runner(config, params, max_seqs: int, context: int, layer_loop: str) -> ModelRunner:
+    """A runner for `layer_loop` ("scan", "host" or "host:G") with pools for `max_seqs` sequences."""
+    loop, _, group = layer_loop.partition(":")
     num_pages = max_seqs * (context // PAGE_SIZE + 1) + 1
     shape = (config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
     return ModelRunner(
         config, params, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
         attn_fn=ragged_paged_attention_xla, max_running_requests=max_seqs,
-        max_extend_tokens=context, context_length=context + PAGE_SIZE, layer_loop=layer_loop,
+        max_extend_tokens=context, context_length=context + PAGE_SIZE, layer_loop=loop,
+        max_layers_per_call=int(group or MAX_LAYERS_PER_CALL),
     )
+
+
+def layer_loop_spec(value: str) -> str:
+    loop, _, group = value.partition(":")
+    if loop not in ("host", "scan") or (group and (loop != "host" or not group.isdigit() or int(group) < 1)):
+        raise argparse.ArgumentTypeError(f"expected scan, host or host:G with G >= 1, got {value!r}")
+    return value
 
 
 def main() -> None:
@@ -53,7 +79,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--layer-loops", nargs="+", default=["host", "scan"], choices=["host", "scan"])
+    ap.add_argument("--layer-loops", nargs="+", default=["host", "scan"], type=layer_loop_spec)
     args = ap.parse_args()
 
     import torch
@@ -74,19 +100,21 @@ def main() -> None:
     def seq_pages(i):
         return list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq))
 
-    def jax_times(layer_loop: str) -> list[float]:
-        """[prefill tokens/s, decode ms for each batch size] of one layer loop."""
-        runner = jax_runner(config, params, max_b, n + PAGE_SIZE, layer_loop)
-        prefill = timed(lambda: runner.forward([BatchEntry(prompt, 0, seq_pages(0))]).block_until_ready(), args.repeats)
-        out = [n / prefill]
-        for b in args.batch_sizes:
+    runners = {loop: jax_runner(config, params, max_b, n + PAGE_SIZE, loop) for loop in args.layer_loops}
+
+    def step(runner, entries):
+        return lambda: runner.forward(entries).block_until_ready()
+
+    prefill = [BatchEntry(prompt, 0, seq_pages(0))]
+    ours = {loop: [n / t] for loop, t in timed_alternating(
+        {loop: step(r, prefill) for loop, r in runners.items()}, args.repeats).items()}
+    for b in args.batch_sizes:
+        for runner in runners.values():
             for i in range(b):  # fill each sequence's KV once
                 runner.forward([BatchEntry(prompt, 0, seq_pages(i))])
-            entries = [BatchEntry([prompt[-1]], n, seq_pages(i)) for i in range(b)]
-            out.append(timed(lambda: runner.forward(entries).block_until_ready(), args.repeats) * 1e3)
-        return out
-
-    ours = {loop: jax_times(loop) for loop in args.layer_loops}
+        entries = [BatchEntry([prompt[-1]], n, seq_pages(i)) for i in range(b)]
+        for loop, t in timed_alternating({loop: step(r, entries) for loop, r in runners.items()}, args.repeats).items():
+            ours[loop].append(t * 1e3)
     with torch.no_grad():
         ids = torch.tensor([prompt])
         ref = [n / timed(lambda: tmodel(ids), args.repeats)]

@@ -331,7 +331,7 @@ class Engine:
             logits, prompt_logprobs = logits
             self._record_prompt_logprobs(batch, prompt_logprobs)
         sampling, flags = self._sampling_inputs(batch, logits.shape[0])
-        sampled = self.runner.sample(logits, jax.device_put(sampling), flags)
+        sampled = self.runner.sample(logits, sampling, flags)  # numpy: converted in the call
         return outputs + self._postprocess(batch, sampled)
 
     def _record_prompt_logprobs(self, batch: ScheduleBatch, prompt_logprobs: np.ndarray) -> None:

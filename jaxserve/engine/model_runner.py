@@ -2,8 +2,9 @@
 
 It owns the params and the KV pools, pads each host-side batch to a power-of-two shape bucket, and
 runs that bucket's compiled step: one executable with `lax.scan` over the layers (`layer_loop="scan"`,
-`forward_step`), or embed, layer and head executables with the layer called once per layer from Python
-(`layer_loop="host"`, `HostLayerLoop`, the CPU default). Executables are compiled ahead of time
+`forward_step`), or embed, layer-group and head executables with the layer group (a few consecutive
+layers) called from Python until all layers have run (`layer_loop="host"`, `HostLayerLoop`, the CPU
+default). Executables are compiled ahead of time
 (`precompile`, with a progress bar) and kept in a dict, so every compile is explicit and counted
 (`num_compiles_after_warmup`).
 
@@ -22,7 +23,7 @@ The argument pytrees (`ForwardBatch`, `SamplingBatch`) have one structure for th
 
 For research code: `forward_step` is the whole step as one pure function (what the scan loop jits);
 call it under your own `jax.jit`, trace it or inspect its jaxpr. The host loop computes the same step
-from its parts, `llama.embed_tokens`, `llama.decoder_layer` and `head_step`.
+from its parts, `llama.embed_tokens`, `llama.decoder_layers` and `head_step`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 EXTEND_BLOCK_Q = 16
 MIN_PAGE_BUCKET_TOKENS = 4096
+# Most layers per call of the host loop: each call costs ~100 us of dispatch and runtime overhead.
+# Groups of 5 took 2-5% off the default model's decode steps against one layer per call, and compile
+# in ~1.15 s against ~0.75 s for one layer (docs/benchmarks.md, "Model speed").
+MAX_LAYERS_PER_CALL = 5
 
 
 def forward_step(
@@ -71,7 +76,8 @@ def forward_step(
     token (0 where the target is -1); this needs logits at every row, so it is a separate variant.
     Pure; `config`, `attn_fn`, `forward_fn` and `return_input_logprobs` are static. The engine runs this
     same computation either as one executable (`--layer-loop scan`) or split into `llama.embed_tokens`,
-    one `llama.decoder_layer` call per layer and `head_step` (`--layer-loop host`, `HostLayerLoop`).
+    `llama.decoder_layers` calls over groups of layers and `head_step` (`--layer-loop host`,
+    `HostLayerLoop`).
     """
     hidden, k_pool, v_pool = forward_fn(params, k_pool, v_pool, batch, config=config, attn_fn=attn_fn)
     logits, input_logprobs = step_outputs(params, hidden, batch, return_input_logprobs)
@@ -103,25 +109,44 @@ def head_step(
 
 
 class HostLayerLoop:
-    """One compiled step of a bucket as three executables run from Python: embed, the decoder layer
-    (called once per layer with that layer's weights and index; the pools are donated, so each call
-    updates them in place) and the head. Called like a compiled `forward_step`.
+    """One compiled step of a bucket as three executables run from Python: embed, a group of G
+    consecutive decoder layers (called L / G times, with those layers' weights and the index of the
+    first; the pools are donated, so each call updates them in place) and the head. Called like a
+    compiled `forward_step`, with per-layer `params.layers`.
 
     Why: under `lax.scan` XLA:CPU copies each layer's slice of the stacked weights before its matmuls;
     separate per-layer buffers are read in place (docs/benchmarks.md, "Model speed").
     """
 
-    def __init__(self, embed: Callable, layer: Callable, head: Callable, layer_ids: Sequence[jax.Array]):
-        """`layer_ids`: the int32 device scalar of each layer's index, made once by the runner."""
-        self.embed, self.layer, self.head, self.layer_ids = embed, layer, head, layer_ids
+    def __init__(self, embed: Callable, layers: Callable, head: Callable, first_layer_ids: Sequence[jax.Array]):
+        """`first_layer_ids`: the int32 device scalar of each group's first layer index (G apart), made
+        once by the runner."""
+        self.embed, self.layers, self.head, self.first_layer_ids = embed, layers, head, first_layer_ids
 
     def __call__(self, params: llama.ModelParams, k_pool, v_pool, batch: ForwardBatch):
+        """`batch` may hold numpy arrays: the embed program hands it back on the device for the others."""
         outer = dataclasses.replace(params, layers=())
-        h, cos, sin = self.embed(outer, batch)
-        for p, layer in zip(params.layers, self.layer_ids):
-            h, k_pool, v_pool = self.layer(p, h, k_pool, v_pool, layer, batch, cos, sin)
+        group = len(params.layers) // len(self.first_layer_ids)
+        (h, cos, sin), batch = self.embed(outer, batch)
+        for i, first in enumerate(self.first_layer_ids):
+            ps = params.layers[i * group : (i + 1) * group]
+            h, k_pool, v_pool = self.layers(ps, h, k_pool, v_pool, first, batch, cos, sin)
         logits, input_logprobs = self.head(outer, h, batch)
         return logits, input_logprobs, k_pool, v_pool
+
+
+def embed_step(params: llama.ModelParams, batch: ForwardBatch, *, config: ModelConfig):
+    """The start of a host-loop step: `llama.embed_tokens`, and `batch` itself returned as device arrays
+    for the step's other programs. The step's batch then crosses to the device once, as numpy
+    arguments of this call: with a `jax.device_put` of its 12 arrays first, the call took 4-5x longer
+    (jax 0.10.2, CPU; `scripts/bench_dispatch.py`)."""
+    return llama.embed_tokens(params, batch, config=config), batch
+
+
+def layers_per_call(num_layers: int, most: int = MAX_LAYERS_PER_CALL) -> int:
+    """The host loop's group size: the largest divisor of `num_layers` not above `most` (so every call
+    runs the same compiled group)."""
+    return max(g for g in range(1, max(1, most) + 1) if num_layers % g == 0)
 
 
 def pow2_at_least(n: int, minimum: int = 1) -> int:
@@ -184,10 +209,12 @@ class ModelRunner:
         max_extend_tokens: int,
         context_length: int,
         layer_loop: str = "scan",
+        max_layers_per_call: int = MAX_LAYERS_PER_CALL,
     ):
         """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
         runs it as a `HostLayerLoop`, with the layer weights split into per-layer buffers (stacked
-        params are split here; per-layer params given to "scan" run unrolled, see `llama.forward`)."""
+        params are split here; per-layer params given to "scan" run unrolled, see `llama.forward`) and
+        `layers_per_call(num_layers, max_layers_per_call)` layers per call."""
         if layer_loop not in ("scan", "host"):
             raise ValueError(f"layer_loop must be 'scan' or 'host', got {layer_loop!r}")
         self.config = config
@@ -210,15 +237,18 @@ class ModelRunner:
             )
             for flag in (False, True)
         }
-        self._embed_jit = jax.jit(functools.partial(llama.embed_tokens, config=config))
-        self._layer_jit = jax.jit(
-            functools.partial(llama.decoder_layer, config=config, attn_fn=attn_fn), donate_argnums=(2, 3)
+        self._embed_jit = jax.jit(functools.partial(embed_step, config=config))
+        self._layers_jit = jax.jit(
+            functools.partial(llama.decoder_layers, config=config, attn_fn=attn_fn), donate_argnums=(2, 3)
         )
         self._head_jit = {
             flag: jax.jit(functools.partial(head_step, config=config, return_input_logprobs=flag))
             for flag in (False, True)
         }
-        self._layer_ids = [jnp.int32(i) for i in range(config.num_layers)] if layer_loop == "host" else []
+        self.layers_per_call, self._first_layer_ids = None, []  # host loop only
+        if layer_loop == "host":
+            self.layers_per_call = layers_per_call(config.num_layers, max_layers_per_call)
+            self._first_layer_ids = [jnp.int32(i) for i in range(0, config.num_layers, self.layers_per_call)]
         self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,))
         self._step_exec: dict[tuple[BucketKey, bool], Callable] = {}
         self._sample_exec: dict[tuple, Callable] = {}
@@ -261,7 +291,10 @@ class ModelRunner:
 
     # ---- host -> device batch ------------------------------------------------------------------
     def build_forward_batch(self, entries: Sequence[BatchEntry]) -> tuple[ForwardBatch, BucketKey]:
-        """Pad a host batch to its bucket and move it to the device."""
+        """Pad a host batch to its bucket: a `ForwardBatch` of numpy arrays, and the bucket.
+
+        It is passed to the compiled step as is: an executable converts numpy arguments in its call,
+        much faster than a separate `jax.device_put` of the same arrays (see `embed_step`)."""
         extend_lens = [len(e.token_ids) for e in entries]
         max_pages = max(len(e.page_table) for e in entries)
         key = self.bucket_for(extend_lens, max_pages)
@@ -293,7 +326,7 @@ class ModelRunner:
             pages_per_seq=key.pages_per_seq,
             block_q=key.block_q,
         )
-        host_batch = ForwardBatch(
+        batch = ForwardBatch(
             input_ids=input_ids,
             positions=positions,
             slot_mapping=slot_mapping,
@@ -301,7 +334,7 @@ class ModelRunner:
             logits_idx=logits_idx,
             target_ids=target_ids,
         )
-        return jax.device_put(host_batch), key  # one transfer call for all its arrays
+        return batch, key
 
     # ---- execution -----------------------------------------------------------------------------
     def forward(self, entries: Sequence[BatchEntry], input_logprobs: bool = False) -> jax.Array:
@@ -330,7 +363,8 @@ class ModelRunner:
         self, batch: ForwardBatch, input_logprobs: bool, parts: Sequence[str] = ("embed", "layer", "head")
     ) -> dict[str, jax.stages.Lowered]:
         """The programs of one bucket's step, lowered (not yet compiled): "step" for the scan loop;
-        the given `parts` of "embed", "layer" and "head" for the host loop."""
+        the given `parts` of "embed", "layer" (a group of `layers_per_call` layers) and "head" for the
+        host loop."""
         if self.layer_loop == "scan":
             return {"step": self._step_jit[input_logprobs].lower(self.params, self.k_pool, self.v_pool, batch)}
         outer = dataclasses.replace(self.params, layers=())
@@ -339,8 +373,9 @@ class ModelRunner:
         rope = jax.ShapeDtypeStruct((num_tokens, self.config.head_dim), dtype)
         lower = {
             "embed": lambda: self._embed_jit.lower(outer, batch),
-            "layer": lambda: self._layer_jit.lower(
-                self.params.layers[0], h, self.k_pool, self.v_pool, self._layer_ids[0], batch, rope, rope
+            "layer": lambda: self._layers_jit.lower(
+                self.params.layers[: self.layers_per_call], h, self.k_pool, self.v_pool,
+                self._first_layer_ids[0], batch, rope, rope,
             ),
             "head": lambda: self._head_jit[input_logprobs].lower(outer, h, batch),
         }
@@ -349,12 +384,12 @@ class ModelRunner:
     def _assemble_step(self, compiled: dict[str, Callable]) -> Callable:
         if self.layer_loop == "scan":
             return compiled["step"]
-        return HostLayerLoop(compiled["embed"], compiled["layer"], compiled["head"], self._layer_ids)
+        return HostLayerLoop(compiled["embed"], compiled["layer"], compiled["head"], self._first_layer_ids)
 
     def _compile_step(self, key: BucketKey, batch: ForwardBatch, input_logprobs: bool = False) -> Callable:
         # the host loop's embed and layer programs are the same for both variants: compile only a head
         other = self._step_exec.get((key, not input_logprobs))
-        reused = {"embed": other.embed, "layer": other.layer} if isinstance(other, HostLayerLoop) else {}
+        reused = {"embed": other.embed, "layer": other.layers} if isinstance(other, HostLayerLoop) else {}
         lowered = self._lower_step(batch, input_logprobs, [p for p in ("embed", "layer", "head") if p not in reused])
         exe = self._compile(
             lambda: self._assemble_step({**reused, **{name: low.compile() for name, low in lowered.items()}}),

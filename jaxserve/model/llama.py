@@ -5,7 +5,8 @@ windows are not applied), Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (RM
 head), switched by `ModelConfig` flags. The forward runs on the paged KV pool: each
 layer scatters its new K/V into the pools and then attends through the attention backend given as a
 static function. `forward` carries the pools through `lax.scan` over stacked layers; `embed_tokens`,
-`decoder_layer` and `final_hidden` are its parts, which the model runner can also call one layer at a time.
+`decoder_layers` and `final_hidden` are its parts, which the model runner can also call a few layers at a
+time.
 
 Numerics follow transformers' modeling_llama.py: RMSNorm in float32, rotate-half RoPE, SiLU-gated MLP.
 """
@@ -172,6 +173,28 @@ def decoder_layer(
     return h, k_pool, v_pool
 
 
+def decoder_layers(
+    ps: tuple[LayerParams, ...],
+    h: Float[Array, "E T"],
+    k_pool: Float[Array, "L N ps KVH D"],
+    v_pool: Float[Array, "L N ps KVH D"],
+    first_layer: Int32[Array, ""],
+    batch: ForwardBatch,
+    cos: Float[Array, "T D"],
+    sin: Float[Array, "T D"],
+    *,
+    config: ModelConfig,
+    attn_fn: AttentionFn,
+) -> tuple[Float[Array, "E T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+    """Consecutive decoder layers `first_layer`, `first_layer + 1`, ... with per-layer weights `ps`
+    (unrolled); `decoder_layer` for each in turn."""
+    for i, p in enumerate(ps):
+        h, k_pool, v_pool = decoder_layer(
+            p, h, k_pool, v_pool, first_layer + i, batch, cos, sin, config=config, attn_fn=attn_fn
+        )
+    return h, k_pool, v_pool
+
+
 def final_hidden(params: ModelParams, h: Float[Array, "E T"], *, config: ModelConfig) -> Float[Array, "T E"]:
     """The final RMSNorm, back in the token-major layout [T, E]."""
     return rms_norm(h.T, params.final_norm, config.rms_norm_eps)
@@ -205,8 +228,9 @@ def forward(
 
         (h, k_pool, v_pool, _), _ = jax.lax.scan(step, (h, k_pool, v_pool, jnp.int32(0)), params.layers)
     else:
-        for i, p in enumerate(params.layers):
-            h, k_pool, v_pool = layer_fn(p, h, k_pool, v_pool, jnp.int32(i), cos=cos, sin=sin)
+        h, k_pool, v_pool = decoder_layers(
+            params.layers, h, k_pool, v_pool, jnp.int32(0), batch, cos, sin, config=config, attn_fn=attn_fn
+        )
     return final_hidden(params, h, config=config), k_pool, v_pool
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, ModelRunner, extend_token_buckets
+from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, ModelRunner, extend_token_buckets, layers_per_call
 
 PAGE_SIZE = 16
 
@@ -55,3 +55,14 @@ def test_page_buckets_start_at_4096_tokens():
     assert {b.pages_per_seq for b in short.all_buckets()} == {2048 // PAGE_SIZE}
     long = make_runner(max_seqs=64, max_extend=512, context=32768)
     assert sorted({b.pages_per_seq for b in long.all_buckets()}) == [256, 512, 1024, 2048]
+
+
+@given(num_layers=st.integers(1, 128), most=st.integers(1, 8))
+def test_layers_per_call_is_the_largest_divisor_within_the_limit(num_layers, most):
+    g = layers_per_call(num_layers, most)
+    assert 1 <= g <= most and num_layers % g == 0
+    assert all(num_layers % d for d in range(g + 1, most + 1))  # no larger divisor fits
+
+
+def test_layers_per_call_of_common_depths():
+    assert [layers_per_call(n) for n in (30, 32, 24, 28, 22, 2)] == [5, 4, 4, 4, 2, 2]

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.model_runner import BatchEntry, ModelRunner
+from jaxserve.engine.model_runner import MAX_LAYERS_PER_CALL, BatchEntry, ModelRunner
 from jaxserve.model import llama
 from jaxserve.pallas.reference import ragged_paged_attention_xla
 
@@ -17,12 +17,12 @@ class SingleSequence:
     """Pages 1..n of a private pool, handed out in order (page 0 stays the dummy page).
 
     `all_logits` runs `llama.forward` (stacked layers under lax.scan); `last_logits` and `greedy` run the
-    model runner's step with the given `layer_loop`.
+    model runner's step with the given `layer_loop` (and `max_layers_per_call` for the host loop).
     """
 
     def __init__(
         self, config, params, *, page_size: int, max_tokens: int = 2048, max_extend: int = 1024,
-        layer_loop: str = "scan",
+        layer_loop: str = "scan", max_layers_per_call: int = MAX_LAYERS_PER_CALL,
     ):
         num_pages = max_tokens // page_size + 2
         shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
@@ -31,6 +31,7 @@ class SingleSequence:
             config, params, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
             attn_fn=ragged_paged_attention_xla, max_running_requests=1,
             max_extend_tokens=max_extend, context_length=max_tokens, layer_loop=layer_loop,
+            max_layers_per_call=max_layers_per_call,
         )
         self.config, self.params, self.page_size = config, params, page_size
         self.page_table = list(range(1, num_pages))

@@ -141,9 +141,13 @@ def test_tiny_checkpoints_match_transformers(tmp_path, case):
     unrolled = SingleSequence(config, per_layer, page_size=8, max_tokens=256).all_logits(ids)
     err = rel_l2(unrolled, ref)
     assert err.max() <= 1e-4, f"{case}: unrolled layers, max relative L2 error {err.max():.2e}"
-    # the engine's host layer loop (per-layer buffers, one jitted layer step per layer) on a chunked prompt
-    host = SingleSequence(config, params, page_size=8, max_tokens=256, max_extend=128, layer_loop="host")
-    host.last_logits(ids[:120])
-    last = host.last_logits(ids[120:], prefix_len=120)
-    err = rel_l2(last, ref[-1])
-    assert err <= 1e-4, f"{case}: host layer loop, relative L2 error {err:.2e}"
+    # the engine's host layer loop (per-layer buffers, jitted groups of layers) on a chunked prompt:
+    # both layers in one call, and one layer per call (two calls)
+    for per_call in (2, 1):
+        host = SingleSequence(config, params, page_size=8, max_tokens=256, max_extend=128, layer_loop="host",
+                              max_layers_per_call=per_call)
+        assert host.runner.layers_per_call == per_call
+        host.last_logits(ids[:120])
+        last = host.last_logits(ids[120:], prefix_len=120)
+        err = rel_l2(last, ref[-1])
+        assert err <= 1e-4, f"{case}: host layer loop, {per_call} per call, relative L2 error {err:.2e}"

@@ -86,3 +86,17 @@ def test_served_model_name():
     assert served_model_name(ServerArgs(model_path="/m/llama.Q8_0.gguf"), "/m/llama.Q8_0.gguf") == "llama"
     assert served_model_name(ServerArgs(model_path="/m/hf_dir/"), "/m/hf_dir/") == "hf_dir"
     assert served_model_name(ServerArgs(served_model_name="mine"), "/m/x") == "mine"
+
+
+def test_cli_help_states_each_default_once():
+    import argparse
+    import dataclasses
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    helps = {a.dest: a.help for a in parser._actions if a.dest != "help"}
+    assert len(helps) == len(dataclasses.fields(ServerArgs))
+    for dest, text in helps.items():
+        assert text.count("(default") == 1, f"--{dest}: {text!r}"
+    assert "(default: the model's, capped at 8192)" in helps["context_length"]  # its own words, no "None"
+    assert helps["port"].endswith(f"(default: {ServerArgs().port})")
