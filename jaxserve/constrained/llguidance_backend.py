@@ -234,8 +234,9 @@ class LLGuidanceBackend:
             return compiled
         grammar = self.grammar_text(spec)
         template = LLMatcher(self._ll_tokenizer, grammar, log_level=0, limits=self._limits)
-        if template.is_error():
-            raise InvalidGrammarError(f"invalid {_KIND_NAMES[spec.kind]}: {_short_error(template.get_error())}")
+        error = template.get_error() if template.is_error() else self._first_token_error(template)
+        if error is not None:
+            raise InvalidGrammarError(f"invalid {_KIND_NAMES[spec.kind]}: {_short_error(error)}")
         warnings = tuple(template.get_grammar_warnings())
         for warning in warnings:
             logger.warning("grammar warning (%s): %s", spec.kind, warning)
@@ -246,6 +247,23 @@ class LLGuidanceBackend:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _first_token_error(self, template: LLMatcher) -> str | None:
+        """llguidance's error after one allowed token on a copy of `template`, or None.
+
+        Some limits are only hit when the lexer builds its states for real: `a{99999999}` constructs
+        and computes its first mask fine, then fails with "too many expressions constructed" on the
+        first token, which would end the request with an abort. Taking one step here turns that into
+        an error when the grammar is checked. Limits hit deeper into a generation still abort it.
+        """
+        probe = template.deep_copy()
+        mask = np.zeros(self.num_words, np.int32)
+        probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        allowed = [t for t in allowed.tolist() if t not in self.eos_token_ids]
+        if allowed:
+            probe.try_consume_tokens([allowed[0]])
+        return probe.get_error() if probe.is_error() else None
 
     def grammar_text(self, spec: GrammarSpec) -> str:
         """llguidance's serialized grammar for `spec`, not yet validated.
