@@ -34,7 +34,7 @@ from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.server import native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
-from jaxserve.server.engine_client import RequestGroup
+from jaxserve.server.engine_client import RequestGroup, preprocess_executor
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response, parse_json_body
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
@@ -160,6 +160,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         routes.append(Route("/metrics", _metrics_endpoint(engine_loop, model_name), methods=["GET"]))
     middleware = [Middleware(APIKeyMiddleware, api_key=server_args.api_key)] if server_args.api_key else []
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
+    app.state.preprocess_executor = preprocess_executor()  # its idle thread ends with the process
     app.state.engine_loop = engine_loop
     app.state.server_args = server_args
     app.state.model_name = model_name

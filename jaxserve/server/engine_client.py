@@ -7,13 +7,18 @@ streaming a batch reads one queue.
 
 A client that goes away must not keep its requests running: streamed responses abort in their
 generator's `finally` (see `sse.SSEResponse`), other handlers wrap the wait in `abort_on_disconnect`.
+
+A request's preparation (chat template, tokenizing, the grammar check, submitting) runs off the event
+loop, on the server's one preprocessing thread (`preprocess`): a long prompt or a slow JSON schema then
+delays only its own request, never the streams of the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from starlette.requests import Request
 
@@ -21,11 +26,25 @@ from jaxserve.engine.engine import StepOutput
 from jaxserve.engine.engine_loop import EngineLoop
 
 
+T = TypeVar("T")
+
+
+def preprocess_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The server's preprocessing thread. One, as SGLang has one tokenizer manager: the tokenizer's
+    encode calls stay serialized, as they were on the event loop."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-preprocess")
+
+
+async def preprocess(request: Request, fn: Callable[[], T]) -> T:
+    """Run `fn` on the app's preprocessing thread and return its result (its exceptions propagate)."""
+    return await asyncio.get_running_loop().run_in_executor(request.app.state.preprocess_executor, fn)
+
+
 class RequestGroup:
     """Requests submitted for one HTTP request, with their outputs on one asyncio queue.
 
     Create it inside the event loop. `submit` validates synchronously (raises like
-    `EngineLoop.submit`); iterate the group to receive every `StepOutput` until all sequences have
+    `EngineLoop.submit`; it may run on another thread, before the group is iterated); iterate the group to receive every `StepOutput` until all sequences have
     finished; `abort()` stops the unfinished ones.
     """
 

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.request import SamplingParamsError
-from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect
+from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
@@ -114,7 +114,7 @@ async def generate(request: Request) -> Response:
     req = GenerateRequest.model_validate(parse_json_body(await request.body()))
     prompts, is_batch, field = _expand(req)
     group = RequestGroup(engine_loop)
-    _submit(group, req, prompts, field)
+    await preprocess(request, lambda: _submit(group, req, prompts, field))
     tokenizer = engine_loop.tokenizer
     if req.stream:
         return SSEResponse(_stream(group, tokenizer, req.return_text_in_logprobs))

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.request import SamplingParamsError
-from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect
+from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.native_api import failure_of
 from jaxserve.server.protocol import (
@@ -238,15 +238,19 @@ async def completions(request: Request) -> Response:
         raise APIError("echo with logprobs is not supported (no prompt logprobs)", 400, param="echo", code="unsupported_parameter")
     rid = _new_rid(req)
     raw_prompts = _completion_prompts(req.prompt)
-    prompts = []
-    for i, p in enumerate(raw_prompts):
-        ids = _tokenize(engine_loop, p, "prompt")
-        room = max(1, engine_loop.context_length - len(ids))
-        max_new = req.max_tokens if req.max_tokens is not None else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-        prompts.append((ids, rid if len(raw_prompts) == 1 else f"{rid}-p{i}", max_new))
     group = RequestGroup(engine_loop)
-    _submit(group, _renames(req, "prompt", "max_tokens", "logprobs"), prompts, req,
-            req.logprobs is not None, req.logprobs or 0)
+
+    def prepare() -> None:  # on the preprocessing thread
+        prompts = []
+        for i, p in enumerate(raw_prompts):
+            ids = _tokenize(engine_loop, p, "prompt")
+            room = max(1, engine_loop.context_length - len(ids))
+            max_new = req.max_tokens if req.max_tokens is not None else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+            prompts.append((ids, rid if len(raw_prompts) == 1 else f"{rid}-p{i}", max_new))
+        _submit(group, _renames(req, "prompt", "max_tokens", "logprobs"), prompts, req,
+                req.logprobs is not None, req.logprobs or 0)
+
+    await preprocess(request, prepare)
     tokenizer = engine_loop.tokenizer
     echoes = [(p if isinstance(p, str) else tokenizer.decode(p)) if req.echo else "" for p in raw_prompts]
     model = request.app.state.model_name
@@ -375,12 +379,16 @@ async def chat_completions(request: Request) -> Response:
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     tokenizer = engine_loop.tokenizer
-    ids = _tokenize(engine_loop, _chat_prompt(tokenizer, req), "messages")
-    max_new = max_tokens if max_tokens is not None else max(1, engine_loop.context_length - len(ids))
     rid = _new_rid(req)
     group = RequestGroup(engine_loop)
-    _submit(group, _renames(req, "messages", max_field, "top_logprobs"), [(ids, rid, max_new)], req,
-            req.logprobs, req.top_logprobs or 0)
+
+    def prepare() -> None:  # on the preprocessing thread
+        ids = _tokenize(engine_loop, _chat_prompt(tokenizer, req), "messages")
+        max_new = max_tokens if max_tokens is not None else max(1, engine_loop.context_length - len(ids))
+        _submit(group, _renames(req, "messages", max_field, "top_logprobs"), [(ids, rid, max_new)], req,
+                req.logprobs, req.top_logprobs or 0)
+
+    await preprocess(request, prepare)
     model = request.app.state.model_name
     if req.stream:
         return SSEResponse(_chat_stream(group, req, f"chatcmpl-{rid}", model, tokenizer))

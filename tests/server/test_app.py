@@ -100,3 +100,34 @@ def test_cli_help_states_each_default_once():
         assert text.count("(default") == 1, f"--{dest}: {text!r}"
     assert "(default: the model's, capped at 8192)" in helps["context_length"]  # its own words, no "None"
     assert helps["port"].endswith(f"(default: {ServerArgs().port})")
+
+
+def test_a_slow_request_preparation_does_not_block_the_server(engine_loop):
+    """Tokenizing (and grammar checks) run off the event loop, on one preprocessing thread: the server
+    keeps answering (and streaming) meanwhile. Other prompts queue behind it, as in SGLang's one
+    tokenizer manager."""
+    import concurrent.futures
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    released_in_time = []
+    fast_tokenize = engine_loop.engine.tokenize
+
+    def tokenize(prompt):
+        if prompt == "slow":
+            started.set()
+            released_in_time.append(release.wait(10))  # the test releases it once the other request is served
+        return fast_tokenize(prompt)
+
+    engine_loop.engine.tokenize = tokenize
+    body = {"sampling_params": {"max_new_tokens": 2}}
+    # as a context manager the client runs every request on one event loop, as a server does
+    with _client(engine_loop) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(client.post, "/generate", json={"text": "slow", **body})
+        assert started.wait(30)
+        other = client.get("/v1/models")  # answered while "slow" tokenizes
+        assert other.status_code == 200 and other.json()["data"]
+        assert not slow.done()
+        release.set()
+        assert slow.result(timeout=30).status_code == 200
+    assert released_in_time == [True], "the other request waited for the slow one's tokenizing"
