@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 
 from jaxserve.engine.model_runner import BatchEntry
 from jaxserve.model.loader import load_model
-from bench_model import jax_runner  # scripts/ is on sys.path when this runs as a script
+from bench_model import jax_runner, timed_alternating  # scripts/ is on sys.path when this runs as a script
 
 
 def main() -> None:
@@ -36,14 +34,11 @@ def main() -> None:
     for b in args.batch_sizes:
         batch, _ = runner.build_forward_batch([BatchEntry([5], 100, list(range(1, 9))) for _ in range(b)])
         embed = runner._lower_step(batch, False, ["embed"])["embed"].compile()
-        variants = {"put": lambda: embed(outer, jax.device_put(batch)), "numpy": lambda: embed(outer, batch)}
-        times = {name: [] for name in variants}
-        for _ in range(args.repeats):
-            for name, fn in variants.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn())
-                times[name].append(time.perf_counter() - t0)
-        put, direct = (statistics.median(times[n]) * 1e6 for n in ("put", "numpy"))
+        times = timed_alternating({
+            "put": lambda: jax.block_until_ready(embed(outer, jax.device_put(batch))),
+            "numpy": lambda: jax.block_until_ready(embed(outer, batch)),
+        }, args.repeats)
+        put, direct = times["put"] * 1e6, times["numpy"] * 1e6
         print(f"| {b} | {put:.0f} | {direct:.0f} | {put / direct:.2f}x |")
 
 

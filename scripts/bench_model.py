@@ -31,13 +31,8 @@ PAGE_SIZE = 16
 
 
 def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of `fn()` over `repeats` calls after a warm-up call."""
+    return timed_alternating({"fn": fn}, repeats)["fn"]
 
 
 def timed_alternating(fns: dict, repeats: int) -> dict:

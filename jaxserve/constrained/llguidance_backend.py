@@ -260,9 +260,9 @@ class LLGuidanceBackend:
         mask = np.zeros(self.num_words, np.int32)
         probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
-        allowed = [t for t in allowed.tolist() if t not in self.eos_token_ids]
-        if allowed:
-            probe.try_consume_tokens([allowed[0]])
+        token = next((int(t) for t in allowed if int(t) not in self.eos_token_ids), None)
+        if token is not None:
+            probe.try_consume_tokens([token])
         return probe.get_error() if probe.is_error() else None
 
     def grammar_text(self, spec: GrammarSpec) -> str:

@@ -526,7 +526,7 @@ class Engine:
                 batch, flags = sampler_lib.build_sampling_batch(
                     [SamplingParams(temperature=temp)], [0], [0], None, None, s, self.model_config.vocab_size
                 )
-                variants.append((jax.device_put(batch), flags))
+                variants.append((batch, flags))  # numpy, as `step` passes it
         return variants
 
     # ---- convenience ----------------------------------------------------------------------------

@@ -135,9 +135,11 @@ class HostLayerLoop:
         return logits, input_logprobs, k_pool, v_pool
 
 
-def embed_step(params: llama.ModelParams, batch: ForwardBatch, *, config: ModelConfig):
-    """The start of a host-loop step: `llama.embed_tokens`, and `batch` itself returned as device arrays
-    for the step's other programs. The step's batch then crosses to the device once, as numpy
+def embed_step(
+    params: llama.ModelParams, batch: ForwardBatch, *, config: ModelConfig
+) -> tuple[tuple[Float[Array, "E T"], Float[Array, "T D"], Float[Array, "T D"]], ForwardBatch]:
+    """The start of a host-loop step: `llama.embed_tokens` (residual stream [E, T], RoPE cos and sin
+    [T, D]), and `batch` itself returned as device arrays for the step's other programs. The step's batch then crosses to the device once, as numpy
     arguments of this call: with a `jax.device_put` of its 12 arrays first, the call took 4-5x longer
     (jax 0.10.2, CPU; `scripts/bench_dispatch.py`)."""
     return llama.embed_tokens(params, batch, config=config), batch
@@ -214,7 +216,10 @@ class ModelRunner:
         """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
         runs it as a `HostLayerLoop`, with the layer weights split into per-layer buffers (stacked
         params are split here; per-layer params given to "scan" run unrolled, see `llama.forward`) and
-        `layers_per_call(num_layers, max_layers_per_call)` layers per call."""
+        `layers_per_call(num_layers, max_layers_per_call)` layers per call.
+
+        Raises:
+            ValueError: `layer_loop` is neither "scan" nor "host"."""
         if layer_loop not in ("scan", "host"):
             raise ValueError(f"layer_loop must be 'scan' or 'host', got {layer_loop!r}")
         self.config = config

@@ -332,7 +332,7 @@ def build_sampling_batch(
             return_logprob).
 
     Returns:
-        (batch with numpy leaves, ready for `jax.device_put`; flags).
+        (batch with numpy leaves, which the compiled sampler takes as arguments; flags).
 
     Raises:
         ValueError: mismatched lengths, num_seqs too small, a penalty without histories, or a bitmask

@@ -14,7 +14,6 @@ Numerics follow transformers' modeling_llama.py: RMSNorm in float32, rotate-half
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable
 
@@ -217,13 +216,14 @@ def forward(
     are static (bind them with functools.partial before jit). The pools should be donated by the
     caller's jit so the per-layer scatters update them in place.
     """
-    layer_fn = functools.partial(decoder_layer, batch=batch, config=config, attn_fn=attn_fn)
     h, cos, sin = embed_tokens(params, batch, config=config)
     if isinstance(params.layers, LayerParams):
 
         def step(carry, p):
             h, k_pool, v_pool, layer = carry
-            h, k_pool, v_pool = layer_fn(p, h, k_pool, v_pool, layer, cos=cos, sin=sin)
+            h, k_pool, v_pool = decoder_layer(
+                p, h, k_pool, v_pool, layer, batch, cos, sin, config=config, attn_fn=attn_fn
+            )
             return (h, k_pool, v_pool, layer + 1), None
 
         (h, k_pool, v_pool, _), _ = jax.lax.scan(step, (h, k_pool, v_pool, jnp.int32(0)), params.layers)

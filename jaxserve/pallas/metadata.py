@@ -57,8 +57,8 @@ class HostAttentionMetadata:
     token_out_idx: np.ndarray
 
     def tree(self) -> AttentionMetadata:
-        """The same numpy arrays as an `AttentionMetadata` pytree, to move with one `jax.device_put`
-        together with other arrays."""
+        """The same numpy arrays as an `AttentionMetadata` pytree: the `attn` field of a host-side
+        `ForwardBatch`, which compiled steps take as numpy arguments."""
         return AttentionMetadata(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def to_device(self) -> AttentionMetadata:

@@ -43,9 +43,9 @@ async def preprocess(request: Request, fn: Callable[[], T]) -> T:
 class RequestGroup:
     """Requests submitted for one HTTP request, with their outputs on one asyncio queue.
 
-    Create it inside the event loop. `submit` validates synchronously (raises like
-    `EngineLoop.submit`; it may run on another thread, before the group is iterated); iterate the group to receive every `StepOutput` until all sequences have
-    finished; `abort()` stops the unfinished ones.
+    Create it inside the event loop. `submit` validates synchronously (raises like `EngineLoop.submit`;
+    it may run on the preprocessing thread, before the group is iterated); iterate the group to receive
+    every `StepOutput` until all sequences have finished; `abort()` stops the unfinished ones.
     """
 
     def __init__(self, engine_loop: EngineLoop):
