@@ -17,7 +17,11 @@ Finish rules (checked in this order on every token; SGLang's names and shapes of
 2. A stop string in the text: `{"type": "stop", "matched": "the string"}`. The text is cut where the
    earliest stop string starts, unless `no_stop_trim` (then everything decoded so far is kept, as
    SGLang does). A stop string may span tokens; text that could be the start of a stop string is held
-   back until it no longer can match or the request finishes.
+   back until it no longer can match or the request finishes. A `stop_regex` match works the same
+   way (`{"type": "stop", "matched": "<the pattern>"}`, SGLang's FINISHED_MATCHED_REGEX): text from
+   the start of a partial match (the `regex` package's `partial=True`: the text so far could still
+   grow into a match) is held back, so streamed text is never retracted. A pattern such as `a.*b`
+   therefore holds back everything after an `a` until the `b` or the end.
 3. `max_new_tokens` reached: `{"type": "length", "length": max_new_tokens}`.
 Rules 1 and 2 apply only once `min_new_tokens` tokens exist (the sampler also bans stop tokens
 before that). SGLang checks the length first; stop-first (vLLM's order) reports "stop" and trims the
@@ -30,6 +34,8 @@ depending on what follows, which no incremental decoder can stream consistently.
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
+
+import regex
 
 from jaxserve.engine.request import SamplingParams, finish_length, finish_stop
 
@@ -63,7 +69,7 @@ class IncrementalDetokenizer:
         tokenizer: a transformers tokenizer (only `decode` is used).
         prompt_ids: the prompt's token ids (its last few give the decode context).
         params: the request's sampling parameters (stop, stop_token_ids, ignore_eos, min/max_new_tokens,
-            skip_special_tokens, no_stop_trim).
+            stop_regex, skip_special_tokens, spaces_between_special_tokens, no_stop_trim).
         eos_token_ids: the model's EOS ids; they stop the request unless `params.ignore_eos`.
 
     A request with `max_new_tokens == 0` is finished from the start (see `finish_without_tokens`).
@@ -78,6 +84,9 @@ class IncrementalDetokenizer:
         self._stop_token_ids = frozenset(map(int, params.stop_token_ids + eos))
         self._stops = tuple(params.stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._stop_regexes = tuple((p, regex.compile(p)) for p in params.stop_regex)
+        # fast tokenizers ignore the flag; pass it only when it differs from decode's default
+        self._decode_kwargs = {} if params.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
 
         # Tokens [0, read_offset) of the window are printed context; [read_offset, end) are not yet.
         self._window = [int(t) for t in list(prompt_ids)[-NUM_CONTEXT_TOKENS:]]
@@ -139,18 +148,21 @@ class IncrementalDetokenizer:
         at_length = self._num_tokens >= params.max_new_tokens
         printed, unsettled = self._decode_step(flush=at_length)
         text = self._held + printed
-        if can_stop and self._stops:
+        if can_stop and (self._stops or self._stop_regexes):
             # Also search the unsettled tail (it may end in U+FFFD) so a stop string is caught on the
             # token that completes it, as SGLang's tail check does.
             candidate = text + unsettled
             match = self._find_stop(candidate, len(self._held))
+            regex_match = self._find_stop_regex(candidate)
+            if regex_match is not None and (match is None or regex_match[0] < match[0]):
+                match = regex_match
             if match is not None:
                 start, stop = match
                 return self._finish(candidate if params.no_stop_trim else candidate[:start], finish_stop(stop))
         if at_length:
             return self._finish(text, finish_length(params.max_new_tokens))
 
-        hold = self._stop_prefix_len(text)
+        hold = max(self._stop_prefix_len(text), self._regex_prefix_len(text))
         self._held = text[len(text) - hold :]
         return self._emit(text[: len(text) - hold], None)
 
@@ -167,7 +179,8 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(
-            ids, skip_special_tokens=self._params.skip_special_tokens, clean_up_tokenization_spaces=False
+            ids, skip_special_tokens=self._params.skip_special_tokens, clean_up_tokenization_spaces=False,
+            **self._decode_kwargs,
         )
 
     def _decode_step(self, flush: bool) -> tuple[str, str]:
@@ -223,6 +236,21 @@ class IncrementalDetokenizer:
             if start != -1 and (best is None or start < best[0]):
                 best = (start, stop)
         return best
+
+    def _find_stop_regex(self, text: str) -> tuple[int, str] | None:
+        """Earliest complete stop_regex match in `text` (held-back and new text only: any earlier
+        start of a match was held back, see `_regex_prefix_len`): (start, pattern)."""
+        best: tuple[int, str] | None = None
+        for pattern, compiled in self._stop_regexes:
+            m = compiled.search(text)
+            if m is not None and (best is None or m.start() < best[0]):
+                best = (m.start(), pattern)
+        return best
+
+    def _regex_prefix_len(self, text: str) -> int:
+        """Length of the suffix of `text` from the earliest partial stop_regex match on."""
+        starts = [m.start() for _, c in self._stop_regexes if (m := c.search(text, partial=True)) is not None]
+        return len(text) - min(starts) if starts else 0
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""

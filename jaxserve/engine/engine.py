@@ -63,6 +63,7 @@ class RequestMeta:
     output_token_logprobs: list | None = None
     output_top_logprobs: list | None = None
     input_token_logprobs: list | None = None
+    output_token_ids_logprobs: list | None = None  # per output token: (logprob, token_id) of each token_ids_logprob id
 
 
 @dataclasses.dataclass
@@ -221,8 +222,12 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        token_ids_logprob: Sequence[int] = (),
     ) -> list[str]:
         """Queue a prompt (text or token ids); returns the rids of its `n` sequences.
+
+        `token_ids_logprob` (SGLang's field, with `return_logprob`): the logprobs of these ids at
+        every output position go into `meta.output_token_ids_logprobs`.
 
         Raises:
             SamplingParamsError: an invalid sampling parameter (names it).
@@ -233,6 +238,7 @@ class Engine:
         self.validate_input_ids(input_ids, params.max_new_tokens)
         if top_logprobs_num < 0 or top_logprobs_num > 20:
             raise RequestError("top_logprobs_num", f"top_logprobs_num must be in [0, 20], got {top_logprobs_num}")
+        self.validate_token_ids_logprob(token_ids_logprob)
         base = rid or new_rid()
         if base in self._reqs or any(f"{base}-{i}" in self._reqs for i in range(params.n)):
             raise RequestError("rid", f"request id {base!r} is already in use")
@@ -241,7 +247,7 @@ class Engine:
         for i, r in enumerate(rids):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
             req = Req(r, list(input_ids), params, return_logprob or top_logprobs_num > 0, top_logprobs_num,
-                      logprob_start_len, arrival_time=now, seed=seed)
+                      logprob_start_len, tuple(token_ids_logprob), arrival_time=now, seed=seed)
             self._reqs[r] = req
             self._detok[r] = IncrementalDetokenizer(self.tokenizer, input_ids, params, self.eos_token_ids)
             self.stats.num_requests += 1
@@ -359,6 +365,14 @@ class Engine:
                 req.grammar = self.grammar_backend.new_matcher(ready.compiled)
                 self.scheduler.add(req)
 
+    def validate_token_ids_logprob(self, ids: Sequence[int]) -> None:
+        vocab = self.model_config.vocab_size
+        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise RequestError("token_ids_logprob", f"at most {MAX_TOKEN_IDS_LOGPROB} ids, got {len(ids)}")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise RequestError("token_ids_logprob", f"token ids must be integers in [0, {vocab}), got {t!r}")
+
     def _grammar_bitmask(self, reqs: Sequence[Req]) -> np.ndarray | None:
         if not any(r.grammar is not None for r in reqs):
             return None
@@ -385,6 +399,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             return_logprob=bool(with_logprob),
             num_top_logprobs=_top_logprobs_bucket(max((r.top_logprobs_num for r in with_logprob), default=0)),
+            logprob_token_ids=[r.token_ids_logprob if r.return_logprob else () for r in reqs],
         )
 
     def _postprocess(self, batch: ScheduleBatch, sampled: sampler_lib.SampleOutput) -> list[StepOutput]:
@@ -411,6 +426,10 @@ class Engine:
                 req.output_top_logprobs.append(
                     [(float(sampled.top_logprobs[i, j]), int(sampled.top_ids[i, j])) for j in range(k)]
                 )
+                if req.token_ids_logprob:
+                    req.output_token_ids_logprobs.append(
+                        [float(x) for x in sampled.token_ids_logprobs[i, : len(req.token_ids_logprob)]]
+                    )
             new_ids, delta = self._append_tokens(req, [token])
             # Forced tokens are never sampled, so they have no logprobs: requests that return logprobs
             # sample every token to keep output_token_logprobs aligned with output_ids.
@@ -476,6 +495,10 @@ class Engine:
             input_token_logprobs=(
                 [(lp, t) for lp, t in zip(req.input_token_logprobs, req.input_ids)][req.logprob_start_len :]
                 if req.wants_input_logprobs and req.input_token_logprobs is not None else None
+            ),
+            output_token_ids_logprobs=(
+                [list(zip(lps, req.token_ids_logprob)) for lps in req.output_token_ids_logprobs]
+                if logprobs and req.token_ids_logprob else None
             ),
         )
 
@@ -564,6 +587,9 @@ class Engine:
         if single:
             return flat[0] if len(flat) == 1 else flat
         return flat
+
+
+MAX_TOKEN_IDS_LOGPROB = 128  # a bound of ours: the sampler gathers a padded [S, L] block of logprobs
 
 
 def _top_logprobs_bucket(n: int) -> int:

@@ -176,6 +176,7 @@ class EngineLoop:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        token_ids_logprob: Sequence[int] = (),
         on_output: OutputCallback,
     ) -> list[str]:
         """Validate a request now and queue it; returns the rids of its `n` sequences.
@@ -206,6 +207,7 @@ class EngineLoop:
         if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError("top_logprobs_num", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}")
         self._check_grammar(params)
+        self.engine.validate_token_ids_logprob(token_ids_logprob)
         base = rid or new_rid()
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
 
@@ -214,6 +216,7 @@ class EngineLoop:
                 got = self.engine.add_request(
                     input_ids, params, rid=base, return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                    token_ids_logprob=token_ids_logprob,
                 )
                 assert got == rids, (got, rids)
             except Exception as e:  # validated already: this is an engine bug, fail only this request

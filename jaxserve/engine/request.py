@@ -9,9 +9,13 @@ import math
 from typing import Any
 
 import numpy as np
+import regex
 
 _INT_MAX = 2**31 - 1
 MAX_N = 128  # sequences per request (OpenAI's limit for `n`); each one is a request in the scheduler
+# SGLang's limits on stop_regex (MAX_STOP_REGEX_COUNT, MAX_STOP_REGEX_LEN in its sampling_params.py)
+MAX_STOP_REGEX_COUNT = 32
+MAX_STOP_REGEX_LEN = 256  # bytes of UTF-8
 
 
 class SamplingParamsError(ValueError):
@@ -27,7 +31,9 @@ class SamplingParams:
     """How to sample one request. Names and defaults follow SGLang's `SamplingParams`.
 
     `None` passed to `from_dict` means "the default". temperature 0 is greedy; top_k -1 and top_p 1
-    disable those filters. Lengths are in tokens.
+    disable those filters. Lengths are in tokens. `stop_regex`: patterns (Python `regex` syntax) that
+    stop the request like stop strings. `stream_interval`: a stream sends an event every N tokens
+    (None: every step). `sampling_seed` (SGLang's name) is accepted by `from_dict` as `seed`.
     """
 
     max_new_tokens: int = 128
@@ -50,6 +56,9 @@ class SamplingParams:
     json_schema: str | None = None
     ebnf: str | None = None
     choices: tuple[str, ...] | None = None
+    stop_regex: tuple[str, ...] = ()
+    spaces_between_special_tokens: bool = True
+    stream_interval: int | None = None
 
     @staticmethod
     def from_dict(d: dict[str, Any] | None) -> "SamplingParams":
@@ -60,13 +69,21 @@ class SamplingParams:
         """
         d = dict(d or {})
         names = {f.name for f in dataclasses.fields(SamplingParams)}
+        alias = d.pop("sampling_seed", None)
         unknown = sorted(set(d) - names)
         if unknown:
             raise SamplingParamsError(unknown[0], "unknown sampling parameter")
+        if alias is not None:
+            if not isinstance(alias, int) or isinstance(alias, bool):
+                raise SamplingParamsError("sampling_seed", f"must be an integer, got {alias!r}")
+            if d.get("seed") is not None and d["seed"] != alias:
+                raise SamplingParamsError("sampling_seed", f"is another name of seed; both given and different ({alias} != {d['seed']})")
+            d["seed"] = alias
         kwargs = {k: v for k, v in d.items() if v is not None}
-        if isinstance(kwargs.get("stop"), str):
-            kwargs["stop"] = (kwargs["stop"],)
-        for key in ("stop", "stop_token_ids", "choices"):
+        for key in ("stop", "stop_regex"):
+            if isinstance(kwargs.get(key), str):
+                kwargs[key] = (kwargs[key],)
+        for key in ("stop", "stop_token_ids", "choices", "stop_regex"):
             if key in kwargs:
                 if not isinstance(kwargs[key], (list, tuple)):
                     raise SamplingParamsError(key, "must be a list")
@@ -85,7 +102,7 @@ class SamplingParams:
             _check_type(name, getattr(self, name), (int, float))
             if not math.isfinite(getattr(self, name)):
                 raise SamplingParamsError(name, f"must be a finite number, got {getattr(self, name)}")
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
             _check_type(name, getattr(self, name), bool)
         if self.seed is not None:
             _check_type("seed", self.seed, int)
@@ -121,6 +138,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise SamplingParamsError("stop_token_ids", "must be non-negative integers")
+        if self.stream_interval is not None:
+            _check_type("stream_interval", self.stream_interval, int)
+            if self.stream_interval < 1:
+                raise SamplingParamsError("stream_interval", f"must be >= 1, got {self.stream_interval}")
+        _check_stop_regex(self.stop_regex)
         constraints = [k for k in ("regex", "json_schema", "ebnf", "choices") if getattr(self, k) is not None]
         if len(constraints) > 1:
             raise SamplingParamsError(constraints[1], f"only one of regex, json_schema, ebnf, choices may be set, got {constraints}")
@@ -130,6 +152,22 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _check_stop_regex(patterns: tuple[str, ...]) -> None:
+    if len(patterns) > MAX_STOP_REGEX_COUNT:
+        raise SamplingParamsError("stop_regex", f"at most {MAX_STOP_REGEX_COUNT} patterns, got {len(patterns)}")
+    for p in patterns:
+        if not isinstance(p, str) or not p:
+            raise SamplingParamsError("stop_regex", "must be non-empty strings")
+        if len(p.encode()) > MAX_STOP_REGEX_LEN:
+            raise SamplingParamsError("stop_regex", f"a pattern may have at most {MAX_STOP_REGEX_LEN} bytes, got {len(p.encode())}")
+        try:
+            compiled = regex.compile(p)
+        except (regex.error, RecursionError, OverflowError) as e:
+            raise SamplingParamsError("stop_regex", f"invalid regex {p!r}: {e}") from None
+        if compiled.search("") is not None:
+            raise SamplingParamsError("stop_regex", f"{p!r} matches the empty string, so it would stop every request at once")
 
 
 def _check_type(name: str, value: Any, types) -> None:
@@ -161,6 +199,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    token_ids_logprob: tuple[int, ...] = ()
     namespace: Any = None
     arrival_time: float = 0.0
 
@@ -182,6 +221,7 @@ class Req:
 
     output_token_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    output_token_ids_logprobs: list[list[float]] = dataclasses.field(default_factory=list)
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]]] | None = None
 

@@ -55,6 +55,8 @@ class SamplingBatch:
         token_history: [S, H] prompt + output token ids for the penalties, padded with -1 (H = 1 when
             `use_penalties` is off).
         history_is_output: [S, H] True where the history token is a generated token.
+        logprob_token_ids: [S, L] token ids whose logprobs are returned (SGLang's `token_ids_logprob`),
+            padded with 0 (L = 1 when `num_logprob_token_ids` is 0).
     """
 
     temperature: Float[Array, " S"]
@@ -69,6 +71,7 @@ class SamplingBatch:
     bitmask: Int32[Array, "S W"]
     token_history: Int32[Array, "S H"]
     history_is_output: Bool[Array, "S H"]
+    logprob_token_ids: Int32[Array, "S L"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,8 @@ class SamplerFlags:
         use_bitmask: some row is constrained (grammar, min_new_tokens); else `bitmask` is ignored.
         return_logprob: compute the chosen tokens' logprobs.
         num_top_logprobs: also return the N most likely tokens per row (needs `return_logprob`).
+        num_logprob_token_ids: also return the logprobs of `logprob_token_ids` (its width L; needs
+            `return_logprob`).
 
     Min-p needs no flag: it is one comparison, applied whenever some row samples.
 
@@ -96,12 +101,15 @@ class SamplerFlags:
     use_bitmask: bool = False
     return_logprob: bool = False
     num_top_logprobs: int = 0
+    num_logprob_token_ids: int = 0
 
     def __post_init__(self) -> None:
         if self.num_top_logprobs < 0:
             raise ValueError(f"num_top_logprobs must be >= 0, got {self.num_top_logprobs}")
         if self.num_top_logprobs > 0 and not self.return_logprob:
             raise ValueError("num_top_logprobs > 0 needs return_logprob=True")
+        if self.num_logprob_token_ids < 0 or (self.num_logprob_token_ids > 0 and not self.return_logprob):
+            raise ValueError(f"num_logprob_token_ids must be >= 0 and needs return_logprob, got {self.num_logprob_token_ids}")
 
 
 class SampleOutput(NamedTuple):
@@ -113,12 +121,14 @@ class SampleOutput(NamedTuple):
             SGLang returns by default) at `next_tokens`; zeros when `return_logprob` is off.
         top_ids: [S, K] the K most likely tokens under the same raw distribution, most likely first.
         top_logprobs: [S, K] their logprobs.
+        token_ids_logprobs: [S, L] logprobs of `batch.logprob_token_ids` (L = `num_logprob_token_ids`).
     """
 
     next_tokens: Int32[Array, " S"]
     logprobs: Float[Array, " S"]
     top_ids: Int32[Array, "S K"]
     top_logprobs: Float[Array, "S K"]
+    token_ids_logprobs: Float[Array, "S L"]
 
 
 def sample(logits: Float[Array, "S V"], batch: SamplingBatch, flags: SamplerFlags) -> SampleOutput:
@@ -144,7 +154,7 @@ def sample(logits: Float[Array, "S V"], batch: SamplingBatch, flags: SamplerFlag
         next_tokens = greedy_tokens
     else:
         next_tokens = _sample_rows(x, batch, flags, greedy_tokens)
-    return _logprob_outputs(logits, next_tokens, flags)
+    return _logprob_outputs(logits, next_tokens, batch.logprob_token_ids, flags)
 
 
 def apply_penalties(logits: Float[Array, "S V"], batch: SamplingBatch) -> Float[Array, "S V"]:
@@ -275,7 +285,9 @@ def _first_above(
     return jnp.clip(idx, first_positive, last_positive)
 
 
-def _logprob_outputs(logits: Float[Array, "S V"], next_tokens: Int32[Array, " S"], flags: SamplerFlags) -> SampleOutput:
+def _logprob_outputs(
+    logits: Float[Array, "S V"], next_tokens: Int32[Array, " S"], token_ids: Int32[Array, "S L"], flags: SamplerFlags
+) -> SampleOutput:
     num_seqs = logits.shape[0]
     k = flags.num_top_logprobs
     if not flags.return_logprob:
@@ -284,6 +296,7 @@ def _logprob_outputs(logits: Float[Array, "S V"], next_tokens: Int32[Array, " S"
             jnp.zeros((num_seqs,), jnp.float32),
             jnp.zeros((num_seqs, 0), jnp.int32),
             jnp.zeros((num_seqs, 0), jnp.float32),
+            jnp.zeros((num_seqs, 0), jnp.float32),
         )
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, next_tokens[:, None], axis=-1)[:, 0]
@@ -291,7 +304,11 @@ def _logprob_outputs(logits: Float[Array, "S V"], next_tokens: Int32[Array, " S"
         top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
     else:
         top_logprobs, top_ids = jnp.zeros((num_seqs, 0), jnp.float32), jnp.zeros((num_seqs, 0), jnp.int32)
-    return SampleOutput(next_tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+    if flags.num_logprob_token_ids > 0:
+        picked = jnp.take_along_axis(logprobs, token_ids, axis=-1)
+    else:
+        picked = jnp.zeros((num_seqs, 0), jnp.float32)
+    return SampleOutput(next_tokens, chosen, top_ids.astype(jnp.int32), top_logprobs, picked)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -311,6 +328,7 @@ def build_sampling_batch(
     eos_token_ids: Sequence[int] = (),
     return_logprob: bool = False,
     num_top_logprobs: int = 0,
+    logprob_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> tuple[SamplingBatch, SamplerFlags]:
     """Build the host-side (numpy) `SamplingBatch` of one step and its `SamplerFlags`.
 
@@ -330,6 +348,9 @@ def build_sampling_batch(
             (EOS only unless `ignore_eos`), as vLLM's and SGLang's min-tokens processors do.
         return_logprob / num_top_logprobs: copied into the flags (num_top_logprobs > 0 implies
             return_logprob).
+        logprob_token_ids: per real row, the token ids whose logprobs to return (ids in [0, V)), or
+            None. L = the next power of two >= 8 of the longest, so few widths compile; implies
+            return_logprob when some row has ids.
 
     Returns:
         (batch with numpy leaves, which the compiled sampler takes as arguments; flags).
@@ -386,6 +407,12 @@ def build_sampling_batch(
     else:
         full_mask = np.full((num_seqs, 1), -1, np.int32)
 
+    num_picked = max((len(ids) for ids in logprob_token_ids or ()), default=0)
+    width_picked = 0 if num_picked == 0 else max(8, 1 << (num_picked - 1).bit_length())
+    picked_ids = np.zeros((num_seqs, max(width_picked, 1)), np.int32)
+    for i, ids in enumerate(logprob_token_ids or ()):
+        picked_ids[i, : len(ids)] = ids
+
     greedy_rows = temperature[:n] == 0
     flags = SamplerFlags(
         all_greedy=bool(np.all(greedy_rows)),
@@ -393,8 +420,9 @@ def build_sampling_batch(
         use_top_p=bool(np.any(top_p[:n] < 1)),
         use_penalties=use_penalties,
         use_bitmask=use_bitmask,
-        return_logprob=return_logprob or num_top_logprobs > 0,
+        return_logprob=return_logprob or num_top_logprobs > 0 or width_picked > 0,
         num_top_logprobs=num_top_logprobs,
+        num_logprob_token_ids=width_picked,
     )
     batch = SamplingBatch(
         temperature=temperature,
@@ -409,6 +437,7 @@ def build_sampling_batch(
         bitmask=full_mask,
         token_history=token_history,
         history_is_output=history_is_output,
+        logprob_token_ids=picked_ids,
     )
     return batch, flags
 

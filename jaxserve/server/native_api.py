@@ -7,7 +7,11 @@
 A list of texts (or of token-id lists) gives a list of outputs, `n` outputs per prompt in order; one
 prompt with n > 1 also gives a list. With `"stream": true` every engine step sends an event per
 sequence with the CUMULATIVE text and output_ids (SGLang's behaviour) and an `index`, then
-`data: [DONE]`.
+`data: [DONE]`; `sampling_params.stream_interval: N` sends a sequence's event every N tokens instead
+(and always its last one).
+
+Every field of SGLang's request is accepted as `sglang_fields` says (implemented, accepted, neutral
+value only, refused); the table there is the reference, docs/api.md renders it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from jaxserve.engine.request import SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
+from jaxserve.server.sglang_fields import check_request, check_sampling_params
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
 
@@ -53,20 +58,36 @@ def _expand(req: GenerateRequest) -> tuple[list[_Prompt], bool, str]:
     return [_Prompt(p, dict(sp), r) for p, sp, r in zip(prompts, params, rids)], is_batch, field
 
 
-def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str) -> None:
+def _parse(body: dict[str, Any]) -> GenerateRequest:
+    """Validate a /generate body: SGLang's fields through the field table, then the request model."""
+    body = check_request(body)
+    sp = body.get("sampling_params")
+    if isinstance(sp, dict):
+        body["sampling_params"] = check_sampling_params(sp)
+    elif isinstance(sp, list):
+        body["sampling_params"] = [check_sampling_params(x) if isinstance(x, dict) else x for x in sp]
+    return GenerateRequest.model_validate(body)
+
+
+def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str) -> dict[str, int]:
+    """Submit every prompt; returns each sequence's stream interval in tokens."""
     rename = {"prompt": field, "input_ids": field}
+    intervals = {}
     try:
         for p in prompts:
-            group.submit(
+            rids = group.submit(
                 p.prompt, p.sampling_params, rid=p.rid, return_logprob=req.return_logprob,
                 top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len,
+                token_ids_logprob=req.token_ids_logprob or (),
             )
+            intervals.update(dict.fromkeys(rids, p.sampling_params.get("stream_interval") or 1))
     except (SamplingParamsError, RequestError) as e:
         group.abort()  # the prompts of the batch submitted before the bad one
         raise from_engine_error(e, rename) from None
     except BaseException:
         group.abort()
         raise
+    return intervals
 
 
 def to_output(out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None) -> dict[str, Any]:
@@ -89,11 +110,13 @@ def to_output(out: StepOutput, tokenizer: Any, with_text: bool, index: int | Non
         else [[triple(lp, t) for lp, t in top] for top in meta.output_top_logprobs],
         input_token_logprobs=None if getattr(meta, "input_token_logprobs", None) is None
         else [triple(lp, t) for lp, t in meta.input_token_logprobs],
+        output_token_ids_logprobs=None if getattr(meta, "output_token_ids_logprobs", None) is None
+        else [[triple(lp, t) for lp, t in picked] for picked in meta.output_token_ids_logprobs],
     )
     result = GenerateOutput(text=out.text, output_ids=out.output_ids, meta_info=info, index=index).model_dump()
     if index is None:
         del result["index"]
-    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs"):
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "output_token_ids_logprobs"):
         if result["meta_info"][key] is None:
             del result["meta_info"][key]
     return result
@@ -111,13 +134,13 @@ def failure_of(out: StepOutput) -> tuple[int, str] | None:
 async def generate(request: Request) -> Response:
     """POST /generate (see the module docstring)."""
     engine_loop = request.app.state.engine_loop
-    req = GenerateRequest.model_validate(parse_json_body(await request.body()))
+    req = _parse(parse_json_body(await request.body()))
     prompts, is_batch, field = _expand(req)
     group = RequestGroup(engine_loop)
-    await preprocess(request, lambda: _submit(group, req, prompts, field))
+    intervals = await preprocess(request, lambda: _submit(group, req, prompts, field))
     tokenizer = engine_loop.tokenizer
     if req.stream:
-        return SSEResponse(_stream(group, tokenizer, req.return_text_in_logprobs))
+        return SSEResponse(_stream(group, tokenizer, req.return_text_in_logprobs, intervals))
     async with abort_on_disconnect(request, group):
         outputs = await group.wait()
     for out in outputs:
@@ -127,13 +150,18 @@ async def generate(request: Request) -> Response:
     return JSONResponse(results if is_batch or len(results) > 1 else results[0])
 
 
-async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool) -> AsyncIterator[str]:
+async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool, intervals: dict[str, int]) -> AsyncIterator[str]:
     index = {rid: i for i, rid in enumerate(group.rids)}
+    sent = dict.fromkeys(group.rids, 0)  # completion tokens in each sequence's last event
     try:
         async for out in group:
             if (failure := failure_of(out)) is not None:
                 yield sse_event(error_body(failure[1], failure[0], code="engine_error"))
                 continue
+            num_tokens = out.meta.completion_tokens
+            if not out.finished and num_tokens - sent[out.rid] < intervals[out.rid]:
+                continue  # events are cumulative, so a skipped one loses nothing
+            sent[out.rid] = num_tokens
             yield sse_event(to_output(out, tokenizer, with_text, index[out.rid]))
         yield DONE
     finally:

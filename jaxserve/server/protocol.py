@@ -31,7 +31,9 @@ class _Request(BaseModel):
 # ---- native (SGLang) ----------------------------------------------------------------------------
 class GenerateRequest(_Request):
     """POST /generate. One prompt (`text` or `input_ids`) or a batch (a list of them); per-prompt
-    `sampling_params` and `rid` may be lists of the same length."""
+    `sampling_params` and `rid` may be lists of the same length. These are the IMPLEMENTED rows of
+    `sglang_fields.REQUEST_FIELDS`; the handler drops SGLang's other accepted fields before this
+    model sees the body."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -43,6 +45,7 @@ class GenerateRequest(_Request):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    token_ids_logprob: list[int] | None = None
     rid: str | list[str] | None = None
 
 
@@ -59,6 +62,7 @@ class MetaInfo(BaseModel):
     output_token_logprobs: list[list[Any]] | None = None
     output_top_logprobs: list[list[list[Any]]] | None = None
     input_token_logprobs: list[list[Any]] | None = None  # from logprob_start_len on; the first may be null
+    output_token_ids_logprobs: list[list[list[Any]]] | None = None  # per output token, one triple per token_ids_logprob id
 
 
 class GenerateOutput(BaseModel):

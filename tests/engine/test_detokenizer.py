@@ -219,3 +219,77 @@ def test_stop_strings_on_random_text(tok, text, stop, no_stop_trim):
     else:
         assert stop not in text
         assert detok.text == text
+
+
+def reference_regex_stop(tok, ids, pattern):
+    """Brute force: the first prefix of ids whose decode matches `pattern` (Python's re), cut there."""
+    import re
+
+    for k in range(1, len(ids) + 1):
+        text = full_decode(tok, ids[:k])
+        m = re.search(pattern, text)
+        if m is not None:
+            return text[: m.start()], k
+    return full_decode(tok, ids), None
+
+
+@pytest.mark.parametrize(
+    "text, pattern",
+    [
+        ("The answer is 42, and more", r"\d+,"),
+        ("Call me at 555-1234 tomorrow", r"\d{3}-\d{4}"),
+        ("alpha beta gamma delta", r"gam+a"),
+        ("x = [1, 2, 3]; y", r"\]"),
+        ("no match in here at all", r"\d"),
+        ("héllo wörld, ünïcode", r"w.rld"),
+    ],
+)
+def test_stop_regex_matches_a_brute_force_reference(tok, text, pattern):
+    ids = tok.encode(text, add_special_tokens=False)
+    expected, stop_at = reference_regex_stop(tok, ids, pattern)
+    deltas, detok = stream(tok, ids, stop_regex=(pattern,), max_new_tokens=len(ids) + 1)
+    assert "".join(deltas) == detok.text == expected
+    if stop_at is None:
+        assert not detok.finished
+    else:
+        assert detok.finish_reason == {"type": "stop", "matched": pattern}
+        assert detok.num_tokens == stop_at
+
+
+def test_stop_regex_partial_match_is_held_back_then_released(tok):
+    ids = tok.encode("id 12 34 done", add_special_tokens=False)
+    deltas, detok = stream(tok, ids, stop_regex=(r"\d\d x",), max_new_tokens=len(ids))
+    # "12" and "34" could each start a match; each is held until the next token rules it out
+    assert detok.finish_reason == {"type": "length", "length": len(ids)}
+    assert "".join(deltas) == detok.text == "id 12 34 done"
+    held_at = [i for i, d in enumerate(deltas) if d == ""]
+    assert held_at, deltas
+
+
+def test_stop_regex_with_no_stop_trim_keeps_the_match(tok):
+    ids = tok.encode("value: 7 apples", add_special_tokens=False)
+    _, detok = stream(tok, ids, stop_regex=(r"\d",), no_stop_trim=True, max_new_tokens=len(ids))
+    assert detok.finish_reason["matched"] == r"\d"
+    assert detok.text.endswith("7") and "apples" not in detok.text
+
+
+def test_stop_regex_and_stop_string_earliest_wins(tok):
+    ids = tok.encode("one two three four", add_special_tokens=False)
+    _, detok = stream(tok, ids, stop=("four",), stop_regex=(r"t[hw]",), max_new_tokens=len(ids))
+    assert detok.text == "one " and detok.finish_reason == {"type": "stop", "matched": r"t[hw]"}
+
+
+def test_spaces_between_special_tokens_reaches_the_tokenizer():
+    class RecordingTokenizer:
+        def __init__(self):
+            self.kwargs = []
+
+        def decode(self, ids, **kwargs):
+            self.kwargs.append(kwargs)
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    for flag, expected in ((True, None), (False, False)):
+        t = RecordingTokenizer()
+        d = IncrementalDetokenizer(t, [1, 2], SamplingParams(spaces_between_special_tokens=flag), ())
+        d.append(3)
+        assert {k.get("spaces_between_special_tokens") for k in t.kwargs} == {expected}

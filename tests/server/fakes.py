@@ -38,7 +38,11 @@ class FakeEngine:
         if not ids:
             raise RequestError("prompt", "the prompt is empty")
 
-    def add_request(self, ids, params: SamplingParams, *, rid, return_logprob, top_logprobs_num, logprob_start_len):
+    def validate_token_ids_logprob(self, ids):
+        pass
+
+    def add_request(self, ids, params: SamplingParams, *, rid, return_logprob, top_logprobs_num, logprob_start_len,
+                    token_ids_logprob=()):
         self.thread_ids.add(threading.get_ident())
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         for r in rids:

@@ -1,0 +1,202 @@
+"""SGLang's /generate schema: the field table against SGLang 0.5.23's own source and docs/api.md, and
+each kind of handling through the real (tiny-checkpoint) server."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from jaxserve.engine.request import SamplingParams
+from jaxserve.server.errors import APIError
+from jaxserve.server.protocol import GenerateRequest
+from jaxserve.server.sglang_fields import (
+    REQUEST_FIELDS, SAMPLING_FIELDS, Handling, check_request, check_sampling_params,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+# Implemented on the issue16b branch (the OpenAI half of issue 16), which adds the SamplingParams field.
+OTHER_BRANCH = {"logit_bias"}
+
+
+def sglang_class_fields(relpath: str, class_name: str) -> list[str]:
+    """The annotated fields of a class in the installed sglang package, read from its source (the
+    modules cannot be imported without SGLang's GPU dependencies)."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.origin, "sglang==0.5.23 (--no-deps) is a test dependency"
+    tree = ast.parse((Path(spec.origin).parent / relpath).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    return [s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+
+
+def test_every_sglang_request_field_has_a_row():
+    ours = [f.name for f in REQUEST_FIELDS if f.source == "GenerateReqInput"]
+    assert ours == sglang_class_fields("srt/managers/io_struct.py", "GenerateReqInput")
+
+
+def test_every_sglang_sampling_param_has_a_row():
+    ours = [f.name for f in SAMPLING_FIELDS if f.source == "SamplingParams"]
+    assert ours == sglang_class_fields("srt/sampling/sampling_params.py", "SamplingParams")
+
+
+def test_router_fields_are_accepted():
+    added_by_router = ["model", "stream", "log_metrics", "return_text_in_logprobs", "return_hidden_states",
+                       "background", "no_logs", "return_bytes", "return_entropy"]
+    rows = {f.name: f for f in REQUEST_FIELDS}
+    assert all(rows[name].handling is not Handling.REFUSED for name in added_by_router)
+
+
+def test_implemented_rows_are_implemented():
+    model_fields = set(GenerateRequest.model_fields)
+    assert {f.name for f in REQUEST_FIELDS if f.handling is Handling.IMPLEMENTED} <= model_fields
+    params = {f.name for f in dataclasses.fields(SamplingParams)} | {"sampling_seed"}
+    implemented = {f.name for f in SAMPLING_FIELDS if f.handling is Handling.IMPLEMENTED}
+    assert implemented - OTHER_BRANCH <= params
+    # and nothing the engine implements is missing from the table
+    assert params - {"sampling_seed"} <= implemented | OTHER_BRANCH
+
+
+def test_docs_table_equals_the_data():
+    text = (REPO / "docs" / "api.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| ([\w-]+) \| ([\w ,]+) \| (.*) \|$", text, flags=re.M)
+    documented = [(name, source, handling, note) for name, source, handling, note in rows
+                  if source in {"GenerateReqInput", "SamplingParams", "sglang-router", "jaxserve"}]
+    data = [(f.name, f.source, f.handling.value, f.note) for f in (*REQUEST_FIELDS, *SAMPLING_FIELDS)]
+    assert documented == data
+
+
+NON_NEUTRAL_ROWS = [
+    pytest.param(f, check, id=f"{check.__name__}-{f.name}")
+    for fields, check in ((REQUEST_FIELDS, check_request), (SAMPLING_FIELDS, check_sampling_params))
+    for f in fields if f.handling in (Handling.NEUTRAL_ONLY, Handling.REFUSED)
+]
+
+
+def test_sglang_defaults_are_neutral():
+    assert all(check_request({name: False}) == {} for name in ("return_hidden_states", "background", "return_bytes"))
+
+
+@pytest.mark.parametrize("field, check", NON_NEUTRAL_ROWS)
+def test_neutral_values_pass_and_others_are_400s(field, check):
+    for neutral in (None, [], {}, [None, None], *field.neutral):
+        assert check({field.name: neutral}) == {}
+    for value in ("something", 7, True, ["a"], {"k": "v"}):
+        if any(type(value) is type(n) and value == n for n in field.neutral):
+            continue
+        with pytest.raises(APIError) as info:
+            check({field.name: value})
+        assert info.value.status_code == 400 and info.value.param == field.name
+        assert info.value.code == "unsupported_parameter" and field.note in info.value.message
+
+
+def test_metadata_fields_check_their_type():
+    assert check_request({"routing_key": "a", "log_metrics": False, "priority": 3, "received_time": 1.5}) == {}
+    for body in ({"log_metrics": "yes"}, {"priority": True}, {"conversation_id": 3}):
+        with pytest.raises(APIError) as info:
+            check_request(body)
+        assert info.value.param == next(iter(body)) and info.value.code == "invalid_type"
+
+
+def test_unknown_and_implemented_fields_pass_through():
+    body = {"text": "x", "not_a_field": 1, "lora_path": None}
+    assert check_request(body) == {"text": "x", "not_a_field": 1}
+    assert check_sampling_params({"temperature": 0, "bogus": 1, "custom_params": {}}) == {"temperature": 0, "bogus": 1}
+
+
+# ---- through the server ---------------------------------------------------------------------------
+def post(http, body):
+    return http.post("/generate", json=body)
+
+
+def test_all_neutral_values_in_one_request_match_a_plain_one(http):
+    neutral_req = {f.name: None for f in REQUEST_FIELDS if f.handling is not Handling.IMPLEMENTED}
+    neutral_sp = {f.name: None for f in SAMPLING_FIELDS if f.handling is not Handling.IMPLEMENTED}
+    neutral_req.update(log_metrics=True, return_hidden_states=False, background=False, model="whatever",
+                       lora_path=None, return_routed_experts=False, data_parallel_rank=0, session_id="s1")
+    neutral_sp.update(spaces_between_special_tokens=True, custom_params={}, beam_width=1, stop_str_max_len=0)
+    plain = post(http, {"text": "Hello there", "sampling_params": GREEDY})
+    full = post(http, {**neutral_req, "text": "Hello there", "sampling_params": {**GREEDY, **neutral_sp}})
+    assert plain.status_code == full.status_code == 200, full.text
+    assert full.json()["output_ids"] == plain.json()["output_ids"]
+
+
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        ({"image_data": "http://x/cat.png"}, "image_data", "unsupported_parameter"),
+        ({"lora_path": "adapter-1"}, "lora_path", "unsupported_parameter"),
+        ({"return_hidden_states": True}, "return_hidden_states", "unsupported_parameter"),
+        ({"sampling_params": {"structural_tag": "{}"}}, "structural_tag", "unsupported_parameter"),
+        ({"sampling_params": [{"beam_width": 4}]}, "beam_width", "unsupported_parameter"),
+        ({"no_such_field": 1}, "no_such_field", "unknown_parameter"),
+        ({"sampling_params": {"no_such_param": 1}}, "no_such_param", "invalid_value"),
+        ({"sampling_params": {"stop_regex": "("}}, "stop_regex", "invalid_value"),
+        ({"sampling_params": {"stop_regex": "a*"}}, "stop_regex", "invalid_value"),
+        ({"sampling_params": {"stream_interval": 0}}, "stream_interval", "invalid_value"),
+        ({"sampling_params": {"sampling_seed": 1, "seed": 2}}, "sampling_seed", "invalid_value"),
+        ({"sampling_params": {"spaces_between_special_tokens": "no"}}, "spaces_between_special_tokens", "invalid_value"),
+        ({"return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob", "invalid_value"),
+    ],
+)
+def test_refusals_are_400s_naming_the_field(http, body, param, code):
+    r = post(http, {"text": "Hi", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == code, err
+
+
+def test_stop_regex_stops_and_trims(http, default_tokenizer):
+    plain = post(http, {"text": "Count: 1 2 3", "sampling_params": {"max_new_tokens": 24, "temperature": 0}}).json()
+    text = plain["text"]
+    assert len(text) > 4
+    pattern = re.escape(text[2:4])  # something the greedy output is known to contain
+    r = post(http, {"text": "Count: 1 2 3", "sampling_params": {"max_new_tokens": 24, "temperature": 0, "stop_regex": [pattern]}})
+    out = r.json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert out["text"] == text[: re.search(pattern, text).start()]
+    assert plain["output_ids"][: len(out["output_ids"])] == out["output_ids"]
+
+
+def test_sampling_seed_is_the_seed(http):
+    params = {"max_new_tokens": 8, "temperature": 1.0}
+    by_seed = post(http, {"text": "Once", "sampling_params": {**params, "seed": 1234}}).json()
+    by_alias = post(http, {"text": "Once", "sampling_params": {**params, "sampling_seed": 1234}}).json()
+    other = post(http, {"text": "Once", "sampling_params": {**params, "sampling_seed": 99}}).json()
+    assert by_alias["output_ids"] == by_seed["output_ids"] != other["output_ids"]
+
+
+def stream_events(http, body) -> list[dict]:
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_stream_interval_sends_every_nth_token(http):
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    every = stream_events(http, {"text": "Stream me", "sampling_params": params})
+    third = stream_events(http, {"text": "Stream me", "sampling_params": {**params, "stream_interval": 3}})
+    counts = [e["meta_info"]["completion_tokens"] for e in third]
+    assert counts == [3, 6, 9, 10]
+    assert third[-1]["text"] == every[-1]["text"] and third[-1]["output_ids"] == every[-1]["output_ids"]
+    assert len(every) == 10
+
+
+def test_token_ids_logprob_over_http(http):
+    watched = [5, 100, 2000]
+    r = post(http, {"text": "Hello", "sampling_params": {**GREEDY, "max_new_tokens": 3}, "return_logprob": True,
+                    "return_text_in_logprobs": True, "top_logprobs_num": 1, "token_ids_logprob": watched})
+    meta = r.json()["meta_info"]
+    picked = meta["output_token_ids_logprobs"]
+    assert len(picked) == 3 and all([e[1] for e in row] == watched for row in picked)
+    assert all(isinstance(e[2], str) and e[0] <= 0 for row in picked for e in row)
+    # the greedy token is the most likely one: no watched id beats its logprob
+    for row, top in zip(picked, meta["output_top_logprobs"]):
+        assert max(e[0] for e in row) <= top[0][0] + 1e-6
