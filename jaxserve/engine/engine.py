@@ -253,9 +253,11 @@ class Engine:
             self.stats.num_requests += 1
             self.stats.prompt_tokens += len(input_ids)
             spec = grammar_spec(params)
-            if params.max_new_tokens == 0:
+            if params.max_new_tokens == 0 and not req.wants_input_logprobs:
                 self._finish(req, finish_length(0))
                 self._finished_outside_step.append(self._output(req, [], ""))
+            elif params.max_new_tokens == 0:  # prompt logprobs only (SGLang's select scores choices so)
+                self.scheduler.add(req)
             elif spec is not None:
                 self.grammar_queue.add(req, spec)
             else:
@@ -414,6 +416,10 @@ class Engine:
         outputs = []
         for i, (req, is_real) in enumerate(zip(batch.reqs, produced)):
             if not is_real or req.is_finished:
+                continue
+            if req.sampling_params.max_new_tokens == 0:  # its prompt logprobs are complete
+                self._finish(req, finish_length(0))
+                outputs.append(self._output(req, [], ""))
                 continue
             token = int(sampled.next_tokens[i])
             if req.first_token_time is None:

@@ -59,3 +59,15 @@ def test_bad_token_ids_are_refused(engine, ids):
     with pytest.raises(RequestError) as info:
         engine.add_request([1, 2, 3], {"max_new_tokens": 1}, return_logprob=True, token_ids_logprob=ids)
     assert info.value.field == "token_ids_logprob"
+
+
+def test_max_new_tokens_zero_still_returns_prompt_logprobs(engine):
+    """SGLang's frontend scores `select` choices with max_new_tokens 0 and prompt logprobs."""
+    prompt = list(range(300, 320))
+    ref = run(engine, prompt, {"max_new_tokens": 1, "temperature": 0}, return_logprob=True, logprob_start_len=3)
+    zero = run(engine, prompt, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=3)
+    assert zero.output_ids == [] and zero.meta.finish_reason == {"type": "length", "length": 0}
+    assert [t for _, t in zero.meta.input_token_logprobs] == prompt[3:]
+    np.testing.assert_allclose([lp for lp, _ in zero.meta.input_token_logprobs[1:]],
+                               [lp for lp, _ in ref.meta.input_token_logprobs[1:]], atol=1e-5)
+    engine.cache.check_integrity([])
