@@ -156,20 +156,23 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/abort_request", abort_request, methods=["POST"]),
     ]
     model_name = served_model_name(server_args, engine_loop.model_path)
+    metrics = None
     if not server_args.disable_metrics and engine_loop.load().snapshot is not None:
-        routes.append(Route("/metrics", _metrics_endpoint(engine_loop, model_name), methods=["GET"]))
+        metrics, endpoint = _metrics_endpoint(engine_loop, model_name)
+        routes.append(Route("/metrics", endpoint, methods=["GET"]))
     middleware = [Middleware(APIKeyMiddleware, api_key=server_args.api_key)] if server_args.api_key else []
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
     app.state.preprocess_executor = preprocess_executor()  # its idle thread ends with the process
     app.state.engine_loop = engine_loop
     app.state.server_args = server_args
     app.state.model_name = model_name
+    app.state.serving_metrics = metrics
     return app
 
 
 def _metrics_endpoint(engine_loop: EngineLoop, model_name: str):
-    """GET /metrics over the snapshot the engine loop publishes after every step; latency histograms
-    observe every output on the loop thread."""
+    """(the ServingMetrics, GET /metrics over the snapshot the engine loop publishes after every step);
+    latency histograms observe every output on the loop thread."""
     from jaxserve.server.metrics import CONTENT_TYPE, ServingMetrics
 
     metrics = ServingMetrics(lambda: engine_loop.load().snapshot, model_name, lambda: engine_loop.load().radix_cache)
@@ -178,4 +181,4 @@ def _metrics_endpoint(engine_loop: EngineLoop, model_name: str):
     async def endpoint(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    return endpoint
+    return metrics, endpoint

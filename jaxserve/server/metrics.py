@@ -1,4 +1,6 @@
-"""Prometheus metrics (`GET /metrics`), prefix `jaxserve_`, label `model_name`.
+"""Prometheus metrics (`GET /metrics`): ours, prefix `jaxserve_`, label `model_name`, and the same
+quantities under SGLang's names and labels (`sglang:*`, `sglang_radix_cache_*`; the mapping is data
+in `sglang_metrics.py`), so SGLang dashboards and alerts work unchanged.
 
 Counters and gauges are read from the engine's snapshot at scrape time, so they equal the engine's
 own counters exactly. Latency histograms are observed as outputs stream out: TTFT when a request's
@@ -15,6 +17,9 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from starlette.requests import Request
+
+from jaxserve.server import sglang_metrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -92,6 +97,13 @@ class RadixCacheExporter:
                 self._recall.observe(latency)
             self._seen_recalls = s.num_recalls
 
+        for family in self._families(s, labels):
+            yield family
+            sglang_copy = sglang_metrics.radix_cache_family(family)
+            if sglang_copy is not None:
+                yield sglang_copy
+
+    def _families(self, s, labels: list[str]) -> Iterable:
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             m = GaugeMetricFamily(f"jaxserve_radix_cache_{name}", doc, labels=["model_name"])
             m.add_metric(labels, value)
@@ -134,6 +146,13 @@ class ServingMetrics:
         if radix_stats_fn is not None:
             extra_fn = RadixCacheExporter(radix_stats_fn, self.registry, model_name).families
         self.registry.register(_EngineCollector(snapshot_fn, model_name, extra_fn))
+        self.registry.register(sglang_metrics.SchedulerGauges(snapshot_fn, model_name))
+        self.sglang = sglang_metrics.RequestMetrics(self.registry, model_name, {
+            "sglang:time_to_first_token_seconds": _TTFT_BUCKETS,
+            "sglang:inter_token_latency_seconds": _ITL_BUCKETS,
+            "sglang:e2e_request_latency_seconds": _E2E_BUCKETS,
+            "sglang:request_time_per_output_token_seconds": _ITL_BUCKETS,
+        })
         self._model_name = model_name
         kw = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, **kw)
@@ -145,6 +164,7 @@ class ServingMetrics:
     def observe(self, out) -> None:
         """Record one `StepOutput` (called on the engine thread for every output)."""
         now = time.perf_counter()
+        self.sglang.observe(out, now)
         labels = (self._model_name,)
         with self._lock:
             last = self._last_output.get(out.rid)
@@ -158,5 +178,16 @@ class ServingMetrics:
                 self._last_output.pop(out.rid, None)
                 self.e2e.labels(*labels).observe(out.meta.e2e_latency)
 
+    def mark_streaming(self, rids) -> None:
+        """Label these requests `is_streaming="true"` in the `sglang:*` metrics."""
+        self.sglang.mark_streaming(rids)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def mark_streaming(request: Request, rids) -> None:
+    """Tell the app's metrics (if enabled) that these requests stream their outputs."""
+    metrics = getattr(request.app.state, "serving_metrics", None)
+    if metrics is not None:
+        metrics.mark_streaming(rids)

@@ -26,6 +26,7 @@ from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.request import SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
+from jaxserve.server.metrics import mark_streaming
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
 from jaxserve.server.sglang_fields import check_request, check_sampling_params
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
@@ -140,6 +141,7 @@ async def generate(request: Request) -> Response:
     intervals = await preprocess(request, lambda: _submit(group, req, prompts, field))
     tokenizer = engine_loop.tokenizer
     if req.stream:
+        mark_streaming(request, group.rids)
         return SSEResponse(_stream(group, tokenizer, req.return_text_in_logprobs, intervals))
     async with abort_on_disconnect(request, group):
         outputs = await group.wait()

@@ -46,6 +46,7 @@ from jaxserve.server.protocol import (
     UsageInfo,
     _OpenAISampling,
 )
+from jaxserve.server.metrics import mark_streaming
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
 MAX_TOP_LOGPROBS = 20
@@ -255,6 +256,7 @@ async def completions(request: Request) -> Response:
     echoes = [(p if isinstance(p, str) else tokenizer.decode(p)) if req.echo else "" for p in raw_prompts]
     model = request.app.state.model_name
     if req.stream:
+        mark_streaming(request, group.rids)
         return SSEResponse(_completion_stream(group, req, f"cmpl-{rid}", model, echoes, tokenizer))
     async with abort_on_disconnect(request, group):
         outputs = await group.wait()
@@ -391,6 +393,7 @@ async def chat_completions(request: Request) -> Response:
     await preprocess(request, prepare)
     model = request.app.state.model_name
     if req.stream:
+        mark_streaming(request, group.rids)
         return SSEResponse(_chat_stream(group, req, f"chatcmpl-{rid}", model, tokenizer))
     async with abort_on_disconnect(request, group):
         outputs = await group.wait()
