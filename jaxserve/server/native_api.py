@@ -37,26 +37,55 @@ class _Prompt:
     prompt: str | list[int]
     sampling_params: dict[str, Any]
     rid: str | None
+    return_logprob: bool
+    top_logprobs_num: int
+    logprob_start_len: int
+    token_ids_logprob: list[int]
+
+
+def _per_prompt(name: str, value: Any, num: int, is_one: bool) -> list[Any]:
+    """SGLang's per-prompt fields: one value for every prompt, or a list with one per prompt."""
+    if is_one:
+        return [value] * num
+    if len(value) != num:
+        raise APIError(f"{name} has {len(value)} entries for {num} prompts", 400, param=name, code="invalid_value")
+    return list(value)
 
 
 def _expand(req: GenerateRequest) -> tuple[list[_Prompt], bool, str]:
-    """The prompts of a request, whether it is a batch, and the name of its prompt field."""
+    """The prompts of a request, whether it is a batch, and the name of its prompt field.
+
+    A string `rid` of a batch becomes `<rid>_<i>` per prompt (SGLang's `_normalize_rid`)."""
     if (req.text is None) == (req.input_ids is None):
         raise APIError("give exactly one of text and input_ids", 400, param="text", code="invalid_value")
     field = "text" if req.text is not None else "input_ids"
     value = req.text if req.text is not None else req.input_ids
     is_batch = isinstance(value, list) and (field == "text" or (bool(value) and isinstance(value[0], list)))
     prompts = list(value) if is_batch else [value]
+    num = len(prompts)
     if not prompts:
         raise APIError(f"{field} is an empty batch", 400, param=field, code="invalid_value")
-    if not is_batch and isinstance(req.rid, list):
-        raise APIError("rid must be a string for a single prompt", 400, param="rid", code="invalid_value")
-    params = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params or {}] * len(prompts)
-    rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
-    for name, values in (("sampling_params", params), ("rid", rids)):
-        if len(values) != len(prompts):
-            raise APIError(f"{name} has {len(values)} entries for {len(prompts)} prompts", 400, param=name, code="invalid_value")
-    return [_Prompt(p, dict(sp), r) for p, sp, r in zip(prompts, params, rids)], is_batch, field
+    per_prompt = {"rid": req.rid, "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num,
+                  "logprob_start_len": req.logprob_start_len}
+    if not is_batch:
+        for name, v in per_prompt.items():
+            if isinstance(v, list):
+                raise APIError(f"{name} must not be a list for a single prompt", 400, param=name, code="invalid_value")
+    rid = req.rid
+    if is_batch and isinstance(rid, str):
+        rid = [f"{rid}_{i}" for i in range(num)]
+    params = _per_prompt("sampling_params", req.sampling_params or {}, num, not isinstance(req.sampling_params, list))
+    rids = _per_prompt("rid", rid, num, not isinstance(rid, list))
+    logprob = _per_prompt("return_logprob", req.return_logprob, num, not isinstance(req.return_logprob, list))
+    top = _per_prompt("top_logprobs_num", req.top_logprobs_num, num, not isinstance(req.top_logprobs_num, list))
+    start = _per_prompt("logprob_start_len", req.logprob_start_len, num, not isinstance(req.logprob_start_len, list))
+    ids = req.token_ids_logprob or []
+    is_one = not (ids and isinstance(ids[0], list))
+    if not is_one and not is_batch:
+        raise APIError("token_ids_logprob must be a list of ids for a single prompt", 400, param="token_ids_logprob",
+                       code="invalid_value")
+    ids = _per_prompt("token_ids_logprob", ids, num, is_one)
+    return [_Prompt(*row) for row in zip(prompts, map(dict, params), rids, logprob, top, start, ids)], is_batch, field
 
 
 def _parse(body: dict[str, Any]) -> GenerateRequest:
@@ -77,9 +106,9 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], f
     try:
         for p in prompts:
             rids = group.submit(
-                p.prompt, p.sampling_params, rid=p.rid, return_logprob=req.return_logprob,
-                top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len,
-                token_ids_logprob=req.token_ids_logprob or (),
+                p.prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
+                top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,
+                token_ids_logprob=p.token_ids_logprob,
             )
             intervals.update(dict.fromkeys(rids, p.sampling_params.get("stream_interval") or 1))
     except (SamplingParamsError, RequestError) as e:

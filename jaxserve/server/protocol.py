@@ -31,7 +31,8 @@ class _Request(BaseModel):
 # ---- native (SGLang) ----------------------------------------------------------------------------
 class GenerateRequest(_Request):
     """POST /generate. One prompt (`text` or `input_ids`) or a batch (a list of them); per-prompt
-    `sampling_params` and `rid` may be lists of the same length. These are the IMPLEMENTED rows of
+    `sampling_params`, `rid`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` and
+    `token_ids_logprob` (a list of id lists) may be lists of the same length. These are the IMPLEMENTED rows of
     `sglang_fields.REQUEST_FIELDS`; the handler drops SGLang's other accepted fields before this
     model sees the body."""
 
@@ -41,11 +42,11 @@ class GenerateRequest(_Request):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False
-    token_ids_logprob: list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     rid: str | list[str] | None = None
 
 

@@ -72,7 +72,7 @@ def _refused(name: str, note: str, neutral: tuple[Any, ...] = _EMPTY, source: st
 
 
 REQUEST_FIELDS: tuple[Field, ...] = (
-    _impl("rid", "request id(s), for /abort_request"),
+    _impl("rid", "request id(s), for /abort_request; a batch's string rid becomes `<rid>_<i>`"),
     _meta("session_id", (str,), "a session label; no session state is kept"),
     _impl("text", "the prompt(s)"),
     _impl("input_ids", "token ids instead of text"),
@@ -86,10 +86,10 @@ REQUEST_FIELDS: tuple[Field, ...] = (
     _refused("video_config", _NO_MM),
     _impl("sampling_params", "an object, or a list of them (one per prompt)"),
     _refused("watermark", "watermarking is not supported"),
-    _impl("return_logprob", "output token logprobs in meta_info"),
-    _impl("logprob_start_len", "prompt logprobs from this position on (-1: none)"),
-    _impl("top_logprobs_num", "alternatives per output token, 0..20"),
-    _impl("token_ids_logprob", "logprobs of these token ids at every output position"),
+    _impl("return_logprob", "output token logprobs in meta_info (one value, or one per prompt)"),
+    _impl("logprob_start_len", "prompt logprobs from this position on (-1: none; one value, or one per prompt)"),
+    _impl("top_logprobs_num", "alternatives per output token, 0..20 (one value, or one per prompt)"),
+    _impl("token_ids_logprob", "logprobs of these token ids at every output position (prompt positions: not returned)"),
     _neutral("return_sampling_mask", "sampling-support masks are not returned"),
     _neutral("sampling_logprobs_mode", "logprobs are of the raw logits only"),
     _impl("return_text_in_logprobs", "token text as the third element of each logprob entry"),

@@ -200,3 +200,18 @@ def test_token_ids_logprob_over_http(http):
     # the greedy token is the most likely one: no watched id beats its logprob
     for row, top in zip(picked, meta["output_top_logprobs"]):
         assert max(e[0] for e in row) <= top[0][0] + 1e-6
+
+
+def test_per_prompt_logprob_fields_and_a_batch_rid_prefix(http):
+    body = {"text": ["first prompt", "second prompt"], "sampling_params": {**GREEDY, "max_new_tokens": 2},
+            "rid": "batch-7", "return_logprob": [True, False], "top_logprobs_num": [2, 0],
+            "token_ids_logprob": [[5, 6], []]}
+    first, second = post(http, body).json()
+    assert [first["meta_info"]["id"], second["meta_info"]["id"]] == ["batch-7_0", "batch-7_1"]
+    assert len(first["meta_info"]["output_top_logprobs"][0]) == 2
+    assert [e[1] for e in first["meta_info"]["output_token_ids_logprobs"][0]] == [5, 6]
+    assert "output_token_logprobs" not in second["meta_info"]
+    bad = post(http, {**body, "return_logprob": [True]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_logprob"
+    single = post(http, {"text": "one", "return_logprob": [True]})
+    assert single.status_code == 400 and single.json()["error"]["param"] == "return_logprob"
