@@ -63,6 +63,7 @@ class _EngineCollector(Collector):
         yield self._gauge("kv_evictable_tokens", "KV tokens held by the cache and evictable", s.kv_evictable_tokens)
         yield self._gauge("gen_throughput", "Generated tokens per second (last log interval)", s.gen_throughput)
         yield self._gauge("cache_hit_rate", "Cached / prompt tokens over the process lifetime", s.cache_hit_rate)
+        yield from sglang_metrics.scheduler_families(s, self._labels[0])
         if self._extra_fn is not None:
             yield from self._extra_fn(self._labels)
 
@@ -146,7 +147,6 @@ class ServingMetrics:
         if radix_stats_fn is not None:
             extra_fn = RadixCacheExporter(radix_stats_fn, self.registry, model_name).families
         self.registry.register(_EngineCollector(snapshot_fn, model_name, extra_fn))
-        self.registry.register(sglang_metrics.SchedulerGauges(snapshot_fn, model_name))
         self.sglang = sglang_metrics.RequestMetrics(self.registry, model_name, {
             "sglang:time_to_first_token_seconds": _TTFT_BUCKETS,
             "sglang:inter_token_latency_seconds": _ITL_BUCKETS,

@@ -21,11 +21,10 @@ import enum
 import operator
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 ENGINE_TYPE = "unified"  # SGLang's value without prefill-decode disaggregation
 SCHEDULER_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
@@ -102,22 +101,18 @@ RADIX_CACHE_NAMES: dict[str, str] = {
 }
 
 
-class SchedulerGauges(Collector):
-    """The scheduler's `sglang:*` gauges, read from the engine snapshot at scrape time."""
-
-    def __init__(self, snapshot_fn: Callable, model_name: str):
-        self._snapshot_fn = snapshot_fn
-        self._labels = [model_name, ENGINE_TYPE, "0", "0", "0"]
-
-    def collect(self) -> Iterable:
-        s = self._snapshot_fn()
-        for m in SCHEDULER_GAUGES:
-            value = _available(s) if m.source == "kv_available_tokens" else operator.attrgetter(m.source)(s)
-            name = m.sglang.removesuffix("_total") if m.kind is Kind.COUNTER else m.sglang
-            family_cls = CounterMetricFamily if m.kind is Kind.COUNTER else GaugeMetricFamily
-            family = family_cls(name, m.doc, labels=list(SCHEDULER_LABELS))
-            family.add_metric(self._labels, value)
-            yield family
+def scheduler_families(snapshot: Any, model_name: str) -> Iterable:
+    """The scheduler's `sglang:*` gauges (and retraction counter) from one engine snapshot; the
+    caller passes the snapshot its `jaxserve_*` twins read, so one scrape shows equal values."""
+    labels = [model_name, ENGINE_TYPE, "0", "0", "0"]
+    for m in SCHEDULER_GAUGES:
+        value = _available(snapshot) if m.source == "kv_available_tokens" else operator.attrgetter(m.source)(snapshot)
+        if m.kind is Kind.COUNTER:
+            family = CounterMetricFamily(m.sglang.removesuffix("_total"), m.doc, labels=list(SCHEDULER_LABELS))
+        else:
+            family = GaugeMetricFamily(m.sglang, m.doc, labels=list(SCHEDULER_LABELS))
+        family.add_metric(labels, value)
+        yield family
 
 
 def _available(s: Any) -> float:
