@@ -56,9 +56,29 @@ def _call_of(obj: Any, args_keys: Sequence[str], known: set[str]) -> ParsedCall 
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def closed_schema(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that does not say (OpenAI's
+    strict mode does the same). What it accepts still validates against `schema`; it stops a small
+    model from inventing keys until max_tokens."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_schema(v) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed_schema(s) for name, s in schema[key].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else"})
+
+
 def call_schema(tool: Tool, args_key: str) -> dict[str, Any]:
-    """JSON schema of one call object {"name": <const>, args_key: <the function's parameters>}."""
-    params = tool.function.parameters or {"type": "object"}
+    """JSON schema of one call object {"name": <const>, args_key: <the function's parameters, closed>}."""
+    params = closed_schema(tool.function.parameters or {"type": "object", "properties": {}})
     return {
         "type": "object",
         "properties": {"name": {"const": tool.function.name}, args_key: params},
