@@ -141,3 +141,13 @@ def test_default_tool_prompt_without_a_tools_template(default_tokenizer):
     system = prompt.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\nBe brief.\n\nYou can call these functions:\n")
     assert json.dumps(WEATHER.model_dump(exclude_none=True)) in system and "<tool_call>" in system
+
+
+def test_closed_schema_bounds_strings_and_arrays():
+    schema = {"type": "object", "properties": {"s": {"type": "string"}, "e": {"type": "string", "enum": ["a"]},
+                                               "m": {"type": "string", "minLength": 500}, "l": {"type": "array", "items": {"type": "string", "maxLength": 3}}}}
+    closed = closed_schema(schema)["properties"]
+    assert closed["s"]["maxLength"] == 128 and "maxLength" not in closed["e"] and closed["m"]["maxLength"] == 500
+    assert closed["l"]["maxItems"] == 16 and closed["l"]["items"]["maxLength"] == 3
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"s": "x" * 129}, closed_schema(schema))

@@ -57,9 +57,11 @@ def _call_of(obj: Any, args_keys: Sequence[str], known: set[str]) -> ParsedCall 
 
 
 def closed_schema(schema: Any) -> Any:
-    """`schema` with `additionalProperties: false` on every object schema that does not say (OpenAI's
-    strict mode does the same). What it accepts still validates against `schema`; it stops a small
-    model from inventing keys until max_tokens."""
+    """`schema` bounded for forced decoding: `additionalProperties: false` on every object schema that
+    does not say (as OpenAI's strict mode), at most FORCED_MAX_STRING_CHARS characters in a string and
+    FORCED_MAX_ITEMS items in an array that set no bound. What it accepts still validates against
+    `schema`; the bounds stop a small model from inventing keys or repeating itself inside a string
+    until max_tokens, so a forced call always closes."""
     if isinstance(schema, list):
         return [closed_schema(s) for s in schema]
     if not isinstance(schema, dict):
@@ -68,11 +70,19 @@ def closed_schema(schema: Any) -> Any:
     for key in ("properties", "patternProperties", "$defs", "definitions"):
         if isinstance(schema.get(key), dict):
             out[key] = {name: closed_schema(s) for name, s in schema[key].items()}
-    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+    types = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    unbounded = "enum" not in schema and "const" not in schema
+    if ("object" in types or "properties" in schema) and "additionalProperties" not in schema:
         out["additionalProperties"] = False
+    if "string" in types and unbounded and "maxLength" not in schema:
+        out["maxLength"] = max(FORCED_MAX_STRING_CHARS, schema.get("minLength", 0))
+    if "array" in types and unbounded and "maxItems" not in schema:
+        out["maxItems"] = max(FORCED_MAX_ITEMS, schema.get("minItems", 0))
     return out
 
 
+FORCED_MAX_STRING_CHARS = 128
+FORCED_MAX_ITEMS = 16
 _SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else"})
 
 
