@@ -229,6 +229,11 @@ class ServerArgs:
     release_conservative_batch_size: int = _flag(8, "below this many running requests: no proactive soft release and no merging")
     release_aggressive_batch_size: int = _flag(16, "from this many running requests on: proactive soft release and merging")
     enable_radix_cache_stats: bool = _flag(False, "log radix cache stats once per second ([RadixCache] Nodes, Shared, Frozen, SoftFreed, Merged)")
+    # tool calling on /v1/chat/completions (jaxserve/server/function_call/)
+    tool_call_parser: str | None = _flag(
+        None, "how replies are parsed into tool_calls: qwen25 | qwen | hermes (<tool_call>{json}</tool_call>) or "
+        "llama3 (a JSON reply); names as SGLang's (default: qwen25)", group="structured_output",
+    )
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").

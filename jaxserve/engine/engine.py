@@ -236,6 +236,7 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
         input_ids = self.tokenize(prompt)
         self.validate_input_ids(input_ids, params.max_new_tokens)
+        self.validate_logit_bias(params)
         if top_logprobs_num < 0 or top_logprobs_num > 20:
             raise RequestError("top_logprobs_num", f"top_logprobs_num must be in [0, 20], got {top_logprobs_num}")
         self.validate_token_ids_logprob(token_ids_logprob)
@@ -281,6 +282,11 @@ class Engine:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         return [int(t) for t in prompt]
+
+    def validate_logit_bias(self, params: SamplingParams) -> None:
+        """Raise RequestError("logit_bias") for a biased token id outside the vocabulary."""
+        if params.logit_bias and params.logit_bias[-1][0] >= self.model_config.vocab_size:  # sorted by id
+            raise RequestError("logit_bias", f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
 
     def validate_input_ids(self, input_ids: Sequence[int], max_new_tokens: int = 0) -> None:
         """Raise RequestError for an empty prompt, bad ids, or one that does not fit the context/pool."""

@@ -195,6 +195,8 @@ class EngineLoop:
         explicit_max = isinstance(sampling_params, SamplingParams) or (sampling_params or {}).get("max_new_tokens") is not None
         input_ids = self.tokenize(prompt)
         self.engine.validate_input_ids(input_ids, params.max_new_tokens)
+        if params.logit_bias:
+            self.engine.validate_logit_bias(params)
         room = self.engine.context_length - len(input_ids)
         if params.max_new_tokens > room:
             if explicit_max:

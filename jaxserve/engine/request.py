@@ -6,12 +6,16 @@ import dataclasses
 import enum
 import itertools
 import math
+import re
 from typing import Any
 
 import numpy as np
 import regex
 
 _INT_MAX = 2**31 - 1
+# OpenAI's limits for logit_bias: at most 300 token ids, each biased by a value in [-100, 100].
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
 MAX_N = 128  # sequences per request (OpenAI's limit for `n`); each one is a request in the scheduler
 # SGLang's limits on stop_regex (MAX_STOP_REGEX_COUNT, MAX_STOP_REGEX_LEN in its sampling_params.py)
 MAX_STOP_REGEX_COUNT = 32
@@ -59,6 +63,9 @@ class SamplingParams:
     stop_regex: tuple[str, ...] = ()
     spaces_between_special_tokens: bool = True
     stream_interval: int | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias); from_dict takes
+    # OpenAI's {"token id": bias} object. Token ids are checked against the vocabulary by the engine.
+    logit_bias: tuple[tuple[int, float], ...] | None = None
 
     @staticmethod
     def from_dict(d: dict[str, Any] | None) -> "SamplingParams":
@@ -88,6 +95,8 @@ class SamplingParams:
                 if not isinstance(kwargs[key], (list, tuple)):
                     raise SamplingParamsError(key, "must be a list")
                 kwargs[key] = tuple(kwargs[key])
+        if "logit_bias" in kwargs:
+            kwargs["logit_bias"] = _logit_bias_pairs(kwargs["logit_bias"])
         params = SamplingParams(**kwargs)
         params.validate()
         return params
@@ -149,6 +158,17 @@ class SamplingParams:
         if self.choices is not None and (not self.choices or not all(isinstance(c, str) and c for c in self.choices)):
             raise SamplingParamsError("choices", "must be a non-empty list of non-empty strings")
 
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+            for token, bias in self.logit_bias:
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    raise SamplingParamsError("logit_bias", f"keys must be non-negative token ids, got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                    raise SamplingParamsError("logit_bias", f"values must be numbers, got {bias!r} for token {token}")
+                if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise SamplingParamsError("logit_bias", f"values must be in [-100, 100], got {bias} for token {token}")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
@@ -168,6 +188,24 @@ def _check_stop_regex(patterns: tuple[str, ...]) -> None:
             raise SamplingParamsError("stop_regex", f"invalid regex {p!r}: {e}") from None
         if compiled.search("") is not None:
             raise SamplingParamsError("stop_regex", f"{p!r} matches the empty string, so it would stop every request at once")
+def _logit_bias_pairs(value: Any) -> tuple[tuple[Any, Any], ...]:
+    """OpenAI's {"token id": bias} (keys are strings in JSON; ints accepted) -> sorted (id, bias) pairs.
+
+    Raises:
+        SamplingParamsError: not an object, or a key that is not an integer.
+    """
+    if not isinstance(value, dict):
+        raise SamplingParamsError("logit_bias", f"must be an object mapping token ids to biases, got {type(value).__name__}")
+    pairs = []
+    for key, bias in value.items():
+        if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,10}", key):
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        else:
+            raise SamplingParamsError("logit_bias", f"keys must be integer token ids, got {key!r}")
+        pairs.append((token, float(bias) if isinstance(bias, int) and not isinstance(bias, bool) else bias))
+    return tuple(sorted(pairs, key=lambda p: p[0]))
 
 
 def _check_type(name: str, value: Any, types) -> None:

@@ -5,7 +5,7 @@ calls it once per step on the logits [S, V] of the step's sequences. `build_samp
 inputs on the host (numpy, padded to the sequence bucket S) from each request's `SamplingParams`.
 
 The order of the logit transforms follows vLLM and SGLang: penalties (repetition, then frequency and
-presence) -> bitmask (disallowed tokens get -inf) -> temperature -> top-k -> top-p (over the top-k
+presence) -> logit bias (OpenAI's `logit_bias`, a padded sparse add) -> bitmask (disallowed tokens get -inf) -> temperature -> top-k -> top-p (over the top-k
 renormalised probabilities, as vLLM and Hugging Face do) -> min-p (relative to the largest probability)
 -> draw. Rows with temperature 0 take the argmax of the penalised, masked logits.
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int32, UInt32
 
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.request import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 
 # SGLang treats temperatures below this as greedy (`_SAMPLING_EPS` in its sampling_params.py).
 SAMPLING_EPS = 1e-6
@@ -57,6 +57,8 @@ class SamplingBatch:
         history_is_output: [S, H] True where the history token is a generated token.
         logprob_token_ids: [S, L] token ids whose logprobs are returned (SGLang's `token_ids_logprob`),
             padded with 0 (L = 1 when `num_logprob_token_ids` is 0).
+        logit_bias_ids, logit_bias_values: [S, B] token ids and the biases added to their logits,
+            padded with (0, 0.0); B = MAX_LOGIT_BIAS_ENTRIES (300) when `use_logit_bias`, else 1.
     """
 
     temperature: Float[Array, " S"]
@@ -72,6 +74,8 @@ class SamplingBatch:
     token_history: Int32[Array, "S H"]
     history_is_output: Bool[Array, "S H"]
     logprob_token_ids: Int32[Array, "S L"]
+    logit_bias_ids: Int32[Array, "S B"]
+    logit_bias_values: Float[Array, "S B"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,7 @@ class SamplerFlags:
         use_top_k / use_top_p: some row has top_k < V / top_p < 1 (a bisection per filter).
         use_penalties: some row has a frequency, presence or repetition penalty.
         use_bitmask: some row is constrained (grammar, min_new_tokens); else `bitmask` is ignored.
+        use_logit_bias: some row has a logit_bias; else the bias arrays are ignored.
         return_logprob: compute the chosen tokens' logprobs.
         num_top_logprobs: also return the N most likely tokens per row (needs `return_logprob`).
         num_logprob_token_ids: also return the logprobs of `logprob_token_ids` (its width L; needs
@@ -99,6 +104,7 @@ class SamplerFlags:
     use_top_p: bool = False
     use_penalties: bool = False
     use_bitmask: bool = False
+    use_logit_bias: bool = False
     return_logprob: bool = False
     num_top_logprobs: int = 0
     num_logprob_token_ids: int = 0
@@ -147,6 +153,8 @@ def sample(logits: Float[Array, "S V"], batch: SamplingBatch, flags: SamplerFlag
     x = logits
     if flags.use_penalties:
         x = apply_penalties(x, batch)
+    if flags.use_logit_bias:
+        x = apply_logit_bias(x, batch.logit_bias_ids, batch.logit_bias_values)
     if flags.use_bitmask:
         x = jnp.where(unpack_bitmask(batch.bitmask, x.shape[1]), x, -jnp.inf)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
@@ -176,6 +184,15 @@ def apply_penalties(logits: Float[Array, "S V"], batch: SamplingBatch) -> Float[
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - batch.frequency_penalty[:, None] * output_counts
     return logits - batch.presence_penalty[:, None] * (output_counts > 0)
+
+
+def apply_logit_bias(
+    logits: Float[Array, "S V"], ids: Int32[Array, "S B"], values: Float[Array, "S B"]
+) -> Float[Array, "S V"]:
+    """logits[s, ids[s, b]] += values[s, b]: OpenAI's logit_bias as one fixed-size scatter-add, so any
+    request's bias (up to B entries; padding adds 0.0 to token 0) runs in the same compiled sampler."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, ids].add(values)
 
 
 def unpack_bitmask(bitmask: Int32[Array, "S W"], vocab_size: int) -> Bool[Array, "S V"]:
@@ -389,6 +406,7 @@ def build_sampling_batch(
         step[i] = t
 
     use_penalties = bool(np.any(frequency != 0) or np.any(presence != 0) or np.any(repetition != 1))
+    bias_ids, bias_values = _build_logit_bias(params, num_seqs)
     token_history, history_is_output = _build_history(histories, n, num_seqs, use_penalties)
 
     bans = [_min_new_tokens_ban(p, t, eos_token_ids) for p, t in zip(params, steps)]
@@ -420,6 +438,7 @@ def build_sampling_batch(
         use_top_p=bool(np.any(top_p[:n] < 1)),
         use_penalties=use_penalties,
         use_bitmask=use_bitmask,
+        use_logit_bias=bias_ids.shape[1] > 1,
         return_logprob=return_logprob or num_top_logprobs > 0 or width_picked > 0,
         num_top_logprobs=num_top_logprobs,
         num_logprob_token_ids=width_picked,
@@ -438,8 +457,23 @@ def build_sampling_batch(
         token_history=token_history,
         history_is_output=history_is_output,
         logprob_token_ids=picked_ids,
+        logit_bias_ids=bias_ids,
+        logit_bias_values=bias_values,
     )
     return batch, flags
+
+
+def _build_logit_bias(params: Sequence[SamplingParams], num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """[S, B] (ids, values) padded with (0, 0.0); B = MAX_LOGIT_BIAS_ENTRIES if any row has a bias, else 1
+    (one width, so a bias never needs a compile of its own)."""
+    if not any(p.logit_bias for p in params):
+        return np.zeros((num_seqs, 1), np.int32), np.zeros((num_seqs, 1), np.float32)
+    ids = np.zeros((num_seqs, MAX_LOGIT_BIAS_ENTRIES), np.int32)
+    values = np.zeros((num_seqs, MAX_LOGIT_BIAS_ENTRIES), np.float32)
+    for i, p in enumerate(params):
+        for j, (token, bias) in enumerate(p.logit_bias or ()):
+            ids[i, j], values[i, j] = token, bias
+    return ids, values
 
 
 def _build_history(

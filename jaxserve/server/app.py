@@ -12,6 +12,7 @@ Routes:
     GET  /get_server_info          the server args, the engine's counters and KV pool usage
     POST /flush_cache              empty the prefix cache (400 while requests run)
     POST /abort_request            {"rid": ...}
+    GET  /openapi.json             the OpenAPI document, generated from the pydantic models (openapi.py)
 Every error body has OpenAI's shape (errors.py). docs/api.md documents the fields.
 """
 
@@ -36,6 +37,8 @@ from jaxserve.server import native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response, parse_json_body
+from jaxserve.server.function_call import get_parser
+from jaxserve.server.openapi import openapi_document
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -141,6 +144,10 @@ async def abort_request(request: Request) -> Response:
     return JSONResponse({"success": engine_loop.abort(rid)})
 
 
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(request.app.state.openapi)
+
+
 def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     """The ASGI app over a started `EngineLoop`. `server_args.api_key` turns on bearer-token auth."""
     routes = [
@@ -154,7 +161,9 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/get_server_info", get_server_info, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
+    get_parser(server_args.tool_call_parser)  # an unknown --tool-call-parser fails at start-up (ValueError)
     model_name = served_model_name(server_args, engine_loop.model_path)
     metrics = None
     if not server_args.disable_metrics and engine_loop.load().snapshot is not None:
@@ -167,6 +176,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     app.state.server_args = server_args
     app.state.model_name = model_name
     app.state.serving_metrics = metrics
+    app.state.openapi = openapi_document()
     return app
 
 

@@ -7,22 +7,32 @@ response_format -> json_schema, SGLang's extra fields as they are); a bad value 
 "abort" (cancelled through /abort_request); `matched_stop` says what stopped it (SGLang's field).
 Streams send `data: {chunk}` events and end with `data: [DONE]`; with
 `stream_options.include_usage` the last chunk before [DONE] has empty choices and the usage.
+
+Completions with `echo` and `logprobs` take the prompt's logprobs from the engine's prompt-logprob path
+(`logprob_start_len=0`); `max_tokens: 0` then runs one token and drops it. Chat tool calling: the
+tools go into the prompt (chat_prompt.py), the reply is parsed by the `--tool-call-parser` format
+(function_call/), and tool_choice "required" or a named function constrains decoding to that format's
+grammar, so the call always parses and its arguments validate against the function's schema.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.request import SamplingParamsError
+from jaxserve.server.chat_prompt import chat_prompt
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
+from jaxserve.server.function_call import ParsedCall, ToolCallParser, get_parser
+from jaxserve.server.function_call.streaming import ToolCallStreamer
 from jaxserve.server.native_api import failure_of
 from jaxserve.server.protocol import (
     ChatCompletionChoice,
@@ -34,6 +44,7 @@ from jaxserve.server.protocol import (
     ChatMessageOut,
     ChatStreamChoice,
     CompletionChoice,
+    FunctionCall,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
@@ -42,6 +53,9 @@ from jaxserve.server.protocol import (
     ModelList,
     PromptTokensDetails,
     TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     UsageInfo,
     _OpenAISampling,
@@ -54,8 +68,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 # ---- request -> engine ----------------------------------------------------------------------------
-def sampling_params_of(req: _OpenAISampling, max_new_tokens: int) -> dict[str, Any]:
-    """The engine's sampling-params dict for an OpenAI request (absent fields keep their defaults)."""
+def sampling_params_of(req: _OpenAISampling, max_new_tokens: int, ebnf: str | None = None) -> dict[str, Any]:
+    """The engine's sampling-params dict for an OpenAI request (absent fields keep their defaults);
+    `ebnf` is a grammar the API layer imposes (a forced tool call) in place of the request's."""
     d = {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": req.min_tokens,
@@ -74,8 +89,9 @@ def sampling_params_of(req: _OpenAISampling, max_new_tokens: int) -> dict[str, A
         "no_stop_trim": req.no_stop_trim,
         "skip_special_tokens": req.skip_special_tokens,
         "regex": req.regex,
-        "ebnf": req.ebnf,
+        "ebnf": ebnf if ebnf is not None else req.ebnf,
         "json_schema": _json_schema_of(req),
+        "logit_bias": req.logit_bias,
     }
     return {k: v for k, v in d.items() if v is not None}
 
@@ -99,9 +115,14 @@ def _json_schema_of(req: _OpenAISampling) -> str | None:
     return json.dumps(inner)
 
 
-def _check_unsupported(req: _OpenAISampling) -> None:
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported", 400, param="logit_bias", code="unsupported_parameter")
+def max_tokens_of(req: _OpenAISampling) -> tuple[int | None, str]:
+    """(the requested output length or None, the field that set it): max_completion_tokens replaces
+    max_tokens; given both, the smaller applies (as OpenAI documents)."""
+    given = [(v, f) for v, f in ((req.max_tokens, "max_tokens"), (req.max_completion_tokens, "max_completion_tokens"))
+             if v is not None]
+    if not given:
+        return None, "max_tokens"
+    return min(given)
 
 
 def _renames(req: _OpenAISampling, prompt_field: str, max_field: str, top_field: str) -> dict[str, str]:
@@ -119,12 +140,14 @@ def _renames(req: _OpenAISampling, prompt_field: str, max_field: str, top_field:
 
 
 def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[list[int], str | None, int]],
-            req: _OpenAISampling, return_logprob: bool, top_logprobs_num: int) -> None:
+            req: _OpenAISampling, return_logprob: bool, top_logprobs_num: int, *,
+            logprob_start_len: int = -1, ebnf: str | None = None) -> None:
     """Submit (token ids, rid, max_new_tokens) per prompt; a validation error aborts the ones before it."""
     try:
         for ids, rid, max_new_tokens in prompts:
-            group.submit(ids, sampling_params_of(req, max_new_tokens), rid=rid,
-                         return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+            group.submit(ids, sampling_params_of(req, max_new_tokens, ebnf), rid=rid,
+                         return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                         logprob_start_len=logprob_start_len)
     except (SamplingParamsError, RequestError) as e:
         group.abort()
         raise from_engine_error(e, renames) from None
@@ -163,17 +186,27 @@ class _TokenTexts:
         return text
 
 
-def _completion_logprobs(out: StepOutput, start: int, texts: _TokenTexts, offset: int, k: int) -> CompletionLogprobs:
-    pairs = (out.meta.output_token_logprobs or [])[start:]
-    tops = (out.meta.output_top_logprobs or [])[start:]
+def _completion_logprobs(out: StepOutput, start: int, texts: _TokenTexts, offset: int, k: int,
+                         prompt: bool = False) -> CompletionLogprobs:
+    """Legacy logprobs of output tokens [start:], text offsets from `offset`; with `prompt`, the prompt's
+    tokens first (`echo`): the first has a null logprob, and prompt tokens have no top_logprobs."""
     result = CompletionLogprobs()
-    for i, (logprob, token_id) in enumerate(pairs):
-        text = texts(token_id)
+
+    def add(text: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        nonlocal offset
         result.tokens.append(text)
         result.token_logprobs.append(logprob)
-        result.top_logprobs.append({texts(t): lp for lp, t in tops[i]} if k > 0 and i < len(tops) else None)
+        result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(text)
+
+    if prompt:
+        for logprob, token_id in out.meta.input_token_logprobs or []:
+            add(texts(token_id), logprob, None)
+    pairs = (out.meta.output_token_logprobs or [])[start:]
+    tops = (out.meta.output_top_logprobs or [])[start:]
+    for i, (logprob, token_id) in enumerate(pairs):
+        add(texts(token_id), logprob, {texts(t): lp for lp, t in tops[i]} if k > 0 and i < len(tops) else None)
     return result
 
 
@@ -200,9 +233,9 @@ def _usage(outputs: list[StepOutput], n: int) -> UsageInfo:
 
 def _chunk_event(chunk: ChatCompletionChunk | CompletionChunk) -> str:
     payload = chunk.model_dump()
-    for choice in payload["choices"]:
+    for choice, model in zip(payload["choices"], chunk.choices):
         if "delta" in choice:  # OpenAI sends only the delta fields that are set
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            choice["delta"] = model.delta.model_dump(exclude_none=True)
     return sse_event(payload)
 
 
@@ -226,17 +259,25 @@ def _completion_prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
+def _without_output(out: StepOutput) -> StepOutput:
+    """`out` as if no token had been generated: `max_tokens: 0` with echo and logprobs runs one token
+    (the engine computes prompt logprobs only for a request it runs) that the reply leaves out."""
+    meta = dataclasses.replace(out.meta, completion_tokens=0, output_token_logprobs=[], output_top_logprobs=[],
+                               finish_reason={"type": "length", "length": 0} if out.finished else None)
+    return dataclasses.replace(out, new_token_ids=[], output_ids=[], text="", text_delta="", meta=meta)
+
+
 async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     engine_loop = request.app.state.engine_loop
     req = CompletionRequest.model_validate(parse_json_body(await request.body()))
-    _check_unsupported(req)
     if req.suffix:
         raise APIError("suffix is not supported", 400, param="suffix", code="unsupported_parameter")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise APIError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", 400, param="logprobs", code="invalid_value")
-    if req.echo and req.logprobs is not None:
-        raise APIError("echo with logprobs is not supported (no prompt logprobs)", 400, param="echo", code="unsupported_parameter")
+    max_tokens, max_field = max_tokens_of(req)
+    prompt_logprobs = req.echo and req.logprobs is not None
+    drop_output = prompt_logprobs and max_tokens == 0
     rid = _new_rid(req)
     raw_prompts = _completion_prompts(req.prompt)
     group = RequestGroup(engine_loop)
@@ -246,10 +287,10 @@ async def completions(request: Request) -> Response:
         for i, p in enumerate(raw_prompts):
             ids = _tokenize(engine_loop, p, "prompt")
             room = max(1, engine_loop.context_length - len(ids))
-            max_new = req.max_tokens if req.max_tokens is not None else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-            prompts.append((ids, rid if len(raw_prompts) == 1 else f"{rid}-p{i}", max_new))
-        _submit(group, _renames(req, "prompt", "max_tokens", "logprobs"), prompts, req,
-                req.logprobs is not None, req.logprobs or 0)
+            max_new = max_tokens if max_tokens is not None else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+            prompts.append((ids, rid if len(raw_prompts) == 1 else f"{rid}-p{i}", 1 if drop_output else max_new))
+        _submit(group, _renames(req, "prompt", max_field, "logprobs"), prompts, req,
+                req.logprobs is not None, req.logprobs or 0, logprob_start_len=0 if prompt_logprobs else -1)
 
     await preprocess(request, prepare)
     tokenizer = engine_loop.tokenizer
@@ -257,26 +298,43 @@ async def completions(request: Request) -> Response:
     model = request.app.state.model_name
     if req.stream:
         mark_streaming(request, group.rids)
-        return SSEResponse(_completion_stream(group, req, f"cmpl-{rid}", model, echoes, tokenizer))
+        return SSEResponse(_completion_stream(group, req, f"cmpl-{rid}", model, echoes, tokenizer, drop_output))
     async with abort_on_disconnect(request, group):
         outputs = await group.wait()
     if (failure := _failure_response(outputs)) is not None:
         return failure
+    if drop_output:
+        outputs = [_without_output(o) for o in outputs]
     texts = _TokenTexts(tokenizer)
     choices = []
     for i, out in enumerate(outputs):
         echo = echoes[i // req.n]
         reason, matched = finish_reason_of(out)
-        logprobs = _completion_logprobs(out, 0, texts, len(echo), req.logprobs) if req.logprobs is not None else None
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = _completion_logprobs(out, 0, texts, 0 if prompt_logprobs else len(echo), req.logprobs, prompt_logprobs)
+            if prompt_logprobs:  # the output tokens start where the echoed text ends
+                _shift_output_offsets(logprobs, len(out.meta.input_token_logprobs or []), len(echo))
         choices.append(CompletionChoice(index=i, text=echo + out.text, logprobs=logprobs, finish_reason=reason, matched_stop=matched))
     response = CompletionResponse(id=f"cmpl-{rid}", model=model, choices=choices, usage=_usage(outputs, req.n))
     return JSONResponse(response.model_dump())
 
 
+def _shift_output_offsets(logprobs: CompletionLogprobs, num_prompt: int, echo_len: int) -> None:
+    """Restart the text offsets of the output tokens at the end of the echoed prompt text (token texts
+    decoded one by one need not add up to the prompt's text)."""
+    offset = echo_len
+    for j in range(num_prompt, len(logprobs.tokens)):
+        logprobs.text_offset[j] = offset
+        offset += len(logprobs.tokens[j])
+
+
 def _completion_stream(group: RequestGroup, req: CompletionRequest, response_id: str, model: str,
-                       echoes: list[str], tokenizer: Any) -> AsyncIterator[str]:
+                       echoes: list[str], tokenizer: Any, drop_output: bool) -> AsyncIterator[str]:
     index = {rid: i for i, rid in enumerate(group.rids)}
     offsets = {rid: len(echoes[index[rid] // req.n]) for rid in group.rids}  # text offset of the next token
+    prompt_logprobs = req.echo and req.logprobs is not None
+    pending_echo = set(group.rids) if prompt_logprobs else set()  # echo goes out with the prompt logprobs
     texts = _TokenTexts(tokenizer)
     created = int(time.time())
 
@@ -284,18 +342,31 @@ def _completion_stream(group: RequestGroup, req: CompletionRequest, response_id:
         choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
         return _chunk_event(CompletionChunk(id=response_id, created=created, model=model, choices=[choice]))
 
-    def logprobs_since(out: StepOutput, start: int) -> CompletionLogprobs:
-        logprobs = _completion_logprobs(out, start, texts, offsets[out.rid], req.logprobs)
-        offsets[out.rid] += sum(len(t) for t in logprobs.tokens)
+    def logprobs_since(out: StepOutput, start: int) -> CompletionLogprobs | None:
+        with_prompt = out.rid in pending_echo
+        if len(out.output_ids) <= start and not with_prompt:
+            return None
+        logprobs = _completion_logprobs(out, start, texts, 0 if with_prompt else offsets[out.rid], req.logprobs, with_prompt)
+        if with_prompt:
+            _shift_output_offsets(logprobs, len(out.meta.input_token_logprobs or []), offsets[out.rid])
+        if len(out.output_ids) > start:
+            offsets[out.rid] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         return logprobs
+
+    def delta(i: int, out: StepOutput, text: str, logprobs) -> list[str]:
+        if out.rid in pending_echo:
+            pending_echo.discard(out.rid)
+            text = echoes[i // req.n] + text
+        return [chunk(i, text, logprobs)]
 
     return _stream_events(
         group, req,
-        opening=[chunk(i, echoes[i // req.n]) for i in index.values()] if req.echo else [],
+        opening=[chunk(i, echoes[i // req.n]) for i in index.values()] if req.echo and not prompt_logprobs else [],
         logprobs_since=logprobs_since if req.logprobs is not None else None,
-        delta=chunk,
-        finish=lambda i, reason, matched: chunk(i, "", None, reason, matched),
+        delta=delta,
+        finish=lambda i, out, reason, matched: [chunk(i, "", None, reason, matched)],
         usage=lambda usage: _chunk_event(CompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)),
+        transform=_without_output if drop_output else None,
     )
 
 
@@ -305,19 +376,22 @@ async def _stream_events(
     *,
     opening: list[str],
     logprobs_since: Callable[[StepOutput, int], Any] | None,
-    delta: Callable[[int, str, Any], str],
-    finish: Callable[[int, str | None, Any], str],
+    delta: Callable[[int, StepOutput, str, Any], Iterable[str]],
+    finish: Callable[[int, StepOutput, str | None, Any], Iterable[str]],
     usage: Callable[[UsageInfo], str],
+    transform: Callable[[StepOutput], StepOutput] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of one streamed OpenAI request group, shared by completions and chat.
 
-    `opening` events go first; then, per engine output, a `delta` event for new text or logprobs (from
-    `logprobs_since(out, first new token)`, None when logprobs were not asked for) and a `finish` event
-    when a choice ends; then the `usage` event if `stream_options.include_usage`, and `[DONE]`. Leaving
+    `opening` events go first; then, per engine output (through `transform` if given), the `delta`
+    events for new text or logprobs (from `logprobs_since(out, first unsent token)`, which returns None
+    when there is nothing new; itself None when logprobs were not asked for) and the `finish` events when
+    a choice ends; then the `usage` event if `stream_options.include_usage`, and `[DONE]`. Leaving
     the stream early (client gone) aborts the group's requests.
     """
     index = {rid: i for i, rid in enumerate(group.rids)}
     sent = dict.fromkeys(group.rids, 0)  # output tokens whose logprobs were sent
+    final: dict[str, StepOutput] = {}
     try:
         for event in opening:
             yield event
@@ -326,75 +400,105 @@ async def _stream_events(
             if (failure := failure_of(out)) is not None:
                 yield sse_event(error_body(failure[1], failure[0], code="engine_error"))
                 continue
+            if transform is not None:
+                out = transform(out)
             logprobs = None
-            if logprobs_since is not None and len(out.output_ids) > sent[out.rid]:
+            if logprobs_since is not None:
                 logprobs = logprobs_since(out, sent[out.rid])
                 sent[out.rid] = len(out.output_ids)
             if out.text_delta or logprobs is not None:
-                yield delta(i, out.text_delta, logprobs)
+                for event in delta(i, out, out.text_delta, logprobs):
+                    yield event
             if out.finished:
-                yield finish(i, *finish_reason_of(out))
+                final[out.rid] = out
+                for event in finish(i, out, *finish_reason_of(out)):
+                    yield event
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield usage(_usage([group.final[r] for r in group.rids], req.n))
+            yield usage(_usage([final[r] for r in group.rids], req.n))
         yield DONE
     finally:
         group.abort()
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------------------
-def _chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
-    if not req.messages:
-        raise APIError("messages must contain at least one message", 400, param="messages", code="invalid_value")
-    messages = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(f"content parts of type {part.type!r} are not supported (text only)", 400,
-                                   param=f"messages[{i}].content", code="unsupported_parameter")
-                parts.append(part.text)
-            content = "\n".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise APIError("the model has no chat template; use /v1/completions", 400, param="messages", code="invalid_value")
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # the template rejects the conversation (roles out of order, ...)
-        raise APIError(f"the chat template rejected the messages: {e}", 400, param="messages", code="invalid_value") from None
+@dataclasses.dataclass(frozen=True)
+class _ToolPlan:
+    """How a chat request uses tools: those shown to the model (none for tool_choice "none"), the
+    parser of the reply, and the grammar that forces a call (tool_choice "required" or named)."""
+
+    tools: list[Tool] | None
+    parser: ToolCallParser
+    grammar: str | None
+
+
+def _tool_plan(req: ChatCompletionRequest, parser_name: str | None) -> _ToolPlan:
+    """Check tools / tool_choice. Raises APIError (400) naming the field."""
+    parser = get_parser(parser_name)
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+    if choice == "none":
+        return _ToolPlan(None, parser, None)
+    if not req.tools:
+        raise APIError(f"tool_choice {_choice_name(choice)} needs tools", 400, param="tool_choice", code="invalid_value")
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise APIError("tools declare the same function name twice", 400, param="tools", code="invalid_value")
+    if choice == "auto":
+        return _ToolPlan(list(req.tools), parser, None)
+    forced = list(req.tools)
+    if not isinstance(choice, str):
+        forced = [t for t in req.tools if t.function.name == choice.function.name]
+        if not forced:
+            raise APIError(f"tool_choice names the function {choice.function.name!r}, which tools do not declare", 400,
+                           param="tool_choice.function.name", code="invalid_value")
+    if req.regex is not None or req.ebnf is not None or req.json_schema is not None or (
+            req.response_format is not None and req.response_format.type != "text"):
+        raise APIError(f"tool_choice {_choice_name(choice)} constrains the output itself: drop response_format / "
+                       "regex / json_schema / ebnf", 400, param="tool_choice", code="invalid_value")
+    return _ToolPlan(list(req.tools), parser, parser.grammar(forced))
+
+
+def _choice_name(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+
+
+def _tool_calls_out(calls: Iterable[ParsedCall]) -> list[ToolCall]:
+    return [ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]
+
+
+def _chat_finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     engine_loop = request.app.state.engine_loop
     req = ChatCompletionRequest.model_validate(parse_json_body(await request.body()))
-    _check_unsupported(req)
-    if req.tools:
-        raise APIError("tools are not supported", 400, param="tools", code="unsupported_parameter")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", 400, param="top_logprobs", code="invalid_value")
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}", 400,
                            param="top_logprobs", code="invalid_value")
-    max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    plan = _tool_plan(req, request.app.state.server_args.tool_call_parser)
+    max_tokens, max_field = max_tokens_of(req)
     tokenizer = engine_loop.tokenizer
     rid = _new_rid(req)
     group = RequestGroup(engine_loop)
+    renames = _renames(req, "messages", max_field, "top_logprobs")
+    if plan.grammar is not None:
+        renames["ebnf"] = "tool_choice"
 
     def prepare() -> None:  # on the preprocessing thread
-        ids = _tokenize(engine_loop, _chat_prompt(tokenizer, req), "messages")
+        ids = _tokenize(engine_loop, chat_prompt(tokenizer, req, plan.parser, plan.tools), "messages")
         max_new = max_tokens if max_tokens is not None else max(1, engine_loop.context_length - len(ids))
-        _submit(group, _renames(req, "messages", max_field, "top_logprobs"), [(ids, rid, max_new)], req,
-                req.logprobs, req.top_logprobs or 0)
+        _submit(group, renames, [(ids, rid, max_new)], req, req.logprobs, req.top_logprobs or 0, ebnf=plan.grammar)
 
     await preprocess(request, prepare)
     model = request.app.state.model_name
     if req.stream:
         mark_streaming(request, group.rids)
-        return SSEResponse(_chat_stream(group, req, f"chatcmpl-{rid}", model, tokenizer))
+        return SSEResponse(_chat_stream(group, req, f"chatcmpl-{rid}", model, tokenizer, plan))
     async with abort_on_disconnect(request, group):
         outputs = await group.wait()
     if (failure := _failure_response(outputs)) is not None:
@@ -404,27 +508,63 @@ async def chat_completions(request: Request) -> Response:
     for i, out in enumerate(outputs):
         reason, matched = finish_reason_of(out)
         logprobs = _chat_logprobs(out, 0, texts) if req.logprobs else None
-        choices.append(ChatCompletionChoice(index=i, message=ChatMessageOut(content=out.text), logprobs=logprobs,
-                                            finish_reason=reason, matched_stop=matched))
+        message = ChatMessageOut(content=out.text)
+        if plan.tools:
+            parsed = plan.parser.parse(out.text, plan.tools)
+            if parsed.calls:
+                message = ChatMessageOut(content=parsed.content, tool_calls=_tool_calls_out(parsed.calls))
+            reason = _chat_finish_reason(reason, bool(parsed.calls))
+        choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason, matched_stop=matched))
     response = ChatCompletionResponse(id=f"chatcmpl-{rid}", model=model, choices=choices, usage=_usage(outputs, req.n))
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(exclude_none=False))
 
 
 def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: str, model: str,
-                 tokenizer: Any) -> AsyncIterator[str]:
+                 tokenizer: Any, plan: _ToolPlan) -> AsyncIterator[str]:
+    """Chat chunks; with tools, text goes through a ToolCallStreamer per choice and each completed call
+    is sent as OpenAI's delta.tool_calls: {index, id, type, function.name} first, then its arguments."""
     texts = _TokenTexts(tokenizer)
     created = int(time.time())
+    streamers = {i: ToolCallStreamer(plan.parser, plan.tools) for i in range(len(group.rids))} if plan.tools else {}
+    num_calls = dict.fromkeys(range(len(group.rids)), 0)
 
     def chunk(i: int, delta: ChatDelta, logprobs=None, reason=None, matched=None) -> str:
         choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
         return _chunk_event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice]))
 
+    def pieces(i: int, content: str, calls: list[ParsedCall], logprobs) -> list[str]:
+        events = [chunk(i, ChatDelta(content=content), logprobs)] if content or logprobs is not None else []
+        for call in _tool_calls_out(calls):
+            k = num_calls[i]
+            num_calls[i] += 1
+            events.append(chunk(i, ChatDelta(tool_calls=[ToolCallDelta(
+                index=k, id=call.id, type="function", function=FunctionCall(name=call.function.name, arguments=""))])))
+            events.append(chunk(i, ChatDelta(tool_calls=[ToolCallDelta(
+                index=k, function=FunctionCall(arguments=call.function.arguments))])))
+        return events
+
+    def delta(i: int, out: StepOutput, text: str, logprobs) -> list[str]:
+        if i not in streamers:
+            return [chunk(i, ChatDelta(content=text), logprobs)]
+        piece = streamers[i].feed(text)
+        return pieces(i, piece.content, piece.calls, logprobs)
+
+    def finish(i: int, out: StepOutput, reason: str | None, matched: Any) -> list[str]:
+        events = []
+        if i in streamers:
+            piece = streamers[i].finish()
+            events = pieces(i, piece.content, piece.calls, None)
+        return events + [chunk(i, ChatDelta(), None, _chat_finish_reason(reason, num_calls[i] > 0), matched)]
+
+    def logprobs_since(out: StepOutput, start: int) -> ChatLogprobs | None:
+        return _chat_logprobs(out, start, texts) if len(out.output_ids) > start else None
+
     return _stream_events(
         group, req,
         opening=[chunk(i, ChatDelta(role="assistant", content="")) for i in range(len(group.rids))],
-        logprobs_since=(lambda out, start: _chat_logprobs(out, start, texts)) if req.logprobs else None,
-        delta=lambda i, text, logprobs: chunk(i, ChatDelta(content=text), logprobs),
-        finish=lambda i, reason, matched: chunk(i, ChatDelta(), None, reason, matched),
+        logprobs_since=logprobs_since if req.logprobs else None,
+        delta=delta,
+        finish=finish,
         usage=lambda usage: _chunk_event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)),
     )
 

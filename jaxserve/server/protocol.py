@@ -87,10 +87,13 @@ class ResponseFormat(_Request):
 
 
 class _OpenAISampling(_Request):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. `max_completion_tokens` is OpenAI's newer
+    name of `max_tokens`; given both, the smaller one applies. `logit_bias` maps token ids (as
+    strings) to a bias in [-100, 100] added to their logits, at most 300 entries."""
 
     model: str | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -104,7 +107,7 @@ class _OpenAISampling(_Request):
     stream_options: StreamOptions | None = None
     seed: int | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float | int] | None = None
     response_format: ResponseFormat | None = None
     # SGLang's extra sampling fields
     regex: str | None = None
@@ -133,22 +136,66 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's wire format)
+
+
+class ToolCallIn(_Request):
+    """A tool call of an earlier assistant turn, sent back by the client."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_OpenAISampling):
     """POST /v1/chat/completions. Without max_tokens / max_completion_tokens the reply may use the
-    rest of the context."""
+    rest of the context.
+
+    Tool calling: `tools` (function definitions), `tool_choice` ("none", "auto" (the default with
+    tools), "required" or {"type": "function", "function": {"name": ...}}). Assistant prefill (vLLM's
+    and SGLang's extensions): `continue_final_message` continues the last (assistant) message instead
+    of closing it; `add_generation_prompt` (default true) opens a new assistant turn.
+    """
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
 
 
 # ---- OpenAI: responses --------------------------------------------------------------------------
@@ -203,9 +250,30 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # a JSON object as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed tool call: the first has `id`, `type` and the name, later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -228,6 +296,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(BaseModel):

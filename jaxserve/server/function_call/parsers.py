@@ -1,0 +1,232 @@
+"""Tool-call output formats: parse model text into calls, write calls back as text, and the Lark grammar
+that forces a call (tool_choice "required" or a named function).
+
+Two formats, under SGLang's `--tool-call-parser` names:
+- `qwen25` (also `qwen`, `hermes`): each call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
+  (the Hermes-2-Pro / Qwen2.5 format); text outside the tags is content.
+- `llama3`: the whole reply is JSON: `{"name": ..., "parameters": {...}}` (Llama 3.1/3.2's JSON tool
+  format; "arguments" is accepted too), several calls separated by `;`, an optional `<|python_tag|>`
+  first. A reply that is not such JSON is content.
+
+The grammars embed each function's JSON schema through llguidance's Lark `%json` (compact separators, no
+free whitespace, so a small model cannot run on in blank space).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, Sequence
+
+from jaxserve.server.protocol import Tool
+
+# JSON layout inside a forced call: what json.dumps writes, and no other whitespace.
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedCall:
+    """One tool call read from model output. `arguments` is a JSON object as text."""
+
+    name: str
+    arguments: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ParseResult:
+    """Model output split into content (text outside calls; None when there is none) and calls."""
+
+    content: str | None
+    calls: tuple[ParsedCall, ...]
+
+
+def _call_of(obj: Any, args_keys: Sequence[str], known: set[str]) -> ParsedCall | None:
+    """A ParsedCall from a decoded JSON object, or None if it is not a call of a declared function."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in known:
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def closed_schema(schema: Any) -> Any:
+    """`schema` bounded for forced decoding: `additionalProperties: false` on every object schema that
+    does not say (as OpenAI's strict mode), at most FORCED_MAX_STRING_CHARS characters in a string and
+    FORCED_MAX_ITEMS items in an array that set no bound. What it accepts still validates against
+    `schema`; the bounds stop a small model from inventing keys or repeating itself inside a string
+    until max_tokens, so a forced call always closes."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_schema(v) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed_schema(s) for name, s in schema[key].items()}
+    types = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    unbounded = "enum" not in schema and "const" not in schema
+    if ("object" in types or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    if "string" in types and unbounded and "maxLength" not in schema:
+        out["maxLength"] = max(FORCED_MAX_STRING_CHARS, schema.get("minLength", 0))
+    if "array" in types and unbounded and "maxItems" not in schema:
+        out["maxItems"] = max(FORCED_MAX_ITEMS, schema.get("minItems", 0))
+    return out
+
+
+FORCED_MAX_STRING_CHARS = 128
+FORCED_MAX_ITEMS = 16
+_SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else"})
+
+
+def call_schema(tool: Tool, args_key: str) -> dict[str, Any]:
+    """JSON schema of one call object {"name": <const>, args_key: <the function's parameters, closed>}."""
+    params = closed_schema(tool.function.parameters or {"type": "object", "properties": {}})
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, args_key: params},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+    }
+
+
+def _json_rule(tools: Sequence[Tool], args_key: str) -> str:
+    schemas = [call_schema(t, args_key) for t in tools]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return "%json " + json.dumps({**schema, "x-guidance": _COMPACT_JSON})
+
+
+class ToolCallParser:
+    """One output format. Subclasses set `name`, `start_marker` (text that opens a call; None when the
+    reply as a whole is the call) and implement `parse`, `format_call`, `grammar` and `instructions`."""
+
+    name: str = ""
+    start_marker: str | None = None
+
+    def parse(self, text: str, tools: Sequence[Tool]) -> ParseResult:
+        raise NotImplementedError
+
+    def format_call(self, name: str, arguments: dict[str, Any]) -> str:
+        """The text of one call in this format (to render an earlier assistant turn)."""
+        raise NotImplementedError
+
+    def grammar(self, tools: Sequence[Tool]) -> str:
+        """A Lark grammar (llguidance) whose every string is exactly one call of one of `tools`, its
+        arguments valid against that function's schema."""
+        raise NotImplementedError
+
+    def instructions(self) -> str:
+        """How to call, for the default tool prompt."""
+        raise NotImplementedError
+
+
+class TaggedJsonParser(ToolCallParser):
+    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Qwen2.5 / Hermes)."""
+
+    name = "qwen25"
+    start_marker = "<tool_call>"
+    end_marker = "</tool_call>"
+
+    def parse(self, text: str, tools: Sequence[Tool]) -> ParseResult:
+        known = {t.function.name for t in tools}
+        pattern = re.compile(re.escape(self.start_marker) + r"(.*?)" + re.escape(self.end_marker), re.DOTALL)
+        calls, content, pos = [], [], 0
+        for m in pattern.finditer(text):
+            try:
+                call = _call_of(json.loads(m.group(1).strip()), ("arguments", "parameters"), known)
+            except json.JSONDecodeError:
+                call = None
+            if call is None:  # not a well-formed call of a declared function: leave it as text
+                continue
+            content.append(text[pos : m.start()])
+            calls.append(call)
+            pos = m.end()
+        content.append(text[pos:])
+        rest = "".join(content)
+        return ParseResult(rest if rest.strip() or not calls else None, tuple(calls))
+
+    def format_call(self, name: str, arguments: dict[str, Any]) -> str:
+        body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        return f"{self.start_marker}\n{body}\n{self.end_marker}"
+
+    def grammar(self, tools: Sequence[Tool]) -> str:
+        return f'start: "{self.start_marker}\\n" {_json_rule(tools, "arguments")} "\\n{self.end_marker}"'
+
+    def instructions(self) -> str:
+        return (
+            "To call a function, reply with one line per call, each wrapped in tags:\n"
+            f'{self.start_marker}\n{{"name": <function-name>, "arguments": <arguments-json-object>}}\n{self.end_marker}'
+        )
+
+
+class PlainJsonParser(ToolCallParser):
+    """The reply is `{"name": ..., "parameters": {...}}` (Llama 3's JSON tool format), calls separated by `;`."""
+
+    name = "llama3"
+    start_marker = None
+    python_tag = "<|python_tag|>"
+
+    def parse(self, text: str, tools: Sequence[Tool]) -> ParseResult:
+        known = {t.function.name for t in tools}
+        body = text.strip()
+        if body.startswith(self.python_tag):
+            body = body[len(self.python_tag) :].strip()
+        if not body.startswith(("{", "[")):
+            return ParseResult(text, ())
+        decoder = json.JSONDecoder()
+        calls, pos = [], 0
+        try:
+            while pos < len(body):
+                obj, end = decoder.raw_decode(body, pos)
+                for item in obj if isinstance(obj, list) else [obj]:
+                    call = _call_of(item, ("parameters", "arguments"), known)
+                    if call is None:
+                        return ParseResult(text, ())
+                    calls.append(call)
+                pos = end
+                while pos < len(body) and body[pos] in " \t\r\n;":
+                    pos += 1
+        except json.JSONDecodeError:
+            return ParseResult(text, ())
+        return ParseResult(None, tuple(calls))
+
+    def format_call(self, name: str, arguments: dict[str, Any]) -> str:
+        return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+
+    def grammar(self, tools: Sequence[Tool]) -> str:
+        return f"start: {_json_rule(tools, 'parameters')}"
+
+    def instructions(self) -> str:
+        return (
+            "To call a function, reply with only a JSON object, nothing else:\n"
+            '{"name": <function-name>, "parameters": <arguments-json-object>}'
+        )
+
+
+# --tool-call-parser NAME -> format (SGLang's names for these formats)
+PARSERS: dict[str, type[ToolCallParser]] = {
+    "qwen25": TaggedJsonParser,
+    "qwen": TaggedJsonParser,
+    "hermes": TaggedJsonParser,
+    "llama3": PlainJsonParser,
+}
+DEFAULT_PARSER = "qwen25"
+
+
+def get_parser(name: str | None) -> ToolCallParser:
+    """The parser registered as `name` (None: DEFAULT_PARSER).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    cls = PARSERS.get(name or DEFAULT_PARSER)
+    if cls is None:
+        raise ValueError(f"--tool-call-parser {name!r} is not one of: {', '.join(PARSERS)}")
+    return cls()

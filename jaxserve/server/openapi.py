@@ -1,0 +1,67 @@
+"""GET /openapi.json: an OpenAPI 3.1 document of the HTTP API, generated from the pydantic models of
+protocol.py (request bodies validate as documented; unknown fields of the OpenAI requests are ignored,
+so their schemas allow additional properties, and /generate's forbid them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+import jaxserve
+from jaxserve.server import protocol
+
+_REF = "#/components/schemas/{model}"
+
+# (method, path, summary, request model or None, response model or None)
+_OPERATIONS: tuple[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None], ...] = (
+    ("post", "/generate", "SGLang's native generation API", protocol.GenerateRequest, protocol.GenerateOutput),
+    ("post", "/v1/completions", "OpenAI completions", protocol.CompletionRequest, protocol.CompletionResponse),
+    ("post", "/v1/chat/completions", "OpenAI chat completions", protocol.ChatCompletionRequest, protocol.ChatCompletionResponse),
+    ("get", "/v1/models", "the served model", None, protocol.ModelList),
+    ("get", "/health", "200 while the engine loop runs", None, None),
+    ("get", "/health_generate", "generates one token", None, None),
+    ("get", "/get_model_info", "model path and name", None, None),
+    ("get", "/get_server_info", "server args, queue sizes, KV pool usage", None, None),
+    ("post", "/flush_cache", "empty the prefix cache", None, None),
+    ("post", "/abort_request", "stop a request by rid", None, None),
+)
+
+_ABORT_BODY = {"type": "object", "properties": {"rid": {"type": "string", "minLength": 1}}, "required": ["rid"]}
+_ERROR = {
+    "type": "object",
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+        "required": ["message", "type"]}},
+    "required": ["error"],
+}
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (a JSON-ready dict). Every operation documents a 400 with the error body."""
+    models = sorted({m for op in _OPERATIONS for m in op[3:] if m is not None}, key=lambda m: m.__name__)
+    refs, defs = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
+    schemas = dict(defs.get("$defs", {}))
+    schemas["ErrorResponse"] = _ERROR
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path, summary, request_model, response_model in _OPERATIONS:
+        op: dict[str, Any] = {"summary": summary, "operationId": f"{method}_{path.strip('/').replace('/', '_')}"}
+        body = refs[(request_model, "validation")] if request_model is not None else (
+            _ABORT_BODY if path == "/abort_request" else None)
+        if body is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        ok = {"description": "OK"}
+        if response_model is not None:
+            ok["content"] = {"application/json": {"schema": refs[(response_model, "validation")]}}
+        error = {"description": "bad request", "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
+        op["responses"] = {"200": ok, "400": error}
+        paths.setdefault(path, {})[method] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxserve", "version": getattr(jaxserve, "__version__", "0.1.0"),
+                 "description": "SGLang's native API and the OpenAI API (docs/api.md)"},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }

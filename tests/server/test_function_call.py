@@ -1,0 +1,153 @@
+"""Tool-call formats (jaxserve/server/function_call/): parsing, streaming at every split point, the
+forced-call grammars against llguidance, and the prompt through a tools-aware template."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import pytest
+from llguidance import LLMatcher
+
+from jaxserve.server.chat_prompt import chat_prompt
+from jaxserve.server.function_call import PARSERS, get_parser
+from jaxserve.server.function_call.parsers import closed_schema
+from jaxserve.server.function_call.streaming import ToolCallStreamer
+from jaxserve.server.protocol import ChatCompletionRequest, Tool
+
+WEATHER = Tool.model_validate({"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+TIME = Tool.model_validate({"type": "function", "function": {"name": "get_time"}})
+TOOLS = [WEATHER, TIME]
+
+TAGGED = [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None,
+     [("get_weather", {"city": "Paris"})]),
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> done', "Let me check.\n\n done",
+     [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ('<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>', '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>', []),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', []),
+    ("No call here, just text with <tool and a < sign.", "No call here, just text with <tool and a < sign.", []),
+    ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>', None, [("get_weather", {"city": "Rome"})]),
+]
+PLAIN = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
+    ('<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "arguments": {"city": "Lima"}}', None,
+     [("get_time", {}), ("get_weather", {"city": "Lima"})]),
+    ("Paris is sunny.", "Paris is sunny.", []),
+    ('{"city": "Paris"}', '{"city": "Paris"}', []),
+]
+
+
+def _calls(result):
+    return [(c.name, json.loads(c.arguments)) for c in result.calls]
+
+
+@pytest.mark.parametrize("name, cases", [("qwen25", TAGGED), ("hermes", TAGGED), ("llama3", PLAIN)])
+def test_parse(name, cases):
+    parser = get_parser(name)
+    for text, content, calls in cases:
+        result = parser.parse(text, TOOLS)
+        assert (result.content, _calls(result)) == (content, calls), text
+
+
+@pytest.mark.parametrize("name, cases", [("qwen25", TAGGED), ("llama3", PLAIN)])
+def test_streaming_equals_parsing_at_every_split(name, cases):
+    parser = get_parser(name)
+    for text, _, _ in cases:
+        whole = parser.parse(text, TOOLS)
+        for cut in range(len(text) + 1):
+            streamer = ToolCallStreamer(parser, TOOLS)
+            pieces = [streamer.feed(text[:cut]), streamer.feed(text[cut:]), streamer.finish()]
+            content = "".join(p.content for p in pieces)
+            calls = [c for p in pieces for c in p.calls]
+            assert calls == list(whole.calls), (text, cut)
+            assert content == (whole.content or "") or (not whole.content and not content.strip()), (text, cut)
+
+
+def test_unknown_parser_name():
+    with pytest.raises(ValueError, match="qwen25"):
+        get_parser("nope")
+    assert {"qwen25", "qwen", "hermes", "llama3"} <= set(PARSERS)
+
+
+def test_closed_schema_still_validates_what_it_accepts():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "array", "items": {"type": "object"}}}}
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["items"]["additionalProperties"] is False
+    assert schema.get("additionalProperties") is None  # the input is not modified
+    doc = {"a": {"b": 1}, "c": [{}]}
+    jsonschema.validate(doc, closed)
+    jsonschema.validate(doc, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"a": {"b": 1, "x": 2}}, closed)
+    assert closed_schema({"type": "object", "additionalProperties": True})["additionalProperties"] is True
+
+
+def _matches(grammar: str, text: str, tokenizer) -> bool:
+    ll = llguidance.hf.from_tokenizer(tokenizer)
+    matcher = LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = ll.tokenize_str(text)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("name", ["qwen25", "llama3"])
+def test_grammar_accepts_exactly_valid_calls(name, default_tokenizer):
+    parser = get_parser(name)
+    grammar = parser.grammar([WEATHER])
+    good = parser.format_call("get_weather", {"city": "Paris"})
+    assert _matches(grammar, good, default_tokenizer)
+    assert parser.parse(good, [WEATHER]).calls[0].name == "get_weather"
+    for bad in (parser.format_call("get_weather", {}), parser.format_call("get_time", {}),
+                parser.format_call("get_weather", {"city": 3}), "Sure! " + good):
+        assert not _matches(grammar, bad, default_tokenizer), bad
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}"
+    "{% if m.tool_call_id %} (for {{ m.tool_call_id }}){% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_aware_template_gets_tools_and_calls(default_tokenizer):
+    tokenizer = copy.copy(default_tokenizer)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ], "tools": [WEATHER.model_dump()]})
+    prompt = chat_prompt(tokenizer, req, get_parser("qwen25"), [WEATHER])
+    assert prompt.startswith("<|im_start|>system\nTools:") and '"get_weather"' in prompt.split("<|im_end|>")[0]
+    assert 'CALL get_weather {"city": "Paris"}' in prompt  # arguments as an object, not a JSON string
+    assert "<|im_start|>tool\nsunny (for c1)<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_default_tool_prompt_without_a_tools_template(default_tokenizer):
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "system", "content": "Be brief."},
+                                                             {"role": "user", "content": "Weather?"}]})
+    prompt = chat_prompt(default_tokenizer, req, get_parser("qwen25"), [WEATHER])
+    system = prompt.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nBe brief.\n\nYou can call these functions:\n")
+    assert json.dumps(WEATHER.model_dump(exclude_none=True)) in system and "<tool_call>" in system
+
+
+def test_closed_schema_bounds_strings_and_arrays():
+    schema = {"type": "object", "properties": {"s": {"type": "string"}, "e": {"type": "string", "enum": ["a"]},
+                                               "m": {"type": "string", "minLength": 500}, "l": {"type": "array", "items": {"type": "string", "maxLength": 3}}}}
+    closed = closed_schema(schema)["properties"]
+    assert closed["s"]["maxLength"] == 128 and "maxLength" not in closed["e"] and closed["m"]["maxLength"] == 500
+    assert closed["l"]["maxItems"] == 16 and closed["l"]["items"]["maxLength"] == 3
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"s": "x" * 129}, closed_schema(schema))

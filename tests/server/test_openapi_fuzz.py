@@ -1,0 +1,82 @@
+"""GET /openapi.json, and every POST route fuzzed from it with schemathesis against a real (tiny
+checkpoint) server: no 5xx, every 4xx an OpenAI-shaped JSON error, and the server still answers
+/health and a greedy request afterwards. Bounded: FUZZ_EXAMPLES generated cases per route."""
+
+from __future__ import annotations
+
+import httpx
+import hypothesis
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+
+from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess
+
+FUZZ_EXAMPLES = 20  # per route and generation mode (schema-valid bodies, then schema-violating ones)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_model_dir, tmp_path_factory):
+    """Its own server: fuzzed requests (n up to 128, long outputs) must not slow the shared one."""
+    proc = ServerProcess(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS], tmp_path_factory.mktemp("fuzz") / "server.log")
+    proc.wait_healthy()
+    yield proc
+    proc.stop()
+
+
+def test_openapi_document_lists_the_routes_and_models(fuzz_server):
+    doc = httpx.get(fuzz_server.url + "/openapi.json").json()
+    assert doc["openapi"].startswith("3.1")
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/abort_request", "/flush_cache"):
+        assert "post" in doc["paths"][path], path
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]
+    for field in ("messages", "tools", "tool_choice", "logit_bias", "max_completion_tokens", "continue_final_message"):
+        assert field in chat["properties"], field
+    assert "messages" in chat["required"]
+    assert doc["components"]["schemas"]["GenerateRequest"].get("additionalProperties") is False
+    schemathesis.openapi.from_dict(doc)  # loads as a valid document
+
+
+def _post_operations(url: str):
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    return [op for op in ops if op.method.upper() == "POST"]
+
+
+def test_fuzz_post_routes(fuzz_server):
+    ops = _post_operations(fuzz_server.url)
+    assert {op.path for op in ops} >= {"/generate", "/v1/completions", "/v1/chat/completions"}
+    failures: list[str] = []
+    statuses: dict[tuple[str, str], list[int]] = {}
+    doc = httpx.get(fuzz_server.url + "/openapi.json").json()
+    with_body = {path for path, methods in doc["paths"].items() if "requestBody" in methods.get("post", {})}
+    modes = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
+    with httpx.Client(base_url=fuzz_server.url, timeout=120) as http:
+        # a route without a body (/flush_cache) has no schema to violate: positive cases only
+        for op, mode in [(op, m) for op in ops for m in modes if op.path in with_body or m is modes[0]]:
+            @given(case=op.as_strategy(mode))
+            @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck), phases=[hypothesis.Phase.generate])
+            def run(case):
+                body = case.body if not isinstance(case.body, schemathesis.core.NotSet) else None
+                if isinstance(body, bytes):  # negative mode may send raw bytes as the body
+                    r = http.post(op.path, content=body, headers={"content-type": "application/json"})
+                else:
+                    r = http.post(op.path, json=body) if body is not None else http.post(op.path)
+                statuses.setdefault((op.path, mode.value), []).append(r.status_code)
+                if r.status_code >= 500:
+                    failures.append(f"{op.path} {body!r:.300} -> {r.status_code} {r.text[:300]}")
+                elif r.status_code >= 400:
+                    err = r.json().get("error")
+                    if not (isinstance(err, dict) and err.get("message") and err.get("type")):
+                        failures.append(f"{op.path} {body!r:.300} -> {r.status_code} without an error body: {r.text[:300]}")
+            run()
+        assert not failures, "\n".join(failures[:10])
+        for (path, mode), codes in statuses.items():  # the fuzzer reached the handlers
+            assert len(codes) >= (5 if path in with_body else 1), (path, mode, codes)
+            if mode == "negative":
+                assert 400 in codes, (path, codes)
+        assert any(200 in codes for (path, mode), codes in statuses.items() if path == "/v1/chat/completions"), statuses
+        assert http.get("/health").status_code == 200
+        r = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] > 0
