@@ -229,6 +229,16 @@ class ServerArgs:
     release_conservative_batch_size: int = _flag(8, "below this many running requests: no proactive soft release and no merging")
     release_aggressive_batch_size: int = _flag(16, "from this many running requests on: proactive soft release and merging")
     enable_radix_cache_stats: bool = _flag(False, "log radix cache stats once per second ([RadixCache] Nodes, Shared, Frozen, SoftFreed, Merged)")
+    # reliability (issue 19): admission control, engine death, graceful shutdown
+    max_queued_requests: int | None = _flag(
+        None, "most requests waiting for a batch slot; beyond it a request gets 503 with Retry-After "
+        "(None: the KV pool's tokens / 64, at least 128)", group="scheduling")
+    queue_timeout: float | None = _flag(
+        None, "seconds a request may wait in the queue before it is ended with 503 (None: no limit)", group="scheduling")
+    keep_alive_on_engine_error: bool = _flag(
+        False, "keep the process up after the engine died (/health stays 503) instead of exiting with status 1", group="http")
+    shutdown_timeout: float = _flag(
+        30.0, "seconds SIGTERM lets running requests finish before aborting them (a second SIGTERM exits at once)", group="http")
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
@@ -266,6 +276,12 @@ class ServerArgs:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
+        if self.queue_timeout is not None and not self.queue_timeout > 0:
+            raise ValueError(f"--queue-timeout must be > 0 seconds, got {self.queue_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         self._validate_release_policy()
 
     def _validate_release_policy(self) -> None:

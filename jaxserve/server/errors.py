@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from jaxserve.engine.engine import RequestError
+from jaxserve.engine.engine_loop import EngineUnavailableError
 from jaxserve.engine.request import SamplingParamsError
 
 _TYPE_OF_STATUS = {
@@ -134,6 +135,17 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
 
+def unavailable_response(message: str, retry_after_s: int | None = None) -> JSONResponse:
+    """503 `unavailable`, with a Retry-After header (seconds) when retrying later can help."""
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return JSONResponse(error_body(message, 503, code="unavailable"), status_code=503, headers=headers)
+
+
+async def _unavailable_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, EngineUnavailableError)
+    return unavailable_response(str(exc), exc.retry_after_s)
+
+
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises the exception after this response, and uvicorn logs its traceback
     return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, code="internal_error")
@@ -145,5 +157,6 @@ EXCEPTION_HANDLERS = {
     RequestError: _engine_error,
     pydantic.ValidationError: _validation_error,
     HTTPException: _http_error,
+    EngineUnavailableError: _unavailable_error,
     Exception: _internal_error,
 }
