@@ -32,6 +32,9 @@ from jaxserve.server.app import create_app, served_model_name
 logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5
+# Seconds between the engine's death and the exit: the failed requests' answers go out, and a health
+# probe in that window reads the 503 instead of a refused connection.
+ENGINE_DEATH_EXIT_DELAY_S = 3.0
 
 
 def configure_logging(level: str) -> None:
@@ -107,8 +110,8 @@ class _Server(uvicorn.Server):
         if self._keep_alive:
             logger.error("the engine died (%s); staying up (--keep-alive-on-engine-error): every request gets 503", message)
         else:
-            logger.error("the engine died (%s); exiting with status 1", message)
-            self.should_exit = True
+            logger.error("the engine died (%s); exiting with status 1 in %g s", message, ENGINE_DEATH_EXIT_DELAY_S)
+            threading.Timer(ENGINE_DEATH_EXIT_DELAY_S, lambda: setattr(self, "should_exit", True)).start()
 
 
 def launch_server(server_args: ServerArgs) -> None:
