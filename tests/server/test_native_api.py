@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from tests.server.conftest import wait_idle
+
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
 
@@ -94,10 +96,12 @@ def test_generate_stream_batch_has_indexes(http):
 def test_model_and_server_info(http):
     info = http.get("/get_model_info").json()
     assert info["is_generation"] is True and info["model_path"] and info["tokenizer_path"]
+    before = http.get("/get_server_info").json()["engine_stats"]["num_requests"]
+    http.post("/generate", json={"text": "count me", "sampling_params": {"max_new_tokens": 1}}).raise_for_status()
     server = http.get("/get_server_info").json()
     assert server["context_length"] == 256 and server["max_running_requests"] == 16
     assert server["kv_pool"]["total_tokens"] >= 4096 - 16
-    assert server["engine_stats"]["num_requests"] > 0
+    assert server["engine_stats"]["num_requests"] == before + 1  # counted by this test, not by earlier ones
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == server["served_model_name"]
 
@@ -105,6 +109,7 @@ def test_model_and_server_info(http):
 def test_health_generate_and_flush_cache(http):
     assert http.get("/health").status_code == 200
     assert http.get("/health_generate").status_code == 200
+    wait_idle(http)  # a request an earlier test aborted may still be leaving: flushing needs an idle engine
     r = http.post("/flush_cache")
     assert r.status_code == 200, r.text
     info = http.get("/get_server_info").json()
