@@ -168,6 +168,30 @@ def _flag(default, help: str, **extra):
     return dataclasses.field(default=default, metadata={"help": help, **extra})
 
 
+# --help sections, in order: the `group=` of a ServerArgs field -> its title. A field without a
+# known group is listed under "other", so a new flag always shows.
+FLAG_GROUPS = {
+    "model": "model and execution",
+    "http": "HTTP server",
+    "memory": "memory (KV pool)",
+    "scheduling": "scheduling and admission",
+    "radix_cache": "radix cache and release policy",
+    "structured_output": "structured output",
+    "parallelism": "parallelism",
+    "speculative": "speculative decoding",
+    "observability": "observability",
+    "other": "other",
+}
+HELP_EPILOG = """\
+examples:
+  python scripts/serve.py                                       # SmolLM2-135M-Instruct on 127.0.0.1:30000
+  python scripts/serve.py --model-path ./Llama-3.2-1B-Instruct --port 8000 --api-key secret --max-total-tokens 65536
+
+A flag whose default is None is resolved at start-up: its help says to what.
+Docs: docs/api.md (endpoints, fields, errors) and README.md (quick start).
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerArgs:
     """Every knob of the engine and server. CLI flags are generated from these fields (SGLang's names:
@@ -180,12 +204,12 @@ class ServerArgs:
     served_model_name: str | None = _flag(None, "model name reported by the API (default: derived from the path)", group="model")
     host: str = _flag("127.0.0.1", "HTTP host", group="http")
     port: int = _flag(30000, "HTTP port", group="http")
-    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request except /health", group="http")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request except /health (None: no key needed)", group="http")
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"), group="model")
     context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)", group="model")
     mem_fraction_static: float | None = _flag(None, "share of device memory (CPU: available RAM) for weights + KV pool (None: 0.85 on GPU/TPU; on CPU the KV pool gets min(2 GiB, a tenth of the available RAM))", group="memory")
-    max_total_tokens: int | None = _flag(None, "KV pool size in tokens (overrides --mem-fraction-static)", group="memory")
+    max_total_tokens: int | None = _flag(None, "KV pool size in tokens; overrides --mem-fraction-static; a new size compiles the shape buckets once (None: sized from memory, see --mem-fraction-static)", group="memory")
     max_running_requests: int | None = _flag(None, "max concurrently decoding requests (default 64 on CPU, 256 elsewhere)", group="scheduling")
     max_prefill_tokens: int = _flag(16384, "max new tokens in one prefill batch", group="scheduling")
     chunked_prefill_size: int | None = _flag(None, "max tokens of a prompt prefilled per step; -1 disables (default 512 on CPU, 8192 elsewhere)", group="scheduling")
@@ -212,11 +236,11 @@ class ServerArgs:
     disable_metrics: bool = _flag(False, "turn off /metrics", group="observability")
     enable_debug_checks: bool = _flag(False, "check the radix tree and allocator invariants whenever the engine is idle", group="observability")
     grammar_backend: str = _flag("llguidance", "llguidance | none", choices=("llguidance", "none"), group="structured_output")
-    constrained_json_whitespace_pattern: str | None = _flag(None, "regex for whitespace allowed in constrained JSON", group="structured_output")
+    constrained_json_whitespace_pattern: str | None = _flag(None, "regex for whitespace allowed in constrained JSON (None: one optional line break plus up to 16 spaces or tabs)", group="structured_output")
     disable_jump_forward: bool = _flag(False, "sample every token of a constrained output instead of appending the tokens its grammar forces (jump-forward)", group="structured_output")
     # KV release policy (jaxserve/cache/release_policy.py): memory behaviour only, never outputs
-    radix_cache_block_size: int | None = _flag(None, "alias of --page-size (tokens per KV page); wins when given", group="radix_cache")
-    radix_cache_max_num_blocks: int | None = _flag(None, "cap the device KV pool at this many pages", group="radix_cache")
+    radix_cache_block_size: int | None = _flag(None, "alias of --page-size (tokens per KV page); wins when given (None: --page-size)", group="radix_cache")
+    radix_cache_max_num_blocks: int | None = _flag(None, "cap the device KV pool at this many pages (None: no cap)", group="radix_cache")
     radix_cache_max_frozen_ratio: float = _flag(0.9, "share of the KV pool that frozen (locked, being-served) prefixes may hold; admission waits beyond it", group="radix_cache")
     enable_hierarchical_cache: bool = _flag(False, "soft release: move cold radix-cache nodes to a host-memory KV tier and recall them on a match instead of recomputing", group="radix_cache")
     hicache_ratio: float = _flag(2.0, "host KV tier capacity / device KV pool capacity", group="radix_cache")
@@ -307,28 +331,35 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser) -> None:
-        """Add one `--flag` per field to an argparse parser (booleans become store_true switches)."""
+        """Add one `--flag` per field to an argparse parser (booleans become store_true switches),
+        each in the argument group of its `group` metadata (FLAG_GROUPS; "other" when unknown)."""
+        groups = {key: parser.add_argument_group(title) for key, title in FLAG_GROUPS.items()}
         for f in dataclasses.fields(ServerArgs):
+            group = groups.get(f.metadata.get("group"), groups["other"])
             flag = "--" + f.name.replace("_", "-")
             help_ = f.metadata.get("help", "")
-            if "(default" not in help_:  # a help text that explains its default keeps its own words
+            if "(default" not in help_ and "(None:" not in help_:  # a help text that explains its default keeps its own words
                 help_ += f" (default: {f.default})"
             if f.type in (bool, "bool"):
-                parser.add_argument(flag, action="store_true", default=f.default, help=help_)
+                group.add_argument(flag, action="store_true", default=f.default, help=help_)
                 continue
             base = str(f.type).replace(" | None", "")
             kind = {"int": int, "float": float}.get(base, str)
             kwargs = {"type": kind, "default": f.default, "help": help_}
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
-            parser.add_argument(flag, **kwargs)
+            group.add_argument(flag, **kwargs)
 
     @staticmethod
     def from_cli(argv=None) -> "ServerArgs":
         """Parse command-line flags (exits with a message on an unknown flag or a bad value)."""
         import argparse
 
-        parser = argparse.ArgumentParser(prog="serve.py", description="Serve an LLM with jaxserve")
+        parser = argparse.ArgumentParser(
+            prog="serve.py", usage="%(prog)s [--model-path PATH] [--port PORT] [FLAG ...]  (flags by group below)",
+            description="Serve an LLM with jaxserve: SGLang's native API and the OpenAI API over HTTP.",
+            epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         ServerArgs.add_cli_args(parser)
         ns = parser.parse_args(argv)
         args = ServerArgs(**vars(ns))
