@@ -28,6 +28,7 @@ import uvicorn
 
 from jaxserve.config import ServerArgs
 from jaxserve.server.app import create_app, served_model_name
+from jaxserve.server.model_path_check import model_path_problem
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,11 @@ def launch_server(server_args: ServerArgs) -> None:
         SystemExit: the port cannot be bound or the model cannot be loaded (with the reason).
     """
     configure_logging(server_args.log_level)
+    if (problem := model_path_problem(server_args.model_path)) is not None:
+        raise SystemExit(f"jaxserve: cannot start: {problem}")
+    tokenizer_path = server_args.tokenizer_path
+    if tokenizer_path not in (None, "default") and not os.path.exists(tokenizer_path):
+        raise SystemExit(f"jaxserve: cannot start: --tokenizer-path {tokenizer_path}: the tokenizer path does not exist")
     sock = bind_socket(server_args.host, server_args.port)
     from jaxserve.engine.engine import Engine
     from jaxserve.engine.engine_loop import EngineLoop
