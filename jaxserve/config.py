@@ -204,12 +204,12 @@ class ServerArgs:
     served_model_name: str | None = _flag(None, "model name reported by the API (default: derived from the path)", group="model")
     host: str = _flag("127.0.0.1", "HTTP host", group="http")
     port: int = _flag(30000, "HTTP port", group="http")
-    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request except /health (None: no key needed)", group="http")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request except /health (default: no key needed)", group="http")
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"), group="model")
     context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)", group="model")
-    mem_fraction_static: float | None = _flag(None, "share of device memory (CPU: available RAM) for weights + KV pool (None: 0.85 on GPU/TPU; on CPU the KV pool gets min(2 GiB, a tenth of the available RAM))", group="memory")
-    max_total_tokens: int | None = _flag(None, "KV pool size in tokens; overrides --mem-fraction-static; a new size compiles the shape buckets once (None: sized from memory, see --mem-fraction-static)", group="memory")
+    mem_fraction_static: float | None = _flag(None, "share of device memory (CPU: available RAM) for weights + KV pool (default: 0.85 on GPU/TPU; on CPU the KV pool gets min(2 GiB, a tenth of the available RAM))", group="memory")
+    max_total_tokens: int | None = _flag(None, "KV pool size in tokens; overrides --mem-fraction-static; a new size compiles the shape buckets once (default: sized from memory, see --mem-fraction-static)", group="memory")
     max_running_requests: int | None = _flag(None, "max concurrently decoding requests (default 64 on CPU, 256 elsewhere)", group="scheduling")
     max_prefill_tokens: int = _flag(16384, "max new tokens in one prefill batch", group="scheduling")
     chunked_prefill_size: int | None = _flag(None, "max tokens of a prompt prefilled per step; -1 disables (default 512 on CPU, 8192 elsewhere)", group="scheduling")
@@ -236,11 +236,11 @@ class ServerArgs:
     disable_metrics: bool = _flag(False, "turn off /metrics", group="observability")
     enable_debug_checks: bool = _flag(False, "check the radix tree and allocator invariants whenever the engine is idle", group="observability")
     grammar_backend: str = _flag("llguidance", "llguidance | none", choices=("llguidance", "none"), group="structured_output")
-    constrained_json_whitespace_pattern: str | None = _flag(None, "regex for whitespace allowed in constrained JSON (None: one optional line break plus up to 16 spaces or tabs)", group="structured_output")
+    constrained_json_whitespace_pattern: str | None = _flag(None, "regex for whitespace allowed in constrained JSON (default: one optional line break plus up to 16 spaces or tabs)", group="structured_output")
     disable_jump_forward: bool = _flag(False, "sample every token of a constrained output instead of appending the tokens its grammar forces (jump-forward)", group="structured_output")
     # KV release policy (jaxserve/cache/release_policy.py): memory behaviour only, never outputs
-    radix_cache_block_size: int | None = _flag(None, "alias of --page-size (tokens per KV page); wins when given (None: --page-size)", group="radix_cache")
-    radix_cache_max_num_blocks: int | None = _flag(None, "cap the device KV pool at this many pages (None: no cap)", group="radix_cache")
+    radix_cache_block_size: int | None = _flag(None, "alias of --page-size (tokens per KV page); wins when given (default: --page-size)", group="radix_cache")
+    radix_cache_max_num_blocks: int | None = _flag(None, "cap the device KV pool at this many pages (default: no cap)", group="radix_cache")
     radix_cache_max_frozen_ratio: float = _flag(0.9, "share of the KV pool that frozen (locked, being-served) prefixes may hold; admission waits beyond it", group="radix_cache")
     enable_hierarchical_cache: bool = _flag(False, "soft release: move cold radix-cache nodes to a host-memory KV tier and recall them on a match instead of recomputing", group="radix_cache")
     hicache_ratio: float = _flag(2.0, "host KV tier capacity / device KV pool capacity", group="radix_cache")
@@ -256,9 +256,9 @@ class ServerArgs:
     # reliability (issue 19): admission control, engine death, graceful shutdown
     max_queued_requests: int | None = _flag(
         None, "most requests waiting for a batch slot; beyond it a request gets 503 with Retry-After "
-        "(None: the KV pool's tokens / 64, at least 128)", group="scheduling")
+        "(default: the KV pool's tokens / 64, at least 128)", group="scheduling")
     queue_timeout: float | None = _flag(
-        None, "seconds a request may wait in the queue before it is ended with 503 (None: no limit)", group="scheduling")
+        None, "seconds a request may wait in the queue before it is ended with 503 (default: no limit)", group="scheduling")
     keep_alive_on_engine_error: bool = _flag(
         False, "keep the process up after the engine died (/health stays 503) instead of exiting with status 1", group="http")
     shutdown_timeout: float = _flag(
@@ -338,7 +338,7 @@ class ServerArgs:
             group = groups.get(f.metadata.get("group"), groups["other"])
             flag = "--" + f.name.replace("_", "-")
             help_ = f.metadata.get("help", "")
-            if "(default" not in help_ and "(None:" not in help_:  # a help text that explains its default keeps its own words
+            if "(default" not in help_:  # a help text that explains its default keeps its own words
                 help_ += f" (default: {f.default})"
             if f.type in (bool, "bool"):
                 group.add_argument(flag, action="store_true", default=f.default, help=help_)

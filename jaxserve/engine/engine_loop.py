@@ -81,6 +81,11 @@ class InjectedFault(RuntimeError):
     """Raised by the test-only fault hook (see the module docstring)."""
 
 
+def _tokens(n: int, noun: str = "token") -> str:
+    """"1 token", "2 tokens": counts in user-facing messages read as English."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def default_max_queued_requests(kv_total_tokens: int) -> int:
     """The waiting-queue bound when --max-queued-requests is not given (requests): the KV pool's
     tokens / TOKENS_PER_QUEUED_REQUEST, at least MIN_DEFAULT_MAX_QUEUED."""
@@ -274,8 +279,9 @@ class EngineLoop:
             if explicit_max:
                 raise RequestError(
                     "max_new_tokens",
-                    f"the prompt has {len(input_ids)} tokens and {params.max_new_tokens} new tokens are asked "
-                    f"for: together over the context length {self.engine.context_length}",
+                    f"the prompt has {_tokens(len(input_ids))} and {_tokens(params.max_new_tokens, 'new token')} "
+                    f"{'is' if params.max_new_tokens == 1 else 'are'} asked for: together over the context length "
+                    f"{self.engine.context_length}",
                 )
             params = dataclasses.replace(params, max_new_tokens=room)
         if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,10 @@ from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.server import native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
-from jaxserve.server.engine_client import RequestGroup, preprocess_executor
+from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response, parse_json_body, unavailable_response
+
+access_logger = logging.getLogger("jaxserve.access")
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -60,6 +64,35 @@ def served_model_name(server_args: ServerArgs, model_path: str) -> str:
     if name.endswith(".gguf"):
         name = _GGUF_QUANT_SUFFIX.sub("", name[: -len(".gguf")])
     return name
+
+
+class AccessLog:
+    """ASGI middleware: one info line per HTTP request once its response is done, as SGLang logs:
+    `POST /generate 200 prompt_tokens=6 completion_tokens=4 latency=0.081s` (tokens over every
+    prompt and sequence of the request; latency in seconds, to the end of the body)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        record = start_access_record()
+        status = [0]
+
+        async def send_and_watch(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            access_logger.info(
+                "%s %s %d prompt_tokens=%d completion_tokens=%d latency=%.3fs", scope["method"], scope["path"],
+                status[0] or 500, record.prompt_tokens, record.completion_tokens, time.perf_counter() - t0,
+            )
 
 
 class AvailabilityGate:
@@ -140,7 +173,10 @@ async def get_server_info(request: Request) -> Response:
             "used_tokens": load.kv_used_tokens,
             "cached_tokens": load.kv_cached_tokens,
             "locked_tokens": load.kv_locked_tokens,
-            "token_usage": load.kv_used_tokens / max(1, load.kv_total_tokens),
+            # SGLang's token usage, as the decode log line and /metrics report it: the evictable
+            # (unlocked) prefix cache counts as free
+            "token_usage": load.snapshot.token_usage if load.snapshot is not None
+            else (load.kv_used_tokens - (load.kv_cached_tokens - load.kv_locked_tokens)) / max(1, load.kv_total_tokens),
         },
         "engine_stats": dataclasses.asdict(load.stats),
         "num_step_failures": load.num_step_failures,
@@ -191,6 +227,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     middleware = [Middleware(APIKeyMiddleware, api_key=server_args.api_key)] if server_args.api_key else []
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(AvailabilityGate, engine_loop=engine_loop, state=app.state)
+    app.add_middleware(AccessLog)  # outermost: it sees the gate's 503s and the API-key 401s too
     app.state.draining = False
     app.state.preprocess_executor = preprocess_executor()  # its idle thread ends with the process
     app.state.engine_loop = engine_loop
