@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from jaxserve.config import FLAG_GROUPS, ServerArgs
 
@@ -72,3 +73,9 @@ def test_help_ends_with_examples_and_the_docs_link(capsys):
     tail = out[out.index("examples:"):]
     assert tail.count("python scripts/serve.py") == 2 and "docs/api.md" in tail
     assert out.rstrip().endswith("(quick start).")
+
+
+def test_the_readme_flag_table_lists_every_flag():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for f in dataclasses.fields(ServerArgs):
+        assert f"| `--{f.name.replace('_', '-')}` |" in readme, f"README.md's flag table lacks --{f.name}"

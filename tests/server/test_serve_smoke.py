@@ -40,6 +40,6 @@ def test_serve_default_model(tmp_path):
         assert resp.choices[0].finish_reason in ("stop", "length")
         assert resp.choices[0].message.content.strip()
         assert resp.usage.completion_tokens > 0
-        print(f"default server RSS after start-up: {rss_gb:.2f} GB")
+        print(f"default server RSS after start-up: {rss_gb:.2f} GB;", next(x for x in log.splitlines() if "KV pool:" in x))
     finally:
         server.stop()
