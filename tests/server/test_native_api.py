@@ -123,3 +123,16 @@ def test_metrics(http):
     assert "jaxserve_prompt_tokens_total" in r.text and "jaxserve_num_running_reqs" in r.text
     count = [line for line in r.text.splitlines() if line.startswith("jaxserve_time_to_first_token_seconds_count")]
     assert count and float(count[0].split()[-1]) >= 1
+
+
+def test_token_usage_means_the_same_in_server_info_and_metrics(http):
+    """SGLang's token usage: the evictable prefix cache counts as free (the decode log line and
+    jaxserve_token_usage use it too)."""
+    http.post("/generate", json={"text": "fill the prefix cache with whole pages " * 8, "sampling_params": {"max_new_tokens": 2}})
+    info = wait_idle(http)
+    kv = info["kv_pool"]
+    assert kv["cached_tokens"] > 0  # the request above left its prefix in the cache
+    expected = (kv["used_tokens"] - (kv["cached_tokens"] - kv["locked_tokens"])) / kv["total_tokens"]
+    assert kv["token_usage"] == expected == 0
+    metric = next(float(x.split()[-1]) for x in http.get("/metrics").text.splitlines() if x.startswith("jaxserve_token_usage"))
+    assert metric == kv["token_usage"]
