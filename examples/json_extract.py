@@ -38,12 +38,12 @@ def extract_person(s, text):
     s += assistant(gen("person", max_tokens=64, json_schema=PERSON_SCHEMA))
 
 
-def make_backend(url: str | None):
+def make_backend(url: str | None, api_key: str | None = None):
     """A RuntimeEndpoint for `url`, else the default model in-process (SmolLM2-135M-Instruct)."""
     if url:
         from jaxserve.lang import RuntimeEndpoint
 
-        return RuntimeEndpoint(url)
+        return RuntimeEndpoint(url, api_key=api_key)
     from jaxserve.engine.engine import Engine
     from jaxserve.lang import EngineBackend
 
@@ -53,8 +53,9 @@ def make_backend(url: str | None):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a jaxserve/SGLang server; default: run the model in this process")
+    parser.add_argument("--api-key", help="the server's --api-key, sent as 'Authorization: Bearer KEY' (with --url)")
     args = parser.parse_args()
-    set_default_backend(make_backend(args.url))
+    set_default_backend(make_backend(args.url, args.api_key))
     states = extract_person.run_batch([{"text": t} for t in TEXTS], temperature=0)
     for text, state in zip(TEXTS, states):
         raw = state["person"]

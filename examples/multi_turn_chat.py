@@ -21,12 +21,12 @@ def multi_turn_question(s, question_1, question_2, max_tokens=48):
     s += assistant(gen("answer_2", max_tokens=max_tokens))
 
 
-def make_backend(url: str | None):
+def make_backend(url: str | None, api_key: str | None = None):
     """A RuntimeEndpoint for `url`, else the default model in-process (SmolLM2-135M-Instruct)."""
     if url:
         from jaxserve.lang import RuntimeEndpoint
 
-        return RuntimeEndpoint(url)
+        return RuntimeEndpoint(url, api_key=api_key)
     from jaxserve.engine.engine import Engine
     from jaxserve.lang import EngineBackend
 
@@ -36,9 +36,10 @@ def make_backend(url: str | None):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a jaxserve/SGLang server; default: run the model in this process")
+    parser.add_argument("--api-key", help="the server's --api-key, sent as 'Authorization: Bearer KEY' (with --url)")
     parser.add_argument("--stream", action="store_true")
     args = parser.parse_args()
-    set_default_backend(make_backend(args.url))
+    set_default_backend(make_backend(args.url, args.api_key))
 
     questions = dict(question_1="What is the capital of France?", question_2="Name two places to visit there.")
     if args.stream:

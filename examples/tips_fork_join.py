@@ -44,12 +44,12 @@ def tips(s, width=2, max_tokens=32):
     s += "\nIn summary," + gen("summary", max_tokens=max_tokens, stop="\n\n")
 
 
-def make_backend(url: str | None, **engine_args):
+def make_backend(url: str | None, api_key: str | None = None, **engine_args):
     """A RuntimeEndpoint for `url`, else the default model in-process (SmolLM2-135M-Instruct)."""
     if url:
         from jaxserve.lang import RuntimeEndpoint
 
-        return RuntimeEndpoint(url)
+        return RuntimeEndpoint(url, api_key=api_key)
     from jaxserve.engine.engine import Engine
     from jaxserve.lang import EngineBackend
 
@@ -59,10 +59,11 @@ def make_backend(url: str | None, **engine_args):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a jaxserve/SGLang server; default: run the model in this process")
+    parser.add_argument("--api-key", help="the server's --api-key, sent as 'Authorization: Bearer KEY' (with --url)")
     parser.add_argument("--width", type=int, default=4, help=f"number of tips expanded in parallel (1-{len(TIPS)})")
     parser.add_argument("--max-tokens", type=int, default=48)
     args = parser.parse_args()
-    set_default_backend(make_backend(args.url))
+    set_default_backend(make_backend(args.url, args.api_key))
     start = time.perf_counter()
     state = tips.run(width=args.width, max_tokens=args.max_tokens, temperature=0)
     print(state.text()[len(PREAMBLE):])

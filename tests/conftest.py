@@ -47,6 +47,24 @@ def make_hf_checkpoint(path, model_cls_name: str, config_kwargs: dict, seed: int
     return str(path)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep the slow tests (default model, servers) in file order under pytest-random-order: the fast
+    tests are shuffled (pyproject.toml's addopts), which is where hidden order dependencies hide and
+    where a shuffle costs nothing."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.random_order(disabled=True))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Print pytest-random-order's seed even under -q (its header line is hidden there)."""
+    bucket = str(getattr(config.option, "random_order_bucket", "none")).removeprefix("default:")
+    if bucket != "none":
+        seed = str(config.option.random_order_seed).removeprefix("default:")
+        terminalreporter.write_line(f"random test order: bucket={bucket}, seed={seed} (rerun it with --random-order-seed={seed})")
+
+
 @pytest.fixture(scope="session")
 def default_tokenizer():
     from jaxserve.model.tokenizer import load_tokenizer

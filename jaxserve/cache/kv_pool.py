@@ -3,11 +3,13 @@
 Layout (DESIGN.md): `k_pool, v_pool : [num_layers, num_pages, page_size, num_kv_heads, head_dim]`.
 Page 0 is a reserved dummy page that padding tokens write to; it is never handed out.
 
-Sizing (`size_pool`): `--max-total-tokens` wins; otherwise `--mem-fraction-static` of the device's
-memory minus the weights. On CPU, where JAX reports no device memory, the base is the RAM available
-now (`/proc/meminfo` MemAvailable) and the default fraction is 0.3, so the serving process leaves room
-for the OS, the tokenizer and XLA's temporaries. On accelerators the default fraction is 0.85. The
-memory-derived size is rounded down to 3 significant bits so that restarts reuse compiled executables.
+Sizing (`pool_budget` / `size_pool`): `--max-total-tokens` wins; otherwise `--mem-fraction-static`
+of the device's memory minus the weights (on accelerators the default fraction is 0.85, SGLang's
+rule). On CPU, where JAX reports no device memory, the base is the RAM available now
+(`/proc/meminfo` MemAvailable); with neither flag the CPU pool gets min(2 GiB, 10% of that RAM), so a
+laptop stays usable (issue 19: a 30% share took 7.6 GB of RSS for a 135M model). The memory-derived
+size is rounded down to 3 significant bits so that restarts reuse compiled executables. The rule and
+the size are logged at start-up.
 """
 
 from __future__ import annotations
@@ -63,6 +65,43 @@ def available_memory_bytes() -> int:
     return 8 << 30
 
 
+CPU_DEFAULT_POOL_CAP_BYTES = 2 << 30
+CPU_DEFAULT_POOL_RAM_FRACTION = 0.10
+ACCELERATOR_DEFAULT_FRACTION = 0.85
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolBudget:
+    """The KV pool's memory budget in bytes and the rule that chose it (logged at start-up)."""
+
+    budget_bytes: int
+    rule: str
+
+
+def pool_budget(
+    *, mem_fraction_static: float | None, weights_bytes: int, platform: str, available_bytes: int
+) -> PoolBudget:
+    """The pool's budget when --max-total-tokens is not given (bytes; see the module docstring).
+
+    Args:
+        mem_fraction_static: --mem-fraction-static, or None.
+        weights_bytes: the model's weights (subtracted on accelerators, where the fraction covers both).
+        platform: "cpu", "gpu" or "tpu".
+        available_bytes: free device memory, or on CPU the available RAM (`available_memory_bytes()`).
+    """
+    gib = available_bytes / (1 << 30)
+    if platform == "cpu" and mem_fraction_static is None:
+        cap = min(CPU_DEFAULT_POOL_CAP_BYTES, int(available_bytes * CPU_DEFAULT_POOL_RAM_FRACTION))
+        return PoolBudget(cap, f"CPU default: min(2 GiB, 10% of {gib:.1f} GiB available RAM); "
+                               "--max-total-tokens or --mem-fraction-static override it")
+    if platform == "cpu":
+        return PoolBudget(int(available_bytes * mem_fraction_static),
+                          f"--mem-fraction-static {mem_fraction_static:g} of {gib:.1f} GiB available RAM")
+    fraction = mem_fraction_static or ACCELERATOR_DEFAULT_FRACTION
+    return PoolBudget(int(available_bytes * fraction - weights_bytes),
+                      f"{fraction:g} of {gib:.1f} GiB free device memory minus {weights_bytes / (1 << 30):.2f} GiB of weights")
+
+
 def size_pool(
     *,
     num_layers: int,
@@ -85,16 +124,23 @@ def size_pool(
     probe = PoolShape(num_layers, 2, page_size, num_kv_heads, head_dim, dtype)
     if max_total_tokens is not None:
         num_tokens = max_total_tokens
+        rule = "--max-total-tokens"
     else:
-        fraction = mem_fraction_static or (0.3 if platform == "cpu" else 0.85)
-        budget = available_memory_bytes() * fraction - (0 if platform == "cpu" else weights_bytes)
-        num_tokens = _round_down_coarse(int(budget // probe.bytes_per_token))
+        budget = pool_budget(mem_fraction_static=mem_fraction_static, weights_bytes=weights_bytes,
+                             platform=platform, available_bytes=available_memory_bytes())
+        num_tokens = _round_down_coarse(int(max(0, budget.budget_bytes) // probe.bytes_per_token))
+        rule = budget.rule
     num_pages = num_tokens // page_size + 1
     if max_num_pages is not None:
         num_pages = min(num_pages, max_num_pages + 1)
     if num_pages < 3:
         raise ValueError(f"the KV pool would hold {num_tokens} tokens: raise --max-total-tokens or --mem-fraction-static")
-    return dataclasses.replace(probe, num_pages=num_pages)
+    shape = dataclasses.replace(probe, num_pages=num_pages)
+    logger.info(
+        "KV pool: %d tokens (%d pages, %.2f GiB) by %s", shape.num_tokens, num_pages,
+        shape.num_tokens * shape.bytes_per_token / (1 << 30), rule,
+    )
+    return shape
 
 
 def _round_down_coarse(n: int) -> int:

@@ -15,9 +15,23 @@ polls every few milliseconds; it never spins.
 Validation (sampling params, tokenization, prompt length, grammar compilation) runs synchronously in
 the caller's thread, through the engine's read-only, thread-safe methods (`tokenize`,
 `validate_input_ids`, `compile_grammar`), so a bad request raises at `submit` and never reaches the
-loop. A step that raises fails every
-pending request with an abort finish reason carrying `status_code` 500 (SGLang's FINISH_ABORT shape),
-logs the traceback, and the loop keeps serving.
+loop.
+
+Engine death: a step that raises (a bug, an XLA error, out of memory) ends the loop for good. Every
+pending request (running, queued or still in the inbox) gets at once an abort finish reason carrying
+`status_code` 500 and the error (SGLang's FINISH_ABORT shape), the traceback is logged once, `error`
+says what happened, `is_running` turns False (the server's /health answers 503) and every death
+observer is called (the server exits non-zero, so a supervisor restarts it). `submit` then raises
+`EngineUnavailableError`.
+
+Admission: at most `max_queued_requests` sequences wait (submitted, not yet running); one more raises
+`EngineUnavailableError` (the server's 503 with Retry-After), as SGLang's scheduler aborts a request
+beyond `--max-queued-requests`. With `queue_timeout_s`, a request still in the scheduler's waiting
+queue that long without a first output ends with an abort carrying `status_code` 503.
+
+Test hook (not a user flag): when the environment variable `JAXSERVE_TEST_FAULT_FILE` names a path,
+every step first checks whether that file exists and, if it does, raises `InjectedFault`. The engine
+death tests create the file while requests are in flight.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -38,20 +53,48 @@ from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[StepOutput], None]
-# Seconds the loop waits after a failed step before it runs another: a failure that repeats on every
-# step (a corrupt engine state) must not spin a core at 100 % or flood the log.
-FAILURE_BACKOFF_S = 0.2
 # Seconds between steps while the engine has work but runs nothing (requests wait for their grammar,
 # compiled off-thread): a short poll instead of a spin.
 NO_PROGRESS_POLL_S = 0.005
 MAX_TOP_LOGPROBS = 20
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
+FAULT_FILE_ENV = "JAXSERVE_TEST_FAULT_FILE"
+# Default bound of the waiting queue: as many requests as the pool could hold at this many tokens
+# each (a queue longer than that only adds latency), and never fewer than MIN_DEFAULT_MAX_QUEUED.
+TOKENS_PER_QUEUED_REQUEST = 64
+MIN_DEFAULT_MAX_QUEUED = 128
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot take the request now: its queue is full, it is draining, or it died.
+
+    `retry_after_s` is a hint for the client's Retry-After (None when retrying cannot help: a dead
+    engine).
+    """
+
+    def __init__(self, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault hook (see the module docstring)."""
+
+
+def _tokens(n: int, noun: str = "token") -> str:
+    """"1 token", "2 tokens": counts in user-facing messages read as English."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def default_max_queued_requests(kv_total_tokens: int) -> int:
+    """The waiting-queue bound when --max-queued-requests is not given (requests): the KV pool's
+    tokens / TOKENS_PER_QUEUED_REQUEST, at least MIN_DEFAULT_MAX_QUEUED."""
+    return max(MIN_DEFAULT_MAX_QUEUED, kv_total_tokens // TOKENS_PER_QUEUED_REQUEST)
 
 
 class _StepResult(enum.Enum):
     PROGRESS = "progress"
     NO_PROGRESS = "no_progress"  # the engine has work but ran nothing (waiting for a grammar compile)
-    FAILED = "failed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +114,8 @@ class EngineLoad:
     kv_locked_tokens: int = 0
     num_step_failures: int = 0
     last_step_time: float | None = None  # time.time() of the last step that ran a batch
+    num_rejected_queue_full: int = 0  # submits refused because the waiting queue was full
+    num_queue_timeouts: int = 0  # requests ended after waiting longer than the queue timeout
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
     snapshot: Any = None  # the engine's own `EngineSnapshot` (for /metrics), where it has one
     radix_cache: Any = None  # the release policy's `RadixCacheStats`, refreshed at most once a second
@@ -81,6 +126,7 @@ class _Pending:
     on_output: OutputCallback
     prompt_tokens: int
     last: StepOutput | None = None
+    submit_time: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class EngineLoop:
@@ -88,10 +134,20 @@ class EngineLoop:
 
     Args:
         engine: a constructed `Engine`; from `start()` on only the loop thread may change it.
+        max_queued_requests: most sequences waiting at once (None: `default_max_queued_requests`
+            of the pool).
+        queue_timeout_s: seconds a request may wait in the scheduler's queue (None: no limit).
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, *, max_queued_requests: int | None = None, queue_timeout_s: float | None = None):
         self.engine = engine
+        self.max_queued_requests = max_queued_requests or default_max_queued_requests(engine.pool_shape.num_tokens)
+        self.queue_timeout_s = queue_timeout_s
+        self._fault_file = os.environ.get(FAULT_FILE_ENV) or None
+        self._error: str | None = None
+        self._death_observers: list[Callable[[str], None]] = []
+        self._num_rejected_queue_full = 0
+        self._num_queue_timeouts = 0
         self._cond = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._pending: dict[str, _Pending] = {}  # rid -> its callback; guarded by _cond
@@ -141,9 +197,23 @@ class EngineLoop:
         from the next output on."""
         self._observers.append(observer)
 
+    def add_death_observer(self, observer: Callable[[str], None]) -> None:
+        """Call `observer(error message)` once, on the loop thread, if the engine dies (after every
+        pending request has been failed)."""
+        self._death_observers.append(observer)
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine died ("RuntimeError: ..."), or None while it is alive."""
+        return self._error
+
     def load(self) -> EngineLoad:
-        """The latest snapshot of the engine's queues and KV pool (never blocks)."""
-        return self._load
+        """The latest snapshot of the engine's queues and KV pool (never blocks); the admission
+        counters are current (rejections happen in callers' threads, between snapshots)."""
+        load = self._load
+        if load.num_rejected_queue_full != self._num_rejected_queue_full:
+            load = dataclasses.replace(load, num_rejected_queue_full=self._num_rejected_queue_full)
+        return load
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "EngineLoop":
@@ -153,18 +223,27 @@ class EngineLoop:
             self._thread.start()
         return self
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop the thread after its current step; pending requests finish with an abort reason."""
+    def shutdown(self, timeout: float | None = 30.0, reason: str = "the server is shutting down", status_code: int | None = 503) -> None:
+        """Stop the thread after its current step; pending requests finish with an abort finish
+        reason whose message is `reason` (and `status_code` when not None: the HTTP status of a
+        non-streamed answer)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        self._fail_all("the server is shutting down", status_code=503)
+        self._fail_all(reason, status_code=status_code)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        """True while the loop thread serves: started, not shut down, not dead."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping and self._error is None
+
+    @property
+    def num_pending(self) -> int:
+        """Sequences submitted and not finished (thread-safe, exact)."""
+        with self._cond:
+            return len(self._pending)
 
     # ---- requests (any thread) ------------------------------------------------------------------
     def submit(
@@ -189,6 +268,7 @@ class EngineLoop:
             SamplingParamsError: an invalid sampling parameter (names it).
             RequestError: empty or too long prompt, bad token ids, a rid in use, bad top_logprobs_num,
                 an invalid regex / json_schema / ebnf (its field; compiled here, in the caller's thread).
+            EngineUnavailableError: the waiting queue is full, or the engine died.
             RuntimeError: the loop is shut down.
         """
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
@@ -202,8 +282,9 @@ class EngineLoop:
             if explicit_max:
                 raise RequestError(
                     "max_new_tokens",
-                    f"the prompt has {len(input_ids)} tokens and {params.max_new_tokens} new tokens are asked "
-                    f"for: together over the context length {self.engine.context_length}",
+                    f"the prompt has {_tokens(len(input_ids))} and {_tokens(params.max_new_tokens, 'new token')} "
+                    f"{'is' if params.max_new_tokens == 1 else 'are'} asked for: together over the context length "
+                    f"{self.engine.context_length}",
                 )
             params = dataclasses.replace(params, max_new_tokens=room)
         if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
@@ -226,11 +307,20 @@ class EngineLoop:
                 self._fail(rids, f"the engine refused the request: {e}", status_code=500)
 
         with self._cond:
+            if self._error is not None:
+                raise EngineUnavailableError(f"the engine has stopped after an error: {self._error}")
             if self._stopping:
                 raise RuntimeError("the engine loop is shut down")
             taken = [r for r in [base, *rids] if r in self._pending or r in self._groups]
             if taken:
                 raise RequestError("rid", f"request id {taken[0]!r} is already in use")
+            num_waiting = len(self._pending) - self._load.num_running_reqs
+            if num_waiting + len(rids) > self.max_queued_requests:
+                self._num_rejected_queue_full += 1
+                raise EngineUnavailableError(
+                    f"the request queue is full ({num_waiting} waiting, --max-queued-requests "
+                    f"{self.max_queued_requests}); retry later", retry_after_s=1,
+                )
             for r in rids:
                 self._pending[r] = _Pending(on_output, len(input_ids))
             if params.n > 1:
@@ -265,6 +355,28 @@ class EngineLoop:
             self._cond.notify()
         return True
 
+    def abort_all(self, message: str) -> concurrent.futures.Future:
+        """Abort every pending request; each ends with finish reason `{"type": "abort", "message":
+        message}` (no status code: a normal, cut-short answer). The future is done once all have
+        been told. Used by the graceful shutdown when its drain time is up."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            with self._cond:
+                rids = list(self._pending)
+            for r in rids:
+                self.engine.abort(r)
+            self._fail(rids, message, status_code=None)
+            future.set_result(len(rids))
+
+        with self._cond:
+            if self._stopping or self._error is not None:
+                future.set_result(0)
+                return future
+            self._inbox.append(run)
+            self._cond.notify()
+        return future
+
     def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
         """Run `fn(engine)` on the loop thread between steps; the future holds its result or error."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -277,8 +389,8 @@ class EngineLoop:
                     future.set_exception(e)
 
         with self._cond:
-            if self._stopping:
-                raise RuntimeError("the engine loop is shut down")
+            if self._stopping or self._error is not None:
+                raise RuntimeError("the engine loop is shut down" if self._error is None else f"the engine has stopped: {self._error}")
             self._inbox.append(run)
             self._cond.notify()
         return future
@@ -290,6 +402,12 @@ class EngineLoop:
 
     # ---- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - the thread is dying: say so, fail everyone
+            self._die(e)
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._inbox and not self._stopping and not self.engine.has_unfinished():
@@ -303,34 +421,64 @@ class EngineLoop:
                     command()
                 except Exception:  # an abort or add that hit an engine bug: keep serving the others
                     logger.exception("engine loop command failed")
+            if self.queue_timeout_s is not None:
+                self._end_timed_out_waits()
             result = self._step() if self.engine.has_unfinished() else _StepResult.PROGRESS
             try:
                 self._publish_load()
             except Exception:
                 logger.exception("could not snapshot the engine's load")
-            if result is _StepResult.FAILED:
-                time.sleep(FAILURE_BACKOFF_S)
-            elif result is _StepResult.NO_PROGRESS:
+            if result is _StepResult.NO_PROGRESS:
                 with self._cond:  # e.g. only grammars compiling: poll, but wake at once for new commands
                     if not self._inbox and not self._stopping:
                         self._cond.wait(NO_PROGRESS_POLL_S)
 
     def _step(self) -> "_StepResult":
-        """Run one engine step and deliver its outputs."""
+        """Run one engine step and deliver its outputs (an exception propagates: the engine died)."""
         num_steps = self.engine.stats.num_steps
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            self._num_step_failures += 1
-            logger.exception("engine step failed; failing every pending request")
-            self._abort_everything_in_engine()
-            self._fail_all(f"engine error: {type(e).__name__}: {e}", status_code=500)
-            return _StepResult.FAILED
+        if self._fault_file is not None and os.path.exists(self._fault_file):
+            raise InjectedFault(f"fault injected through {FAULT_FILE_ENV}")
+        outputs = self.engine.step()
         if outputs:
             self._last_step_time = time.time()
         for out in outputs:
             self._deliver(out)
         return _StepResult.PROGRESS if outputs or self.engine.stats.num_steps != num_steps else _StepResult.NO_PROGRESS
+
+    def _die(self, e: BaseException) -> None:
+        """The loop thread ends: fail every pending request with a 500 naming `e`, then tell the observers."""
+        self._num_step_failures += 1
+        message = f"{type(e).__name__}: {e}"
+        logger.error("the engine died; failing every pending request", exc_info=e)
+        with self._cond:
+            self._error = message
+            self._inbox.clear()  # queued adds never reach the engine; their rids are pending and failed below
+        self._fail_all(f"engine error: {message}", status_code=500)
+        try:
+            self._publish_load()
+        except Exception:  # the engine's state may be what broke; the counters above are what matters
+            self._load = dataclasses.replace(self._load, num_step_failures=self._num_step_failures, num_pending_reqs=0)
+        for observer in self._death_observers:
+            try:
+                observer(message)
+            except Exception:
+                logger.exception("engine death observer failed")
+
+    def _end_timed_out_waits(self) -> None:
+        """End (503) every request that has waited in the scheduler's queue over `queue_timeout_s`
+        without a first output."""
+        now = time.monotonic()
+        expired = []
+        with self._cond:
+            for req in self.engine.scheduler.waiting:
+                pending = self._pending.get(req.rid)
+                if pending is not None and pending.last is None and now - pending.submit_time > self.queue_timeout_s:
+                    expired.append(req.rid)
+        for rid in expired:
+            self.engine.abort(rid)
+        if expired:
+            self._num_queue_timeouts += len(expired)
+            self._fail(expired, f"the request waited over --queue-timeout {self.queue_timeout_s:g} s in the queue", status_code=503)
 
     def _deliver(self, out: StepOutput) -> None:
         for observer in self._observers:
@@ -357,15 +505,6 @@ class EngineLoop:
             if not self.engine.abort(r):
                 # not in the engine (never added, or already finished): answer the callback directly
                 self._fail([r], "aborted by the client", status_code=None)
-
-    def _abort_everything_in_engine(self) -> None:
-        with self._cond:
-            rids = list(self._pending)
-        for r in rids:
-            try:
-                self.engine.abort(r)
-            except Exception:
-                logger.exception("could not abort %s after a failed step", r)
 
     def _fail_all(self, message: str, status_code: int | None) -> None:
         with self._cond:
@@ -419,6 +558,8 @@ class EngineLoop:
             kv_locked_tokens=engine.tree.protected_size(),
             num_step_failures=self._num_step_failures,
             last_step_time=self._last_step_time,
+            num_rejected_queue_full=self._num_rejected_queue_full,
+            num_queue_timeouts=self._num_queue_timeouts,
             stats=dataclasses.replace(engine.stats),
             snapshot=engine.snapshot() if hasattr(engine, "snapshot") else None,
             radix_cache=self._radix_cache_stats(),

@@ -359,7 +359,8 @@ class ModelRunner:
         key = (logits.shape[0], flags, jax.tree.map(lambda x: x.shape, sampling))
         exe = self._sample_exec.get(key)
         if exe is None:
-            exe = self._compile(lambda: self._sample_jit.lower(logits, sampling, flags).compile(), f"sampler {key[:2]}")
+            exe = self._compile(lambda: self._sample_jit.lower(logits, sampling, flags).compile(), f"sampler {key[:2]}",
+                                feature_variant=True)
             self._sample_exec[key] = exe
         out = exe(logits, sampling)
         return sampler_lib.SampleOutput(*jax.device_get(tuple(out)))
@@ -399,17 +400,24 @@ class ModelRunner:
         exe = self._compile(
             lambda: self._assemble_step({**reused, **{name: low.compile() for name, low in lowered.items()}}),
             f"step {key}{' with prompt logprobs' if input_logprobs else ''}",
+            feature_variant=input_logprobs,
         )
         self._step_exec[(key, input_logprobs)] = exe
         return exe
 
-    def _compile(self, fn: Callable[[], Callable], what: str) -> Callable:
+    def _compile(self, fn: Callable[[], Callable], what: str, feature_variant: bool = False) -> Callable:
+        """Compile and count. A `feature_variant` (prompt logprobs, a sampler with filters, penalties,
+        a grammar bitmask or top logprobs) is compiled on first use by design, so it is logged at
+        info; any other compile while serving is a bucket precompile missed: a warning."""
         t0 = time.perf_counter()
         exe = fn()
         self.compile_seconds += time.perf_counter() - t0
         if self.warmed_up:
             self.num_compiles_after_warmup += 1
-            logger.warning("compiled %s while serving (%.2f s); precompile covers the usual buckets", what, time.perf_counter() - t0)
+            if feature_variant:
+                logger.info("compiled %s on first use (%.2f s)", what, time.perf_counter() - t0)
+            else:
+                logger.warning("compiled %s while serving (%.2f s); precompile covers the usual buckets", what, time.perf_counter() - t0)
         return exe
 
     def dummy_entries(self, key: BucketKey) -> list[BatchEntry]:

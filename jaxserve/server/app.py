@@ -14,13 +14,19 @@ Routes:
     POST /abort_request            {"rid": ...}
     GET  /openapi.json             the OpenAPI document, generated from the pydantic models (openapi.py)
 Every error body has OpenAI's shape (errors.py). docs/api.md documents the fields.
+
+Availability: once the engine has died, or while the server drains for a graceful shutdown
+(`app.state.draining`, set by launch.py on SIGTERM), every route but the read-only operational ones
+(`ALWAYS_SERVED`) answers 503 at once, /health included, so load balancers and supervisors see it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +35,25 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxserve
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.server import native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
-from jaxserve.server.engine_client import RequestGroup, preprocess_executor
-from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response, parse_json_body
+from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
+from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response, parse_json_body, unavailable_response
 from jaxserve.server.function_call import get_parser
 from jaxserve.server.openapi import openapi_document
+
+access_logger = logging.getLogger("jaxserve.access")
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
+# answered even by a dead or draining server: what an operator reads to find out why
+ALWAYS_SERVED = frozenset({"/metrics", "/get_server_info", "/get_model_info", "/v1/models"})
 
 
 def served_model_name(server_args: ServerArgs, model_path: str) -> str:
@@ -56,6 +67,55 @@ def served_model_name(server_args: ServerArgs, model_path: str) -> str:
     if name.endswith(".gguf"):
         name = _GGUF_QUANT_SUFFIX.sub("", name[: -len(".gguf")])
     return name
+
+
+class AccessLog:
+    """ASGI middleware: one info line per HTTP request once its response is done, as SGLang logs:
+    `POST /generate 200 prompt_tokens=6 completion_tokens=4 latency=0.081s` (tokens over every
+    prompt and sequence of the request; latency in seconds, to the end of the body)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        record = start_access_record()
+        status = [0]
+
+        async def send_and_watch(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            access_logger.info(
+                "%s %s %d prompt_tokens=%d completion_tokens=%d latency=%.3fs", scope["method"], scope["path"],
+                status[0] or 500, record.prompt_tokens, record.completion_tokens, time.perf_counter() - t0,
+            )
+
+
+class AvailabilityGate:
+    """ASGI middleware: 503 for every route outside ALWAYS_SERVED once the engine died or while the
+    server drains (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, engine_loop: EngineLoop, state: Any):
+        self.app = app
+        self.engine_loop = engine_loop
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in ALWAYS_SERVED:
+            if self.engine_loop.error is not None:
+                response = unavailable_response(f"the engine has stopped after an error: {self.engine_loop.error}")
+                return await response(scope, receive, send)
+            if getattr(self.state, "draining", False):
+                response = unavailable_response("the server is shutting down", retry_after_s=5)
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 async def health(request: Request) -> Response:
@@ -116,11 +176,17 @@ async def get_server_info(request: Request) -> Response:
             "used_tokens": load.kv_used_tokens,
             "cached_tokens": load.kv_cached_tokens,
             "locked_tokens": load.kv_locked_tokens,
-            "token_usage": load.kv_used_tokens / max(1, load.kv_total_tokens),
+            # SGLang's token usage, as the decode log line and /metrics report it: the evictable
+            # (unlocked) prefix cache counts as free
+            "token_usage": load.snapshot.token_usage if load.snapshot is not None
+            else (load.kv_used_tokens - (load.kv_cached_tokens - load.kv_locked_tokens)) / max(1, load.kv_total_tokens),
         },
         "engine_stats": dataclasses.asdict(load.stats),
         "num_step_failures": load.num_step_failures,
         "last_step_time": load.last_step_time,
+        "engine_error": engine_loop.error,
+        "max_queued_requests": engine_loop.max_queued_requests,
+        "num_rejected_requests": {"queue_full": load.num_rejected_queue_full, "queue_timeout": load.num_queue_timeouts},
     }
     return JSONResponse(info)
 
@@ -171,6 +237,9 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         routes.append(Route("/metrics", endpoint, methods=["GET"]))
     middleware = [Middleware(APIKeyMiddleware, api_key=server_args.api_key)] if server_args.api_key else []
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
+    app.add_middleware(AvailabilityGate, engine_loop=engine_loop, state=app.state)
+    app.add_middleware(AccessLog)  # outermost: it sees the gate's 503s and the API-key 401s too
+    app.state.draining = False
     app.state.preprocess_executor = preprocess_executor()  # its idle thread ends with the process
     app.state.engine_loop = engine_loop
     app.state.server_args = server_args
@@ -187,8 +256,29 @@ def _metrics_endpoint(engine_loop: EngineLoop, model_name: str):
 
     metrics = ServingMetrics(lambda: engine_loop.load().snapshot, model_name, lambda: engine_loop.load().radix_cache)
     engine_loop.add_output_observer(metrics.observe)
+    metrics.registry.register(_AdmissionCollector(engine_loop, model_name))
 
     async def endpoint(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return metrics, endpoint
+
+
+class _AdmissionCollector:
+    """`jaxserve_num_rejected_requests_total{reason="queue_full"|"queue_timeout"}`: requests answered
+    503 by admission control (--max-queued-requests, --queue-timeout)."""
+
+    def __init__(self, engine_loop: EngineLoop, model_name: str):
+        self._engine_loop = engine_loop
+        self._model_name = model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        load = self._engine_loop.load()
+        family = CounterMetricFamily(
+            "jaxserve_num_rejected_requests", "Requests refused with 503 by admission control", labels=["model_name", "reason"]
+        )
+        family.add_metric([self._model_name, "queue_full"], load.num_rejected_queue_full)
+        family.add_metric([self._model_name, "queue_timeout"], load.num_queue_timeouts)
+        yield family

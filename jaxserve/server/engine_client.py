@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
+import dataclasses
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from starlette.requests import Request
@@ -27,6 +29,26 @@ from jaxserve.engine.engine_loop import EngineLoop
 
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class AccessRecord:
+    """Token counts of one HTTP request, for its access log line: each prompt once, every sequence's
+    completion tokens."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+_ACCESS_RECORD: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar("jaxserve_access_record", default=None)
+
+
+def start_access_record() -> AccessRecord:
+    """A fresh record for the current HTTP request (the access-log middleware calls it); every
+    RequestGroup created while handling that request adds its tokens to it."""
+    record = AccessRecord()
+    _ACCESS_RECORD.set(record)
+    return record
 
 
 def preprocess_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -55,10 +77,13 @@ class RequestGroup:
         self.rids: list[str] = []
         self._unfinished: set[str] = set()
         self.final: dict[str, StepOutput] = {}
+        self._access = _ACCESS_RECORD.get()
+        self._first_of_prompt: set[str] = set()  # one rid per submitted prompt: its prompt counts once
 
     def submit(self, prompt: str | Sequence[int], sampling_params: dict | None, **kwargs: Any) -> list[str]:
         """Submit one prompt (keyword arguments as `EngineLoop.submit`); returns its rids."""
         rids = self._engine_loop.submit(prompt, sampling_params, on_output=self._on_output, **kwargs)
+        self._first_of_prompt.add(rids[0])
         self.rids += rids
         self._unfinished.update(rids)
         return rids
@@ -78,6 +103,10 @@ class RequestGroup:
             if out.finished:
                 self._unfinished.discard(out.rid)
                 self.final[out.rid] = out
+                if self._access is not None:
+                    self._access.completion_tokens += out.meta.completion_tokens
+                    if out.rid in self._first_of_prompt:
+                        self._access.prompt_tokens += out.meta.prompt_tokens
             yield out
 
     async def wait(self) -> list[StepOutput]:

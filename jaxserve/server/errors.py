@@ -18,7 +18,32 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from jaxserve.engine.engine import RequestError
+from jaxserve.engine.engine_loop import EngineUnavailableError
 from jaxserve.engine.request import SamplingParamsError
+
+# Hints for the mistakes new users make most, keyed by (where, field): "sampling_params" for a key
+# inside /generate's sampling_params, "generate" for a top-level field of /generate. The unknown-field
+# checks (pydantic's extra="forbid", SamplingParams.from_dict) name the field; `hint_for` adds these.
+FIELD_HINTS: dict[tuple[str, str], str] = {
+    ("sampling_params", "max_tokens"): "did you mean max_new_tokens? (max_tokens is the OpenAI API's name)",
+    ("sampling_params", "stop_sequences"): "did you mean stop?",
+    ("sampling_params", "stream"): "stream goes at the top level of the request, next to sampling_params",
+    ("generate", "max_new_tokens"): 'max_new_tokens goes inside sampling_params: {"sampling_params": {"max_new_tokens": 16}}',
+    ("generate", "max_tokens"): 'did you mean max_new_tokens? It goes inside sampling_params: {"sampling_params": {"max_new_tokens": 16}}',
+    ("generate", "prompt"): "did you mean text? (prompt is the OpenAI completions API's name)",
+    ("generate", "messages"): "/generate takes text or input_ids; chat messages go to /v1/chat/completions",
+}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "stop", "seed", "n", "frequency_penalty",
+                    "presence_penalty", "repetition_penalty", "ignore_eos", "regex", "json_schema")
+FIELD_HINTS.update({("generate", f): f"{f} goes inside sampling_params" for f in _SAMPLING_FIELDS})
+# substrings of SamplingParamsError messages that report a wrong type (docs/api.md: code invalid_type)
+_TYPE_ERROR_MARKERS = ("has the wrong type", "must be a number", "must be a list", "must be strings")
+
+
+def hint_for(where: str, field: str) -> str | None:
+    """The hint for an unknown `field` (FIELD_HINTS), or None."""
+    return FIELD_HINTS.get((where, field))
+
 
 _TYPE_OF_STATUS = {
     400: "invalid_request_error",
@@ -55,9 +80,15 @@ def from_engine_error(e: SamplingParamsError | RequestError, rename: Mapping[str
     (max_new_tokens -> max_tokens for OpenAI requests, for instance)."""
     field = (rename or {}).get(e.field, e.field)
     message = str(e)
+    code = "context_length_exceeded" if "context length" in message else "invalid_value"
     if isinstance(e, SamplingParamsError):  # its message starts with the engine's field name
         message = f"{field}: {message.split(': ', 1)[-1]}"
-    code = "context_length_exceeded" if "context length" in message else "invalid_value"
+        if any(marker in message for marker in _TYPE_ERROR_MARKERS):
+            code = "invalid_type"
+        if "unknown sampling parameter" in message:
+            code = "unknown_parameter"
+            if (hint := hint_for("sampling_params", field)) is not None:
+                message += f"; {hint}"
     return APIError(message, 400, param=field, code=code)
 
 
@@ -79,7 +110,8 @@ def from_validation_error(e: pydantic.ValidationError) -> APIError:
     if kind == "missing":
         return APIError(f"{param}: field required", 400, param=param, code="missing_required_parameter")
     if kind == "extra_forbidden":
-        return APIError(f"{param}: unknown field", 400, param=param, code="unknown_parameter")
+        hint = hint_for("generate", param) if len(loc) == 1 else None
+        return APIError(f"{param}: unknown field" + (f"; {hint}" if hint else ""), 400, param=param, code="unknown_parameter")
     return APIError(f"{param}: {err.get('msg', 'invalid value')}", 400, param=param, code="invalid_type")
 
 
@@ -130,8 +162,23 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
-    message = exc.detail if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
+    message = exc.detail
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405 and exc.headers and exc.headers.get("Allow"):
+        message = f"{request.method} {request.url.path} is not allowed: use {' or '.join(exc.headers['Allow'].split(', '))}"
     return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+
+
+def unavailable_response(message: str, retry_after_s: int | None = None) -> JSONResponse:
+    """503 `unavailable`, with a Retry-After header (seconds) when retrying later can help."""
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return JSONResponse(error_body(message, 503, code="unavailable"), status_code=503, headers=headers)
+
+
+async def _unavailable_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, EngineUnavailableError)
+    return unavailable_response(str(exc), exc.retry_after_s)
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -145,5 +192,6 @@ EXCEPTION_HANDLERS = {
     RequestError: _engine_error,
     pydantic.ValidationError: _validation_error,
     HTTPException: _http_error,
+    EngineUnavailableError: _unavailable_error,
     Exception: _internal_error,
 }

@@ -2,25 +2,40 @@
 
 Order: configure logging, bind the port (so a port in use fails in a second, not after loading),
 load the model and compile (the engine shows progress bars), start the engine loop, then serve the
-Starlette app with uvicorn and print one line saying where. Ctrl-C (SIGINT) or SIGTERM stops uvicorn
-gracefully, then the engine loop.
+Starlette app with uvicorn and print one line saying where.
+
+Stopping:
+- SIGTERM drains: new requests get 503 at once (`app.state.draining`), running and queued ones may
+  finish for up to `--shutdown-timeout` seconds, the rest are aborted with finish reason
+  `{"type": "abort", "message": "the server is shutting down ..."}`, then uvicorn closes the
+  connections and the process exits 0. A second SIGTERM exits at once (status 1).
+- Ctrl-C (SIGINT) stops uvicorn at once (its graceful close of the connections), then the engine loop.
+- Engine death (see engine_loop.py): the process exits with status 1 once the failed requests have
+  been answered, unless `--keep-alive-on-engine-error` (then it stays up answering 503).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
+import threading
+import time
 
 import uvicorn
 
 from jaxserve.config import ServerArgs
 from jaxserve.server.app import create_app, served_model_name
+from jaxserve.server.model_path_check import model_path_problem
 
 logger = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5
+# Seconds between the engine's death and the exit: the failed requests' answers go out, and a health
+# probe in that window reads the 503 instead of a refused connection.
+ENGINE_DEATH_EXIT_DELAY_S = 3.0
 
 
 def configure_logging(level: str) -> None:
@@ -51,16 +66,53 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, printing jaxserve's ready line once it accepts connections."""
+    """uvicorn's server, printing jaxserve's ready line once it accepts connections, draining on
+    SIGTERM and stopping when the engine dies (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, ready_line: str):
+    def __init__(self, config: uvicorn.Config, ready_line: str, engine_loop, app_state, server_args: ServerArgs):
         super().__init__(config)
         self._ready_line = ready_line
+        self._engine_loop = engine_loop
+        self._app_state = app_state
+        self._shutdown_timeout = server_args.shutdown_timeout
+        self._keep_alive = server_args.keep_alive_on_engine_error
+        self._num_sigterms = 0
+        self.engine_died = False
+        engine_loop.add_death_observer(self._on_engine_death)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
         if not self.should_exit:
             print(self._ready_line, flush=True)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig != signal.SIGTERM:
+            return super().handle_exit(sig, frame)
+        self._num_sigterms += 1
+        if self._num_sigterms > 1:
+            logger.warning("second SIGTERM: exiting now")
+            os._exit(1)
+        logger.info("SIGTERM: draining (new requests get 503; running ones have %g s to finish)", self._shutdown_timeout)
+        self._app_state.draining = True
+        threading.Thread(target=self._drain, name="jaxserve-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self._shutdown_timeout
+        while self._engine_loop.num_pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if (left := self._engine_loop.num_pending) > 0:
+            logger.warning("--shutdown-timeout %g s is up: aborting %d request(s)", self._shutdown_timeout, left)
+            message = f"the server is shutting down: aborted after --shutdown-timeout {self._shutdown_timeout:g} s"
+            self._engine_loop.abort_all(message).result(timeout=10)
+        self.should_exit = True
+
+    def _on_engine_death(self, message: str) -> None:  # the engine loop's thread, after the failures went out
+        self.engine_died = True
+        if self._keep_alive:
+            logger.error("the engine died (%s); staying up (--keep-alive-on-engine-error): every request gets 503", message)
+        else:
+            logger.error("the engine died (%s); exiting with status 1 in %g s", message, ENGINE_DEATH_EXIT_DELAY_S)
+            threading.Timer(ENGINE_DEATH_EXIT_DELAY_S, lambda: setattr(self, "should_exit", True)).start()
 
 
 def launch_server(server_args: ServerArgs) -> None:
@@ -70,6 +122,11 @@ def launch_server(server_args: ServerArgs) -> None:
         SystemExit: the port cannot be bound or the model cannot be loaded (with the reason).
     """
     configure_logging(server_args.log_level)
+    if (problem := model_path_problem(server_args.model_path)) is not None:
+        raise SystemExit(f"jaxserve: cannot start: {problem}")
+    tokenizer_path = server_args.tokenizer_path
+    if tokenizer_path not in (None, "default") and not os.path.exists(tokenizer_path):
+        raise SystemExit(f"jaxserve: cannot start: --tokenizer-path {tokenizer_path}: the tokenizer path does not exist")
     sock = bind_socket(server_args.host, server_args.port)
     from jaxserve.engine.engine import Engine
     from jaxserve.engine.engine_loop import EngineLoop
@@ -81,7 +138,15 @@ def launch_server(server_args: ServerArgs) -> None:
         logger.debug("engine start-up failed", exc_info=True)
         sock.close()
         raise SystemExit(f"jaxserve: cannot start: {e}") from None
-    engine_loop = EngineLoop(engine).start()
+    _return_freed_memory()
+    engine_loop = EngineLoop(
+        engine, max_queued_requests=server_args.max_queued_requests, queue_timeout_s=server_args.queue_timeout
+    ).start()
+    logger.info(
+        "admission: at most %d requests wait (--max-queued-requests%s), queue timeout %s",
+        engine_loop.max_queued_requests, "" if server_args.max_queued_requests else ": from the pool size",
+        f"{server_args.queue_timeout:g} s" if server_args.queue_timeout else "off",
+    )
     app = create_app(engine_loop, server_args)
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
@@ -97,24 +162,27 @@ def launch_server(server_args: ServerArgs) -> None:
         lifespan="off",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    # uvicorn stops gracefully on SIGINT / SIGTERM, then re-raises the signal: make that an exception
-    # so the engine loop is shut down too, instead of the process dying in the default handler
-    signal.signal(signal.SIGTERM, _raise_stop)
+    server = _Server(config, ready, engine_loop, app.state, server_args)
     try:
-        _Server(config, ready).run(sockets=[sock])
-    except (KeyboardInterrupt, _Stop):
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled gracefully
         pass
     finally:
         engine_loop.shutdown()
         logger.info("jaxserve stopped")
+    if server.engine_died:
+        raise SystemExit(1)
 
 
-class _Stop(Exception):
-    """SIGTERM after uvicorn's graceful shutdown."""
+def _return_freed_memory() -> None:
+    """Hand the heap that loading and compiling freed back to the OS (glibc's malloc_trim), so the
+    server's RSS after start-up is what it holds, not its peak. A no-op without glibc."""
+    try:
+        import ctypes
 
-
-def _raise_stop(signum, frame) -> None:
-    raise _Stop()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,17 +49,32 @@ def test_no_api_key_needed_by_default(engine_loop):
         assert r.status_code == 200 and r.json()["output_ids"] == [7, 7, 7]
 
 
-def test_engine_failure_is_a_500_with_the_error_shape(engine_loop):
+def test_engine_failure_is_a_500_with_the_error_shape_then_everything_is_503(engine_loop):
+    with _client(engine_loop) as client:
+        with client.stream("POST", "/generate", json={"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 50}}) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert "error" not in json.loads(first[6:])
+            engine_loop.engine.fail_next_step = True
+            data = [line[6:] for line in lines if line.startswith("data: ")]
+        err = json.loads(data[-2])["error"]
+        assert "boom" in err["message"] and err["type"] == "server_error" and data[-1] == "[DONE]"
+        for path in ("/health", "/health_generate"):
+            r = client.get(path)
+            assert r.status_code == 503 and "boom" in r.json()["error"]["message"], path
+        r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+        info = client.get("/get_server_info").json()  # operators can still read why
+        assert "boom" in info["engine_error"] and info["num_step_failures"] == 1
+
+
+def test_engine_failure_of_a_non_streamed_request_is_a_500(engine_loop):
     engine_loop.engine.fail_next_step = True
     with _client(engine_loop) as client:
         r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 5}})
         assert r.status_code == 500
-        assert "boom" in r.json()["error"]["message"] and r.json()["error"]["type"] == "server_error"
-        engine_loop.engine.fail_next_step = True
-        with client.stream("POST", "/generate", json={"text": "hi", "stream": True}) as stream:
-            data = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
-        assert "boom" in json.loads(data[-2])["error"]["message"] and data[-1] == "[DONE]"
-        assert client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+        err = r.json()["error"]
+        assert "boom" in err["message"] and err["type"] == "server_error" and err["code"] == "engine_error"
 
 
 def test_sampling_params_mapping():

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jaxserve.engine.engine import RequestError, StepOutput
-from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.engine.engine_loop import EngineLoop, EngineUnavailableError
 from jaxserve.engine.request import SamplingParamsError, finish_length
 from tests.server.fakes import FakeEngine
 
@@ -101,9 +101,11 @@ def test_duplicate_rid_is_rejected(engine_loop):
     engine_loop.abort("same")
 
 
-def test_a_failed_step_fails_pending_requests_and_the_loop_keeps_serving(engine_loop):
+def test_a_failed_step_fails_pending_requests_and_the_loop_dies(engine_loop):
     got = Collector()
     got.num_expected = 2
+    deaths = []
+    engine_loop.add_death_observer(deaths.append)
     engine_loop.submit("a", {"max_new_tokens": 50}, on_output=got)
     engine_loop.submit("b", {"max_new_tokens": 50}, on_output=got)
     time.sleep(0.03)
@@ -112,13 +114,12 @@ def test_a_failed_step_fails_pending_requests_and_the_loop_keeps_serving(engine_
     for out in got.finals():
         assert out.meta.finish_reason["type"] == "abort" and out.meta.finish_reason["status_code"] == 500
         assert "boom" in out.meta.finish_reason["message"]
-    deadline = time.monotonic() + 2
-    while engine_loop.load().num_step_failures != 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine_loop.load().num_step_failures == 1
-    again = Collector()
-    engine_loop.submit("c", {"max_new_tokens": 2}, on_output=again)
-    assert again.done.wait(5) and again.finals()[0].meta.finish_reason == finish_length(2)
+    engine_loop._thread.join(5)
+    assert deaths == ["RuntimeError: boom"] and engine_loop.error == "RuntimeError: boom"
+    assert not engine_loop.is_running
+    assert engine_loop.load().num_step_failures == 1 and engine_loop.load().num_pending_reqs == 0
+    with pytest.raises(EngineUnavailableError, match="boom"):
+        engine_loop.submit("c", {"max_new_tokens": 2}, on_output=print)
 
 
 def test_a_failing_callback_aborts_only_its_request(engine_loop):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from tests.server.conftest import wait_idle
+
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
 
@@ -94,10 +96,12 @@ def test_generate_stream_batch_has_indexes(http):
 def test_model_and_server_info(http):
     info = http.get("/get_model_info").json()
     assert info["is_generation"] is True and info["model_path"] and info["tokenizer_path"]
+    before = http.get("/get_server_info").json()["engine_stats"]["num_requests"]
+    http.post("/generate", json={"text": "count me", "sampling_params": {"max_new_tokens": 1}}).raise_for_status()
     server = http.get("/get_server_info").json()
     assert server["context_length"] == 256 and server["max_running_requests"] == 16
     assert server["kv_pool"]["total_tokens"] >= 4096 - 16
-    assert server["engine_stats"]["num_requests"] > 0
+    assert server["engine_stats"]["num_requests"] == before + 1  # counted by this test, not by earlier ones
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == server["served_model_name"]
 
@@ -105,6 +109,7 @@ def test_model_and_server_info(http):
 def test_health_generate_and_flush_cache(http):
     assert http.get("/health").status_code == 200
     assert http.get("/health_generate").status_code == 200
+    wait_idle(http)  # a request an earlier test aborted may still be leaving: flushing needs an idle engine
     r = http.post("/flush_cache")
     assert r.status_code == 200, r.text
     info = http.get("/get_server_info").json()
@@ -118,3 +123,16 @@ def test_metrics(http):
     assert "jaxserve_prompt_tokens_total" in r.text and "jaxserve_num_running_reqs" in r.text
     count = [line for line in r.text.splitlines() if line.startswith("jaxserve_time_to_first_token_seconds_count")]
     assert count and float(count[0].split()[-1]) >= 1
+
+
+def test_token_usage_means_the_same_in_server_info_and_metrics(http):
+    """SGLang's token usage: the evictable prefix cache counts as free (the decode log line and
+    jaxserve_token_usage use it too)."""
+    http.post("/generate", json={"text": "fill the prefix cache with whole pages " * 8, "sampling_params": {"max_new_tokens": 2}})
+    info = wait_idle(http)
+    kv = info["kv_pool"]
+    assert kv["cached_tokens"] > 0  # the request above left its prefix in the cache
+    expected = (kv["used_tokens"] - (kv["cached_tokens"] - kv["locked_tokens"])) / kv["total_tokens"]
+    assert kv["token_usage"] == expected == 0
+    metric = next(float(x.split()[-1]) for x in http.get("/metrics").text.splitlines() if x.startswith("jaxserve_token_usage"))
+    assert metric == kv["token_usage"]

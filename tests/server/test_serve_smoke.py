@@ -14,13 +14,21 @@ from tests.server.conftest import ServerProcess
 STARTUP_TIMEOUT_S = 1200
 
 
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(STARTUP_TIMEOUT_S + 300)
 def test_serve_default_model(tmp_path):
     server = ServerProcess([], tmp_path / "serve.log")
     try:
         server.wait_healthy(STARTUP_TIMEOUT_S)
+        rss_gb = _rss_bytes(server.proc.pid) / 1e9  # right after start-up, as the README states it
+        assert rss_gb < 3.5, f"the default server's RSS is {rss_gb:.2f} GB"
         log = server.log()
+        assert "KV pool:" in log and "CPU default: min(2 GiB, 10%" in log
         ready = [line for line in log.splitlines() if line.startswith("jaxserve ready:")]
         assert ready == [f"jaxserve ready: serving SmolLM2-135M-Instruct at {server.url} (OpenAI API at /v1)"], log[-2000:]
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -32,5 +40,6 @@ def test_serve_default_model(tmp_path):
         assert resp.choices[0].finish_reason in ("stop", "length")
         assert resp.choices[0].message.content.strip()
         assert resp.usage.completion_tokens > 0
+        print(f"default server RSS after start-up: {rss_gb:.2f} GB;", next(x for x in log.splitlines() if "KV pool:" in x))
     finally:
         server.stop()

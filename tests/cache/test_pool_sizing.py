@@ -1,0 +1,47 @@
+"""The KV pool's default size: min(2 GiB, 10% of available RAM) on CPU, SGLang's fraction elsewhere."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from jaxserve.cache import kv_pool
+from jaxserve.cache.kv_pool import pool_budget, size_pool
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("available_gib, expected_gib", [(64, 2.0), (20, 2.0), (16, 1.6), (4, 0.4)])
+def test_cpu_default_is_2_gib_or_10_percent_of_ram(available_gib, expected_gib):
+    b = pool_budget(mem_fraction_static=None, weights_bytes=GIB, platform="cpu", available_bytes=available_gib * GIB)
+    assert b.budget_bytes == pytest.approx(expected_gib * GIB, abs=1)
+    assert "2 GiB" in b.rule and "10%" in b.rule
+
+
+def test_cpu_with_mem_fraction_static_keeps_the_fraction_rule():
+    b = pool_budget(mem_fraction_static=0.3, weights_bytes=GIB, platform="cpu", available_bytes=64 * GIB)
+    assert b.budget_bytes == pytest.approx(0.3 * 64 * GIB, abs=1)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_accelerators_keep_sglangs_fraction_minus_the_weights(platform):
+    b = pool_budget(mem_fraction_static=None, weights_bytes=10 * GIB, platform=platform, available_bytes=80 * GIB)
+    assert b.budget_bytes == pytest.approx(0.85 * 80 * GIB - 10 * GIB, abs=1)
+    b = pool_budget(mem_fraction_static=0.5, weights_bytes=10 * GIB, platform=platform, available_bytes=80 * GIB)
+    assert b.budget_bytes == pytest.approx(30 * GIB, abs=1)
+
+
+def test_size_pool_uses_the_rule_and_logs_it(monkeypatch, caplog):
+    monkeypatch.setattr(kv_pool, "available_memory_bytes", lambda: 100 * GIB)
+    caplog.set_level(logging.INFO, logger="jaxserve.cache.kv_pool")
+    # 2 layers x 4 kv heads x 64 dims x 2 (K, V) x 4 bytes = 4 KiB per token
+    shape = size_pool(num_layers=2, num_kv_heads=4, head_dim=64, page_size=16, dtype="float32",
+                      max_total_tokens=None, mem_fraction_static=None, weights_bytes=0, platform="cpu")
+    assert shape.bytes_per_token == 4096
+    assert shape.num_tokens == 2 * GIB // 4096  # 524288: already 3 significant bits
+    assert shape.num_tokens * shape.bytes_per_token <= 2 * GIB
+    assert "KV pool: 524288 tokens" in caplog.text and "min(2 GiB, 10%" in caplog.text
+    explicit = size_pool(num_layers=2, num_kv_heads=4, head_dim=64, page_size=16, dtype="float32",
+                         max_total_tokens=4096, mem_fraction_static=None, weights_bytes=0, platform="cpu")
+    assert explicit.num_tokens == 4096 and "--max-total-tokens" in caplog.text

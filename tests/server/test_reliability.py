@@ -1,0 +1,167 @@
+"""Faults and overload against a real server (scripts/serve.py on the tiny checkpoint): engine death,
+the bounded queue, and the SIGTERM drain. Each test starts its own server, since each ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess
+
+LONG = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+
+def _start(tiny_model_dir, tmp_path, *flags: str, env: dict | None = None) -> ServerProcess:
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:  # ServerProcess passes os.environ to the child
+        proc = ServerProcess(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, *flags], tmp_path / "server.log")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    proc.wait_healthy()
+    return proc
+
+
+async def _stream_events(client: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None) -> list:
+    events = []
+    async with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if started is not None and len(events) == 1:
+                    started.set()
+    return events
+
+
+def _warm(url: str) -> None:
+    """Compile the buckets the test uses before it times anything."""
+    httpx.post(url + "/generate", json={"text": "warm up", "sampling_params": {"max_new_tokens": 4}}, timeout=300)
+
+
+def test_engine_death_fails_every_request_and_the_process_exits_non_zero(tiny_model_dir, tmp_path):
+    fault = tmp_path / "fault"
+    server = _start(tiny_model_dir, tmp_path, env={"JAXSERVE_TEST_FAULT_FILE": str(fault)})
+    try:
+        _warm(server.url)
+
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                streams_started = [asyncio.Event() for _ in range(4)]
+                streams = [asyncio.create_task(_stream_events(client, {"text": f"story {i}", "sampling_params": LONG}, e))
+                           for i, e in enumerate(streams_started)]
+                posts = [asyncio.create_task(client.post("/generate", json={"text": f"essay {i}", "sampling_params": LONG}))
+                         for i in range(4)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streams_started)), 60)
+                fault.touch()
+                t0 = time.monotonic()
+                results = await asyncio.gather(*streams, *posts)
+                return results, time.monotonic() - t0
+
+        results, elapsed = asyncio.run(run())
+        assert elapsed < 5, elapsed
+        for events in results[:4]:
+            assert events[-1] == "[DONE]"
+            err = json.loads(events[-2])["error"]
+            assert err["type"] == "server_error" and "InjectedFault" in err["message"]
+        for r in results[4:]:
+            assert r.status_code == 500 and "InjectedFault" in r.json()["error"]["message"]
+        health = httpx.get(server.url + "/health", timeout=5)
+        assert health.status_code == 503 and "InjectedFault" in health.json()["error"]["message"]
+        assert server.proc.wait(60) != 0
+        log = server.log()
+        assert log.count("Traceback") == 1 and "the engine died" in log, log[-3000:]
+    finally:
+        server.stop()
+
+
+def test_overload_is_a_503_with_retry_after(tiny_model_dir, tmp_path):
+    server = _start(tiny_model_dir, tmp_path, "--max-queued-requests", "4", "--max-running-requests", "2")
+    try:
+        _warm(server.url)
+        params = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+        bodies = [{"text": f"Request {i}: tell me about item {i * 7 % 13}", "sampling_params": params} for i in range(16)]
+
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                return await asyncio.gather(*(client.post("/generate", json=b) for b in bodies))
+
+        responses = asyncio.run(run())
+        ok = [i for i, r in enumerate(responses) if r.status_code == 200]
+        rejected = [r for r in responses if r.status_code != 200]
+        assert len(ok) >= 4 and rejected, [r.status_code for r in responses]  # the queue bound is admitted at least
+        for r in rejected:
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["code"] == "unavailable" and "queue is full" in r.json()["error"]["message"]
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            for i in ok:  # alone, one at a time: the same greedy output
+                assert http.post("/generate", json=bodies[i]).json()["output_ids"] == responses[i].json()["output_ids"]
+            metrics = http.get("/metrics").text
+        line = next(x for x in metrics.splitlines() if x.startswith("jaxserve_num_rejected_requests_total") and "queue_full" in x)
+        assert float(line.split()[-1]) == len(rejected)
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_running_streams_and_exits_zero(tiny_model_dir, tmp_path):
+    server = _start(tiny_model_dir, tmp_path)
+    try:
+        _warm(server.url)
+
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                started = [asyncio.Event() for _ in range(4)]
+                streams = [asyncio.create_task(_stream_events(client, {"text": f"tale {i}", "sampling_params": LONG}, e))
+                           for i, e in enumerate(started)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+                server.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+                async with httpx.AsyncClient(base_url=server.url, timeout=10) as fresh:
+                    during = await fresh.post("/generate", json={"text": "late", "sampling_params": {"max_new_tokens": 2}})
+                    health = await fresh.get("/health")
+                return await asyncio.gather(*streams), during, health
+
+        results, during, health = asyncio.run(run())
+        assert during.status_code == 503 and "shutting down" in during.json()["error"]["message"]
+        assert health.status_code == 503
+        for events in results:
+            assert events[-1] == "[DONE]"
+            last = json.loads(events[-2])
+            assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+            assert len(last["output_ids"]) == 200
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("timeout_s", ["0.5"])
+def test_sigterm_past_the_shutdown_timeout_aborts_with_a_reason(tiny_model_dir, tmp_path, timeout_s):
+    server = _start(tiny_model_dir, tmp_path, "--shutdown-timeout", timeout_s, "--context-length", "4096")
+    try:
+        _warm(server.url)
+        long = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
+
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                started = asyncio.Event()
+                stream = asyncio.create_task(_stream_events(client, {"text": "saga", "sampling_params": long}, started))
+                await asyncio.wait_for(started.wait(), 60)
+                server.proc.send_signal(signal.SIGTERM)
+                return await stream
+
+        events = asyncio.run(run())
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        reason = last["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "--shutdown-timeout" in reason["message"], reason
+        assert 0 < len(last["output_ids"]) < 4000
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
