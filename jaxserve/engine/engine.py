@@ -172,6 +172,8 @@ class Engine:
                 schedule_policy=args.schedule_policy,
                 disable_radix_cache=args.disable_radix_cache,
                 seed=args.random_seed,
+                prefill_decode_itl_ratio=args.prefill_decode_itl_ratio,
+                min_prefill_budget=args.min_prefill_budget,
             ),
             self.cache,
         )
@@ -325,6 +327,7 @@ class Engine:
         if batch is None:
             self._idle_checks()
             return outputs
+        t0 = time.perf_counter()
         want_prompt_logprobs = any(r.wants_input_logprobs and r.kv_len < len(r.input_ids) for r in batch.reqs)
         logits = self.runner.forward(batch.entries(want_prompt_logprobs), input_logprobs=want_prompt_logprobs)
         if want_prompt_logprobs:
@@ -332,6 +335,7 @@ class Engine:
             self._record_prompt_logprobs(batch, prompt_logprobs)
         sampling, flags = self._sampling_inputs(batch, logits.shape[0])
         sampled = self.runner.sample(logits, sampling, flags)  # numpy: converted in the call
+        self.scheduler.observe_step(batch, time.perf_counter() - t0)
         return outputs + self._postprocess(batch, sampled)
 
     def _record_prompt_logprobs(self, batch: ScheduleBatch, prompt_logprobs: np.ndarray) -> None:
