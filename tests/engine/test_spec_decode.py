@@ -6,6 +6,8 @@ brute force for the n-gram search and the tree continuation.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -115,3 +117,108 @@ def test_greedy_identical_with_speculation(tiny_model_dir, plain_outputs, batche
     snap = eng.snapshot()
     assert snap.spec_accept_length > 1 and 0 < snap.spec_accept_rate <= 1
     assert_no_leak(eng)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return make_engine(tiny_model_dir, max_running_requests=64)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model_dir):
+    return spec_engine(tiny_model_dir, max_running_requests=64)
+
+
+def outputs(eng, prompts, params, **kwargs):
+    res = eng.generate(prompts, params, **kwargs)
+    return [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in res]
+
+
+def test_seeded_sampling_identical_and_reproducible(plain, spec):
+    """Each verified position draws with the key plain decoding uses for that output position, so a
+    seeded request gives the same tokens with speculation on and off (and twice with it on)."""
+    prompts = copy_prompts(6, seed=3)
+    params = [{"max_new_tokens": 20, "temperature": 0.7, "seed": 100 + i, "ignore_eos": True} for i in range(6)]
+    before = spec.stats.num_spec_accepted_tokens
+    ref = outputs(plain, prompts, params)
+    assert outputs(spec, prompts, params) == ref
+    assert outputs(spec, prompts, params) == ref
+    assert spec.stats.num_spec_accepted_tokens > before
+    n2 = {"max_new_tokens": 12, "temperature": 0.9, "seed": 7, "n": 2, "ignore_eos": True}
+    assert outputs(spec, prompts[:2], n2) == outputs(plain, prompts[:2], n2)
+
+
+def test_stop_inside_an_accepted_run(plain, spec):
+    """Served once first, the prompt's continuation is in the tree, so each verification accepts whole
+    drafts: the stop string, stop token and max_new_tokens fall inside accepted runs."""
+    prompts = copy_prompts(4, seed=5)
+    full = outputs(plain, prompts, GREEDY)
+    outputs(spec, prompts, GREEDY)  # fills the tree
+    for (ids, text, _), prompt in zip(full, prompts):
+        stop_token = ids[9]
+        cut = len(text) // 2
+        cases = [
+            {**GREEDY, "stop": [text[cut : cut + 3]]},
+            {**GREEDY, "stop_token_ids": [stop_token]},
+            {**GREEDY, "max_new_tokens": 7},
+        ]
+        for params in cases:
+            before = spec.stats.num_spec_accepted_tokens
+            got = outputs(spec, [prompt], params)
+            assert got == outputs(plain, [prompt], params), params
+            assert spec.stats.num_spec_accepted_tokens > before
+    assert_no_leak_keeping_engine(spec)
+
+
+def assert_no_leak_keeping_engine(engine: Engine) -> None:
+    engine.cache.check_integrity([])
+    assert engine.allocator.num_free + engine.tree.total_size() // engine.args.page_size == engine.allocator.num_usable
+
+
+def test_logprobs_of_accepted_tokens(plain, spec):
+    prompts = copy_prompts(3, seed=8)
+    outputs(spec, prompts, GREEDY)  # tree continuations: drafts get accepted
+    ref = plain.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
+    got = spec.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
+    for r, g in zip(ref, got):
+        assert g["output_ids"] == r["output_ids"]
+        lp_r = [lp for lp, _ in r["meta_info"]["output_token_logprobs"]]
+        lp_g = [lp for lp, _ in g["meta_info"]["output_token_logprobs"]]
+        np.testing.assert_allclose(lp_g, lp_r, atol=1e-4)
+        assert [[t for _, t in row] for row in g["meta_info"]["output_top_logprobs"]] == \
+            [[t for _, t in row] for row in r["meta_info"]["output_top_logprobs"]]
+
+
+def test_grammar_constrained_request(plain, spec):
+    params = {"max_new_tokens": 30, "temperature": 0, "regex": "(foo|bar)( (foo|bar)){3,40}"}
+    prompts = copy_prompts(3, seed=9)
+    ref = outputs(plain, prompts, params)
+    assert outputs(spec, prompts, params) == ref
+    before = spec.stats.num_spec_accepted_tokens
+    assert outputs(spec, prompts, params) == ref  # now with tree drafts
+    assert spec.stats.num_spec_accepted_tokens > before
+    for _, text, finish in ref:
+        pattern = "(foo|bar)( (foo|bar)){3,40}" if finish["type"] == "stop" else "(foo|bar)( (foo|bar))*( (f|fo|b|ba)?)?"
+        assert re.fullmatch(pattern, text), (text, finish)
+
+
+def test_retraction_with_speculation_stays_exact(tiny_model_dir, plain):
+    prompts = copy_prompts(16, seed=11)
+    ref = outputs(plain, prompts, GREEDY)
+    eng = spec_engine(tiny_model_dir, max_total_tokens=400, disable_radix_cache=True, max_running_requests=64)
+    assert outputs(eng, prompts, GREEDY) == ref
+    assert eng.scheduler.num_retractions > 0
+    assert eng.allocator.num_free == eng.allocator.num_usable
+
+
+def test_no_compile_after_warmup_with_speculation(tiny_model_dir):
+    eng = spec_engine(tiny_model_dir, disable_precompile=False, max_running_requests=8, chunked_prefill_size=32,
+                      context_length=256)
+    rng = np.random.default_rng(1)
+    prompts = copy_prompts(24, seed=12)
+    params = [{"max_new_tokens": int(rng.integers(1, 30)), "temperature": float(rng.choice([0.0, 0.8]))} for _ in prompts]
+    params[:4] = [{"max_new_tokens": 30, "temperature": 0.0}] * 4
+    eng.generate(prompts, params)
+    eng.generate(prompts[:4], params[:4])  # greedy again: drafts from the tree
+    assert eng.stats.num_spec_accepted_tokens > 0
+    assert eng.runner.num_compiles_after_warmup == 0
