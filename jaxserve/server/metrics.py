@@ -58,6 +58,8 @@ class _EngineCollector(Collector):
         yield self._gauge("kv_evictable_tokens", "KV tokens held by the cache and evictable", s.kv_evictable_tokens)
         yield self._gauge("gen_throughput", "Generated tokens per second (last log interval)", s.gen_throughput)
         yield self._gauge("cache_hit_rate", "Cached / prompt tokens over the process lifetime", s.cache_hit_rate)
+        yield self._gauge("spec_accept_length", "Speculative decoding: mean tokens per verifying sequence-forward (accepted drafts + 1), lifetime", s.spec_accept_length)
+        yield self._gauge("spec_accept_rate", "Speculative decoding: accepted / proposed draft tokens, lifetime", s.spec_accept_rate)
         if self._extra_fn is not None:
             yield from self._extra_fn(self._labels)
 

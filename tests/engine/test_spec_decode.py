@@ -222,3 +222,17 @@ def test_no_compile_after_warmup_with_speculation(tiny_model_dir):
     eng.generate(prompts[:4], params[:4])  # greedy again: drafts from the tree
     assert eng.stats.num_spec_accepted_tokens > 0
     assert eng.runner.num_compiles_after_warmup == 0
+
+
+def test_acceptance_metrics_exported(spec):
+    from jaxserve.server.metrics import ServingMetrics
+
+    outputs(spec, copy_prompts(1, seed=21), GREEDY)
+    outputs(spec, copy_prompts(1, seed=21), GREEDY)  # tree drafts: some accepted
+    s = spec.stats
+    assert s.num_spec_accepted_tokens > 0
+    text = ServingMetrics(spec.snapshot, "tiny").render().decode()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("jaxserve_spec")}
+    length = (s.num_spec_accepted_tokens + s.num_spec_verifications) / s.num_spec_verifications
+    assert values["jaxserve_spec_accept_length"] == pytest.approx(length)
+    assert values["jaxserve_spec_accept_rate"] == pytest.approx(s.num_spec_accepted_tokens / s.num_spec_draft_tokens)
