@@ -31,7 +31,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.model_runner import BatchEntry, ModelRunner
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, new_rid
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
-from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_draft, num_accepted
+from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts, num_accepted
 from jaxserve.model.loader import load_model
 from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path
 from jaxserve.pallas import get_attention_backend
@@ -167,6 +167,18 @@ class Engine:
             ReleasePolicyConfig.from_server_args(args), self.tree, self.allocator, self.pool_shape
         )
         self.cache = CacheManager(self.allocator, self.tree, args.page_size, self.release_policy)
+        chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
+        self.runner = ModelRunner(
+            cfg,
+            params,
+            k_pool,
+            v_pool,
+            attn_fn=get_attention_backend(args.attention_backend),
+            layer_loop=args.layer_loop,
+            max_running_requests=args.max_running_requests,
+            max_extend_tokens=min(chunk, self.context_length),
+            context_length=self.context_length,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 page_size=args.page_size,
@@ -180,20 +192,9 @@ class Engine:
                 seed=args.random_seed,
                 prefill_decode_itl_ratio=args.prefill_decode_itl_ratio,
                 min_prefill_budget=args.min_prefill_budget,
+                extend_token_buckets=tuple(self.runner.extend_tokens),
             ),
             self.cache,
-        )
-        chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
-        self.runner = ModelRunner(
-            cfg,
-            params,
-            k_pool,
-            v_pool,
-            attn_fn=get_attention_backend(args.attention_backend),
-            layer_loop=args.layer_loop,
-            max_running_requests=args.max_running_requests,
-            max_extend_tokens=min(chunk, self.context_length),
-            context_length=self.context_length,
         )
         if self.release_policy is not None:
             self.release_policy.attach_io(self.runner)  # host tier and copy-on-write copy through the runner
@@ -337,7 +338,8 @@ class Engine:
             return outputs
         t0 = time.perf_counter()
         if self.speculator is not None and self.speculator.should_speculate(batch.reqs, batch.is_decode_only):
-            drafts = self._propose_drafts(batch.reqs)
+            rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
+            drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
             if any(drafts):
                 return outputs + self._speculative_step(batch, drafts, t0)
         want_prompt_logprobs = any(r.wants_input_logprobs and r.kv_len < len(r.input_ids) for r in batch.reqs)
@@ -454,28 +456,13 @@ class Engine:
         return self._append_tokens(req, forced)
 
     # ---- speculative decoding (jaxserve/engine/speculative/) ------------------------------------
-    def _propose_drafts(self, reqs: Sequence[Req]) -> list[list[int]]:
-        """A draft per decoding request, with pages for its verification. Drafts stop before
-        max_new_tokens and the context, and share the verify forward's logits rows (one per token,
-        at most the sequence bucket)."""
-        rows_left = min(self.runner.max_seqs, self.runner.max_extend_tokens) - len(reqs)
-        drafts = []
-        for req in reqs:
-            room = min(rows_left, req.remaining_new_tokens() - 1, self.context_length - req.fill_len)
-            draft = self.speculator.propose(req, room) if room > 0 else []
-            if draft and not self.cache.grow(req, req.kv_len + 1 + len(draft)):
-                draft = []
-            rows_left -= len(draft)
-            drafts.append(draft)
-        return drafts
-
     def _speculative_step(self, batch: ScheduleBatch, drafts: list[list[int]], t0: float) -> list[StepOutput]:
         """Verify every request's draft in one forward (its last token + K drafts, logits at each),
         sample each position as plain decoding would, keep the agreeing prefix, roll back the rest."""
         reqs = batch.reqs
         bitmask = None
         if any(r.grammar is not None for r in reqs):
-            drafts, bitmask = self._constrain_drafts(reqs, drafts)
+            drafts, bitmask = constrain_drafts(reqs, drafts, self.model_config.vocab_size)
         entries = [
             BatchEntry([r.fill_ids[r.kv_len]] + d, r.kv_len, r.page_table, num_logits=1 + len(d))
             for r, d in zip(reqs, drafts)
@@ -505,19 +492,6 @@ class Engine:
             outputs.append(self._output(req, new_ids, delta))
             row += len(draft) + 1
         return outputs
-
-    def _constrain_drafts(self, reqs: Sequence[Req], drafts: list[list[int]]) -> tuple[list[list[int]], np.ndarray]:
-        """Cut grammar requests' drafts at the first rejected token; the bitmask with one row per
-        verified position (the grammar's state after the draft tokens before it)."""
-        vocab = self.model_config.vocab_size
-        kept, masks = [], []
-        for req, draft in zip(reqs, drafts):
-            rows = allocate_bitmask(len(draft) + 1, vocab)
-            if req.grammar is not None:
-                draft = constrain_draft(req.grammar, draft, rows)
-            kept.append(draft)
-            masks.append(rows[: len(draft) + 1])
-        return kept, np.concatenate(masks)
 
     def _record_spec(self, num_draft: int, accepted: int) -> None:
         self.stats.num_spec_verifications += 1

@@ -65,12 +65,16 @@ class PrefillBudget:
         return None
 
     def budget(self, num_decodes: int) -> int:
-        """Prefill tokens a step beside `num_decodes` running decodes may take (`max_tokens` when the
-        bound is off or no decode runs; `min_tokens` until both costs have been measured)."""
+        """Prefill tokens a step beside `num_decodes` running decodes may take: `max_tokens` when the
+        bound is off or no decode runs; 0 while no decode-only step of this batch size (or a smaller
+        one) has been measured, so the scheduler runs one and measures it (steps with a chunk never
+        show the decode cost alone); `min_tokens` while no prefill has been measured."""
         if not self.enabled or num_decodes == 0:
             return self.max_tokens
         decode = self.decode_seconds(num_decodes)
-        if decode is None or self._seconds_per_token is None:
+        if decode is None:
+            return 0
+        if self._seconds_per_token is None:
             return self.min_tokens
         if self._seconds_per_token <= 0:
             return self.max_tokens

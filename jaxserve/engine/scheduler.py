@@ -66,6 +66,9 @@ class SchedulerConfig:
     seed: int = 0
     prefill_decode_itl_ratio: float = 0.0  # 0: no bound on the prefill tokens beside decodes
     min_prefill_budget: int = 32
+    # the model runner's extend token buckets: a capped step is filled up to its bucket, whose padding
+    # rows cost the same compute as real tokens
+    extend_token_buckets: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -137,11 +140,16 @@ class Scheduler:
         num_decodes = sum(1 for r in batch.reqs if r in self.running)
         self.prefill_budget.observe(num_decodes, sum(batch.extend_lens) - num_decodes, seconds)
 
+    def _fill_bucket(self, num_tokens: int) -> int:
+        """The step's token count rounded up to its extend bucket (unchanged past the largest)."""
+        return next((t for t in self.config.extend_token_buckets if t >= num_tokens), num_tokens)
+
     def _schedule_prefill(self, num_decodes: int) -> ScheduleBatch | None:
         chunking = self.config.chunked_prefill_size > 0
         budget = self._token_budget()
         if self.running:
-            budget = min(budget, num_decodes + self.prefill_budget.budget(len(self.running)))
+            cap = self.prefill_budget.budget(len(self.running))  # 0: measure a decode-only step first
+            budget = min(budget, self._fill_bucket(num_decodes + cap) if cap else num_decodes)
         reserved = sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running)
         adder = PrefillAdder(
             cache=self.cache,

@@ -6,7 +6,8 @@ from jaxserve.engine.speculative.decoder import (
     SpeculativeConfig,
     SpeculativeStats,
     constrain_draft,
+    constrain_drafts,
 )
 from jaxserve.engine.speculative.ngram import ngram_draft
 
-__all__ = ["NgramSpeculator", "SpeculativeConfig", "SpeculativeStats", "constrain_draft", "ngram_draft", "num_accepted"]
+__all__ = ["NgramSpeculator", "SpeculativeConfig", "SpeculativeStats", "constrain_draft", "constrain_drafts", "ngram_draft", "num_accepted"]

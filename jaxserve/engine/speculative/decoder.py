@@ -19,12 +19,13 @@ The engine owns the step itself (`Engine._speculative_step`); this module owns t
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from jaxtyping import Int32
 
 from jaxserve.cache.radix_tree import RadixCache
+from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine.request import Req
 from jaxserve.engine.speculative.ngram import ngram_draft
 
@@ -86,6 +87,24 @@ class NgramSpeculator:
     def should_speculate(self, reqs: Sequence[Req], is_decode_only: bool) -> bool:
         return is_decode_only and 0 < len(reqs) <= self.config.max_batch_size
 
+    def propose_batch(
+        self, reqs: Sequence[Req], max_rows: int, context_length: int, grow: Callable[[Req, int], bool]
+    ) -> list[list[int]]:
+        """A draft per decoding request, with KV pages for its verification (`grow(req, kv_len)`, the
+        cache manager's; a request whose pages cannot grow gets no draft). A draft stops before
+        max_new_tokens and the context, and all requests' tokens share the verify step's `max_rows`
+        logits rows (one per verified token)."""
+        rows_left = max_rows - len(reqs)
+        drafts = []
+        for req in reqs:
+            room = min(rows_left, req.remaining_new_tokens() - 1, context_length - req.fill_len)
+            draft = self.propose(req, room) if room > 0 else []
+            if draft and not grow(req, req.kv_len + 1 + len(draft)):
+                draft = []
+            rows_left -= len(draft)
+            drafts.append(draft)
+        return drafts
+
     def propose(self, req: Req, max_tokens: int) -> list[int]:
         """Up to min(K, max_tokens) draft tokens to follow `req.fill_ids`."""
         k = min(self.config.num_draft_tokens, max_tokens)
@@ -116,3 +135,19 @@ def constrain_draft(grammar, draft: Sequence[int], rows: Int32[np.ndarray, "K1 W
     if kept:
         grammar.rollback(len(kept))
     return kept
+
+
+def constrain_drafts(
+    reqs: Sequence[Req], drafts: Sequence[Sequence[int]], vocab_size: int
+) -> tuple[list[list[int]], Int32[np.ndarray, "R W"]]:
+    """`constrain_draft` for every grammar request of a verify step. Returns the drafts (cut) and the
+    step's bitmask, one row per verified position (R = sum of len(draft) + 1; all allowed for requests
+    without a grammar)."""
+    kept, masks = [], []
+    for req, draft in zip(reqs, drafts):
+        rows = allocate_bitmask(len(draft) + 1, vocab_size)
+        if req.grammar is not None:
+            draft = constrain_draft(req.grammar, draft, rows)
+        kept.append(list(draft))
+        masks.append(rows[: len(draft) + 1])
+    return kept, np.concatenate(masks)
