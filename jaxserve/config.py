@@ -268,6 +268,20 @@ class ServerArgs:
         None, "how replies are parsed into tool_calls: qwen25 | qwen | hermes (<tool_call>{json}</tool_call>) or "
         "llama3 (a JSON reply); names as SGLang's (default: qwen25)", group="structured_output",
     )
+    # Decode latency (issue 20): the prefill budget of steps with running decodes, and n-gram speculation
+    prefill_decode_itl_ratio: float = _flag(
+        2.5,
+        "bound a step that runs a prefill chunk beside running decodes to this multiple of a decode-only step "
+        "of the same batch: the scheduler sizes each such step's prefill tokens from the step times it measures; "
+        "0 turns the bound off (every step may take a whole --chunked-prefill-size chunk)",
+        group="scheduling",
+    )
+    min_prefill_budget: int = _flag(32, "fewest prefill tokens a step with running decodes may take (so prompts always progress)", group="scheduling")
+    disable_mixed_chunk: bool = _flag(False, "run prefill chunks and decodes in separate forwards (mixed chunks are the default on CPU, where they measured better)", group="scheduling")
+    speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request and the radix cache), or none", choices=("NGRAM",), group="speculative")
+    speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 12 for NGRAM, as SGLang)", group="speculative")
+    speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
+    speculative_max_batch_size: int = _flag(4, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks)", group="speculative")
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
@@ -283,6 +297,8 @@ class ServerArgs:
             attention_backend=self.attention_backend or ("xla" if on_cpu else "pallas"),
             layer_loop=self.layer_loop or ("host" if on_cpu else "scan"),
             page_size=self.radix_cache_block_size or self.page_size,
+            enable_mixed_chunk=self.enable_mixed_chunk or (on_cpu and not self.disable_mixed_chunk),
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens or (12 if self.speculative_algorithm else None),
         )
         args.validate()
         return args
@@ -312,6 +328,19 @@ class ServerArgs:
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         self._validate_release_policy()
+        self._validate_decode_latency()
+
+    def _validate_decode_latency(self) -> None:
+        if self.prefill_decode_itl_ratio != 0 and self.prefill_decode_itl_ratio <= 1:
+            raise ValueError(f"--prefill-decode-itl-ratio must be > 1, or 0 to turn it off; got {self.prefill_decode_itl_ratio}")
+        if self.min_prefill_budget < 1:
+            raise ValueError(f"--min-prefill-budget must be >= 1, got {self.min_prefill_budget}")
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
+            raise ValueError(f"--speculative-num-draft-tokens must be >= 1, got {self.speculative_num_draft_tokens}")
+        if self.speculative_ngram_max_trie_depth < 1:
+            raise ValueError(f"--speculative-ngram-max-trie-depth must be >= 1, got {self.speculative_ngram_max_trie_depth}")
+        if self.speculative_max_batch_size < 0:
+            raise ValueError(f"--speculative-max-batch-size must be >= 0, got {self.speculative_max_batch_size}")
 
     def _validate_release_policy(self) -> None:
         block = self.radix_cache_block_size

@@ -146,6 +146,49 @@ def sample_generated_shared_prefix_requests(
     return [rows[i] for i in order]
 
 
+COPY_HEAVY_TASKS = ("rewrite", "code-edit", "extract")
+
+
+def _sentence(rng: np.random.Generator) -> str:
+    words = [FALLBACK_WORDS[i] for i in rng.choice(len(FALLBACK_WORDS), size=int(rng.integers(6, 13)))]
+    return " ".join(words).capitalize() + "."
+
+
+def _copy_heavy_prompt(task: str, rng: np.random.Generator, num_sentences: int) -> str:
+    if task == "rewrite":
+        passage = " ".join(_sentence(rng) for _ in range(num_sentences))
+        return f"Copy the passage below word for word, then continue it.\n\nPassage:\n{passage}\n\nCopy:\n"
+    if task == "code-edit":
+        names = [FALLBACK_WORDS[i] for i in rng.choice(len(FALLBACK_WORDS), size=3 * num_sentences)]
+        funcs = [
+            f"def {a}_{b}(items, {c}=0):\n    total = {c}\n    for item in items:\n        total += item.{b}\n"
+            f"    return total\n"
+            for a, b, c in zip(names[0::3], names[1::3], names[2::3])
+        ]
+        code = "\n".join(funcs)
+        return (f"Rename the parameter `items` to `values` everywhere in this code and print the whole edited "
+                f"file.\n\n```python\n{code}```\n\nEdited file:\n```python\n")
+    fields = {name: " ".join(FALLBACK_WORDS[i] for i in rng.choice(len(FALLBACK_WORDS), size=3))
+              for name in ("name", "street", "city", "company", "title", "department", "project", "manager")}
+    notes = " ".join(_sentence(rng) for _ in range(max(1, num_sentences // 2)))
+    doc = "\n".join(f"{k.capitalize()}: {v}" for k, v in fields.items())
+    return f"Document:\n{doc}\nNotes: {notes}\n\nExtract every field of the document as JSON with the same values.\nJSON:\n{{\n"
+
+
+def sample_copy_heavy_requests(
+    tokenizer: Tokenizer | None, rng: np.random.Generator, num_prompts: int, num_sentences: int, output_len: int
+) -> list[DatasetRow]:
+    """Prompts whose answers reuse their own text (issue 20's workload for n-gram speculation): copy and
+    continue a passage, rename a parameter in a code block, extract a document's fields as JSON, in
+    turn. Passages are random common English words (`num_sentences` sentences of 6-12 words)."""
+    count = token_counter(tokenizer) or estimate_num_tokens
+    rows = []
+    for i in range(num_prompts):
+        prompt = _copy_heavy_prompt(COPY_HEAVY_TASKS[i % len(COPY_HEAVY_TASKS)], rng, num_sentences)
+        rows.append(DatasetRow(prompt, count(prompt), output_len))
+    return rows
+
+
 def estimate_num_tokens(text: str) -> int:
     """About 4 characters per token for English text with BPE vocabularies (OpenAI's rule of thumb)."""
     return max(1, round(len(text) / 4))
@@ -667,6 +710,8 @@ def build_dataset(args: argparse.Namespace, tokenizer: Tokenizer | None, rng: np
             PromptSampler(tokenizer, rng), args.gsp_num_groups, args.gsp_prompts_per_group,
             args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
         )
+    if args.dataset_name == "copy-heavy":
+        return sample_copy_heavy_requests(tokenizer, rng, args.num_prompts, args.copy_num_sentences, args.copy_output_len)
     if not args.dataset_path:
         raise SystemExit("--dataset-name sharegpt needs --dataset-path (a local ShareGPT JSON file)")
     count = token_counter(tokenizer) or estimate_num_tokens
@@ -720,7 +765,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model name for OpenAI APIs; default: GET /v1/models")
     p.add_argument("--tokenizer", default=None, help="local path; default: the server's /get_model_info")
     p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
-    p.add_argument("--dataset-name", choices=["random", "generated-shared-prefix", "sharegpt"], default="random")
+    p.add_argument("--dataset-name", choices=["random", "generated-shared-prefix", "sharegpt", "copy-heavy"], default="random")
     p.add_argument("--dataset-path", default=None, help="local ShareGPT JSON file")
     p.add_argument("--num-prompts", type=int, default=1000,
                    help="random and sharegpt; generated-shared-prefix sends groups x prompts-per-group")
@@ -733,6 +778,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
     p.add_argument("--gsp-question-len", type=int, default=128)
     p.add_argument("--gsp-output-len", type=int, default=256)
+    p.add_argument("--copy-num-sentences", type=int, default=6, help="copy-heavy: sentences (or functions) per prompt")
+    p.add_argument("--copy-output-len", type=int, default=128, help="copy-heavy: max_new_tokens")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=1)

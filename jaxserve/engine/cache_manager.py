@@ -108,6 +108,14 @@ class CacheManager:
             self.num_evicted_tokens += (self.allocator.num_free - before) * self.page_size
         return self.allocator.can_allocate(num_pages)
 
+    def truncate(self, req: Req) -> None:
+        """Free the private pages past the ones covering [0, req.kv_len): speculative decoding's
+        rollback of pages that held only rejected draft tokens."""
+        keep = -(-req.kv_len // self.page_size)
+        if len(req.page_table) > keep:
+            self.allocator.free(req.page_table[keep:])
+            del req.page_table[keep:]
+
     def cache_prefix(self, req: Req) -> None:
         """Insert the computed, page-aligned prefix of `req` into the tree and move its lock there."""
         if self.policy is not None and req.rid in self._unadmitted:

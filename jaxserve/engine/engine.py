@@ -28,9 +28,10 @@ from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.model_runner import ModelRunner
+from jaxserve.engine.model_runner import BatchEntry, ModelRunner
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, new_rid
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
+from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts, num_accepted
 from jaxserve.model.loader import load_model
 from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path
 from jaxserve.pallas import get_attention_backend
@@ -91,6 +92,9 @@ class EngineStats:
     cached_tokens: int = 0
     num_steps: int = 0
     num_decode_steps: int = 0
+    num_spec_verifications: int = 0  # sequences verified with drafts, one per sequence per forward
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     release_mode: str = "off"  # gauge: the KV release policy's adaptive mode (jaxserve/cache/adaptive.py)
 
 
@@ -114,6 +118,8 @@ class EngineSnapshot:
     token_usage: float
     cache_hit_rate: float
     gen_throughput: float
+    spec_accept_length: float = 0.0  # mean tokens per verifying sequence-forward (SGLang's name); 0: none yet
+    spec_accept_rate: float = 0.0  # accepted / proposed draft tokens
 
 
 class Engine:
@@ -162,20 +168,6 @@ class Engine:
             ReleasePolicyConfig.from_server_args(args), self.tree, self.allocator, self.pool_shape
         )
         self.cache = CacheManager(self.allocator, self.tree, args.page_size, self.release_policy)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                page_size=args.page_size,
-                max_running_requests=args.max_running_requests,
-                # the token budget of a step never exceeds the largest compiled extend bucket
-                max_prefill_tokens=min(args.max_prefill_tokens, self.context_length),
-                chunked_prefill_size=min(args.chunked_prefill_size, self.context_length),
-                enable_mixed_chunk=args.enable_mixed_chunk,
-                schedule_policy=args.schedule_policy,
-                disable_radix_cache=args.disable_radix_cache,
-                seed=args.random_seed,
-            ),
-            self.cache,
-        )
         chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
         self.runner = ModelRunner(
             cfg,
@@ -188,6 +180,23 @@ class Engine:
             max_extend_tokens=min(chunk, self.context_length),
             context_length=self.context_length,
         )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                page_size=args.page_size,
+                max_running_requests=args.max_running_requests,
+                # the token budget of a step never exceeds the largest compiled extend bucket
+                max_prefill_tokens=min(args.max_prefill_tokens, self.context_length),
+                chunked_prefill_size=min(args.chunked_prefill_size, self.context_length),
+                enable_mixed_chunk=args.enable_mixed_chunk,
+                schedule_policy=args.schedule_policy,
+                disable_radix_cache=args.disable_radix_cache,
+                seed=args.random_seed,
+                prefill_decode_itl_ratio=args.prefill_decode_itl_ratio,
+                min_prefill_budget=args.min_prefill_budget,
+                extend_token_buckets=tuple(self.runner.extend_tokens),
+            ),
+            self.cache,
+        )
         if self.release_policy is not None:
             self.release_policy.attach_io(self.runner)  # host tier and copy-on-write copy through the runner
         self.grammar_backend = get_grammar_backend(
@@ -195,6 +204,8 @@ class Engine:
             vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids,
         )
         self.grammar_queue: GrammarQueue[Req] = GrammarQueue(GrammarCompiler(self.grammar_backend))
+        spec_config = SpeculativeConfig.from_server_args(args)
+        self.speculator = NgramSpeculator(spec_config, self.tree) if spec_config is not None else None
         self._rng = random.Random(args.random_seed)
         self._reqs: dict[str, Req] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -339,13 +350,20 @@ class Engine:
         if batch is None:
             self._idle_checks()
             return outputs
+        t0 = time.perf_counter()
+        if self.speculator is not None and self.speculator.should_speculate(batch.reqs, batch.is_decode_only):
+            rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
+            drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
+            if any(drafts):
+                return outputs + self._speculative_step(batch, drafts, t0)
         want_prompt_logprobs = any(r.wants_input_logprobs and r.kv_len < len(r.input_ids) for r in batch.reqs)
         logits = self.runner.forward(batch.entries(want_prompt_logprobs), input_logprobs=want_prompt_logprobs)
         if want_prompt_logprobs:
             logits, prompt_logprobs = logits
             self._record_prompt_logprobs(batch, prompt_logprobs)
-        sampling, flags = self._sampling_inputs(batch, logits.shape[0])
+        sampling, flags = self._sampling_rows([(r, ()) for r in batch.reqs], self._grammar_bitmask(batch.reqs), logits.shape[0])
         sampled = self.runner.sample(logits, sampling, flags)  # numpy: converted in the call
+        self.scheduler.observe_step(batch, time.perf_counter() - t0)
         return outputs + self._postprocess(batch, sampled)
 
     def _record_prompt_logprobs(self, batch: ScheduleBatch, prompt_logprobs: np.ndarray) -> None:
@@ -389,8 +407,10 @@ class Engine:
         self.grammar_backend.fill_bitmask_batch([(r.grammar, i) for i, r in enumerate(reqs) if r.grammar is not None], bitmask)
         return bitmask
 
-    def _sampling_inputs(self, batch: ScheduleBatch, num_seqs: int):
-        reqs = batch.reqs
+    def _sampling_rows(self, rows: Sequence[tuple[Req, Sequence[int]]], bitmask: np.ndarray | None, num_seqs: int):
+        """Sampler inputs with one row per (request, draft tokens before the row): a row samples the
+        request's output token number len(output_ids) + len(draft) (plain decoding: no draft)."""
+        reqs = [r for r, _ in rows]
         with_logprob = [r for r in reqs if r.return_logprob]
         any_penalty = any(
             r.sampling_params.frequency_penalty or r.sampling_params.presence_penalty
@@ -399,9 +419,9 @@ class Engine:
         return sampler_lib.build_sampling_batch(
             [r.sampling_params for r in reqs],
             [r.seed for r in reqs],
-            [len(r.output_ids) for r in reqs],
-            [(r.fill_ids, len(r.input_ids)) for r in reqs] if any_penalty else None,
-            self._grammar_bitmask(reqs),
+            [len(r.output_ids) + len(d) for r, d in rows],
+            [(r.fill_ids + list(d), len(r.input_ids)) for r, d in rows] if any_penalty else None,
+            bitmask,
             num_seqs,
             self.model_config.vocab_size,
             eos_token_ids=self.eos_token_ids,
@@ -412,12 +432,7 @@ class Engine:
 
     def _postprocess(self, batch: ScheduleBatch, sampled: sampler_lib.SampleOutput) -> list[StepOutput]:
         produced = self.scheduler.advance(batch)
-        self.stats.num_steps += 1
-        self.stats.release_mode = self.cache.release_mode
-        if batch.is_decode_only:
-            self.stats.num_decode_steps += 1
-            if self.stats.num_decode_steps % self.args.decode_log_interval == 0:
-                self._log_stats()
+        self._count_step(batch.is_decode_only)
         now = time.perf_counter()
         outputs = []
         for i, (req, is_real) in enumerate(zip(batch.reqs, produced)):
@@ -427,33 +442,92 @@ class Engine:
                 self._finish(req, finish_length(0))
                 outputs.append(self._output(req, [], ""))
                 continue
-            token = int(sampled.next_tokens[i])
-            if req.first_token_time is None:
-                req.first_token_time = now
-                self.stats.cached_tokens += req.cached_tokens
-            req.last_token_time = now
-            if req.return_logprob:
-                req.output_token_logprobs.append(float(sampled.logprobs[i]))
-                k = req.top_logprobs_num
-                req.output_top_logprobs.append(
-                    [(float(sampled.top_logprobs[i, j]), int(sampled.top_ids[i, j])) for j in range(k)]
-                )
-                if req.token_ids_logprob:
-                    req.output_token_ids_logprobs.append(
-                        [float(x) for x in sampled.token_ids_logprobs[i, : len(req.token_ids_logprob)]]
-                    )
-            new_ids, delta = self._append_tokens(req, [token])
-            # Forced tokens are never sampled, so they have no logprobs: requests that return logprobs
-            # sample every token to keep output_token_logprobs aligned with output_ids.
-            jump_forward = not (self.args.disable_jump_forward or req.return_logprob)
-            if req.grammar is not None and not req.is_finished and jump_forward:
-                forced = req.grammar.jump_forward_tokens()[: req.remaining_new_tokens()]
-                if forced:
-                    req.num_forced_tokens += len(forced)
-                    more_ids, more_text = self._append_tokens(req, forced)
-                    new_ids, delta = new_ids + more_ids, delta + more_text
+            new_ids, delta = self._emit_sampled(req, int(sampled.next_tokens[i]), sampled, i, now)
+            if not req.is_finished:
+                more_ids, more_text = self._jump_forward(req)
+                new_ids, delta = new_ids + more_ids, delta + more_text
             outputs.append(self._output(req, new_ids, delta))
         return outputs
+
+    def _count_step(self, is_decode_only: bool) -> None:
+        self.stats.num_steps += 1
+        self.stats.release_mode = self.cache.release_mode
+        if is_decode_only:
+            self.stats.num_decode_steps += 1
+            if self.stats.num_decode_steps % self.args.decode_log_interval == 0:
+                self._log_stats()
+
+    def _emit_sampled(self, req: Req, token: int, sampled: sampler_lib.SampleOutput, row: int, now: float):
+        """Append a sampled token (row `row` of `sampled`) with its logprobs; returns (ids, text delta)."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.stats.cached_tokens += req.cached_tokens
+        req.last_token_time = now
+        if req.return_logprob:
+            req.output_token_logprobs.append(float(sampled.logprobs[row]))
+            k = req.top_logprobs_num
+            req.output_top_logprobs.append(
+                [(float(sampled.top_logprobs[row, j]), int(sampled.top_ids[row, j])) for j in range(k)]
+            )
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append(
+                    [float(x) for x in sampled.token_ids_logprobs[row, : len(req.token_ids_logprob)]]
+                )
+        return self._append_tokens(req, [token])
+
+    def _jump_forward(self, req: Req) -> tuple[list[int], str]:
+        # Forced tokens are never sampled, so they have no logprobs: requests that return logprobs
+        # sample every token to keep output_token_logprobs aligned with output_ids.
+        if req.grammar is None or self.args.disable_jump_forward or req.return_logprob:
+            return [], ""
+        forced = req.grammar.jump_forward_tokens()[: req.remaining_new_tokens()]
+        if not forced:
+            return [], ""
+        req.num_forced_tokens += len(forced)
+        return self._append_tokens(req, forced)
+
+    # ---- speculative decoding (jaxserve/engine/speculative/) ------------------------------------
+    def _speculative_step(self, batch: ScheduleBatch, drafts: list[list[int]], t0: float) -> list[StepOutput]:
+        """Verify every request's draft in one forward (its last token + K drafts, logits at each),
+        sample each position as plain decoding would, keep the agreeing prefix, roll back the rest."""
+        reqs = batch.reqs
+        bitmask = None
+        if any(r.grammar is not None for r in reqs):
+            drafts, bitmask = constrain_drafts(reqs, drafts, self.model_config.vocab_size)
+        entries = [
+            BatchEntry([r.fill_ids[r.kv_len]] + d, r.kv_len, r.page_table, num_logits=1 + len(d))
+            for r, d in zip(reqs, drafts)
+        ]
+        logits = self.runner.forward(entries)
+        rows = [(r, d[:j]) for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
+        sampling, flags = self._sampling_rows(rows, bitmask, logits.shape[0])
+        sampled = self.runner.sample(logits, sampling, flags)
+        self.scheduler.observe_step(batch, time.perf_counter() - t0)
+        self._count_step(True)
+        now, outputs, row = time.perf_counter(), [], 0
+        for req, draft in zip(reqs, drafts):
+            target = [int(t) for t in sampled.next_tokens[row : row + len(draft) + 1]]
+            accepted = num_accepted(draft, target)
+            self._record_spec(len(draft), accepted)
+            base, new_ids, delta = req.kv_len, [], ""
+            for i, token in enumerate(target[: accepted + 1]):
+                req.kv_len = base + 1 + i  # the KV of every token before this one is in the pool
+                ids, text = self._emit_sampled(req, token, sampled, row + i, now)
+                new_ids, delta = new_ids + ids, delta + text
+                if req.is_finished:
+                    break
+            if not req.is_finished:
+                self.cache.truncate(req)  # pages that held only rejected drafts
+                more_ids, more_text = self._jump_forward(req)
+                new_ids, delta = new_ids + more_ids, delta + more_text
+            outputs.append(self._output(req, new_ids, delta))
+            row += len(draft) + 1
+        return outputs
+
+    def _record_spec(self, num_draft: int, accepted: int) -> None:
+        self.stats.num_spec_verifications += 1
+        self.stats.num_spec_draft_tokens += num_draft
+        self.stats.num_spec_accepted_tokens += accepted
 
     def _append_tokens(self, req: Req, tokens: Sequence[int]) -> tuple[list[int], str]:
         """Append sampled or grammar-forced tokens: detokenize, advance the grammar, detect the finish."""
@@ -519,6 +593,7 @@ class Engine:
         used = self.cache.used_tokens() - self.tree.evictable_size()
         total = self.pool_shape.num_tokens
         s = dataclasses.replace(self.stats)
+        spec = SpeculativeStats(s.num_spec_verifications, s.num_spec_draft_tokens, s.num_spec_accepted_tokens)
         return EngineSnapshot(
             counters=s,
             num_retracted_requests=self.scheduler.num_retractions,
@@ -532,6 +607,8 @@ class Engine:
             token_usage=max(0, used) / total,
             cache_hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             gen_throughput=self._gen_throughput,
+            spec_accept_length=spec.accept_length,
+            spec_accept_rate=spec.accept_rate,
         )
 
     def _log_stats(self) -> None:
@@ -545,6 +622,8 @@ class Engine:
             "cache hit rate: %.3f",
             snap.num_running_reqs, snap.num_queue_reqs, snap.token_usage, snap.gen_throughput, snap.cache_hit_rate,
         )
+        if self.speculator is not None:  # SGLang's decode log adds the same two numbers
+            logger.info("Speculative decoding. accept len: %.2f, accept rate: %.2f", snap.spec_accept_length, snap.spec_accept_rate)
 
     def radix_cache_stats(self) -> RadixCacheStats | None:
         """The KV release policy's stats (None with the radix cache disabled). O(tree nodes)."""

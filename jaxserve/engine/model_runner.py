@@ -194,6 +194,9 @@ class BatchEntry:
     prefix_len: int
     page_table: Sequence[int]
     target_ids: Sequence[int] | None = None  # the token after each new token, for prompt logprobs
+    # logits rows for the last num_logits new tokens (speculative verification needs K + 1); each
+    # takes one row of the bucket's S logits rows, in order
+    num_logits: int = 1
 
 
 class ModelRunner:
@@ -310,15 +313,18 @@ class ModelRunner:
         logits_idx = np.zeros(s_pad, np.int32)
         target_ids = np.full(t_pad, -1, np.int32)
         ps = self.page_size
-        t = 0
-        for s, e in enumerate(entries):
+        t = row = 0
+        if sum(e.num_logits for e in entries) > s_pad:
+            raise ValueError(f"{sum(e.num_logits for e in entries)} logits rows exceed the bucket's {s_pad}")
+        for e in entries:
             n = len(e.token_ids)
             pos = np.arange(e.prefix_len, e.prefix_len + n)
             table = np.asarray(e.page_table, np.int32)
             input_ids[t : t + n] = e.token_ids
             positions[t : t + n] = pos
             slot_mapping[t : t + n] = table[pos // ps] * ps + pos % ps
-            logits_idx[s] = t + n - 1
+            logits_idx[row : row + e.num_logits] = np.arange(t + n - e.num_logits, t + n)
+            row += e.num_logits
             if e.target_ids is not None:
                 target_ids[t : t + len(e.target_ids)] = e.target_ids
             t += n
@@ -343,7 +349,8 @@ class ModelRunner:
 
     # ---- execution -----------------------------------------------------------------------------
     def forward(self, entries: Sequence[BatchEntry], input_logprobs: bool = False) -> jax.Array:
-        """Run one step over `entries`; returns device logits [S_bucket, V] (rows past len(entries) are padding).
+        """Run one step over `entries`; returns device logits [S_bucket, V]: `num_logits` rows per entry,
+        in order (one row each by default); the rows after them are padding.
 
         With `input_logprobs`, returns (logits, prompt logprobs [T_bucket] as numpy) instead.
         """

@@ -6,8 +6,10 @@ decode path below grows every running request by one token, retracting the least
 when the pool runs out (they are re-queued with their output so far and resume exactly).
 
 Batch choice: a prefill batch when requests wait, except that when both prefills and decodes are
-pending they alternate, so a long chunked prompt never stalls running streams. With
-`--enable-mixed-chunk` the decodes ride in the same forward as the prefill chunk.
+pending they alternate, so a long chunked prompt never stalls running streams. With mixed chunks
+(`--enable-mixed-chunk`, the CPU default) the decodes ride in the same forward as the prefill chunk.
+While decodes run, a step's prefill tokens are capped by `PrefillBudget` (measured step times), so a
+chunk delays the running streams' next token by a bounded factor (`--prefill-decode-itl-ratio`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.model_runner import BatchEntry
 from jaxserve.engine.prefill_adder import AddResult, PrefillAdder
+from jaxserve.engine.prefill_budget import PrefillBudget
 from jaxserve.engine.request import Req, ReqStatus
 from jaxserve.engine.schedule_policy import get_policy
 
@@ -61,6 +64,11 @@ class SchedulerConfig:
     schedule_policy: str
     disable_radix_cache: bool
     seed: int = 0
+    prefill_decode_itl_ratio: float = 0.0  # 0: no bound on the prefill tokens beside decodes
+    min_prefill_budget: int = 32
+    # the model runner's extend token buckets: a capped step is filled up to its bucket, whose padding
+    # rows cost the same compute as real tokens
+    extend_token_buckets: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -78,6 +86,11 @@ class Scheduler:
         self._last_was_prefill = False
         self._policy = get_policy(config.schedule_policy, not config.disable_radix_cache)
         self._rng = random.Random(config.seed)
+        self.prefill_budget = PrefillBudget(
+            config.prefill_decode_itl_ratio if config.chunked_prefill_size > 0 else 0.0,
+            config.min_prefill_budget,
+            self._token_budget(),
+        )
 
     # ---- queues ---------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -122,9 +135,21 @@ class Scheduler:
             return min(cfg.max_prefill_tokens, cfg.chunked_prefill_size)
         return cfg.max_prefill_tokens
 
+    def observe_step(self, batch: ScheduleBatch, seconds: float) -> None:
+        """Record how long `batch` took (wall seconds of its forward and sampling), for the prefill budget."""
+        num_decodes = sum(1 for r in batch.reqs if r in self.running)
+        self.prefill_budget.observe(num_decodes, sum(batch.extend_lens) - num_decodes, seconds)
+
+    def _fill_bucket(self, num_tokens: int) -> int:
+        """The step's token count rounded up to its extend bucket (unchanged past the largest)."""
+        return next((t for t in self.config.extend_token_buckets if t >= num_tokens), num_tokens)
+
     def _schedule_prefill(self, num_decodes: int) -> ScheduleBatch | None:
         chunking = self.config.chunked_prefill_size > 0
         budget = self._token_budget()
+        if self.running:
+            cap = self.prefill_budget.budget(len(self.running))  # 0: measure a decode-only step first
+            budget = min(budget, self._fill_bucket(num_decodes + cap) if cap else num_decodes)
         reserved = sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running)
         adder = PrefillAdder(
             cache=self.cache,

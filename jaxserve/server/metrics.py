@@ -55,6 +55,9 @@ class _EngineCollector(Collector):
         yield self._counter("num_aborted_requests", "Requests aborted", c.num_aborted_requests)
         yield self._counter("num_retracted_requests", "Requests retracted to free KV pages", s.num_retracted_requests)
         yield self._counter("jit_compiles", "Compilations after warm-up", s.num_jit_compiles)
+        yield self._counter("spec_verifications", "Speculative decoding: sequences verified with a draft (one per sequence per forward)", c.num_spec_verifications)
+        yield self._counter("spec_draft_tokens", "Speculative decoding: draft tokens proposed", c.num_spec_draft_tokens)
+        yield self._counter("spec_accepted_tokens", "Speculative decoding: draft tokens accepted", c.num_spec_accepted_tokens)
         yield self._gauge("num_running_reqs", "Requests running", s.num_running_reqs)
         yield self._gauge("num_queue_reqs", "Requests waiting", s.num_queue_reqs)
         yield self._gauge("num_grammar_queue_reqs", "Requests waiting for their grammar to compile", s.num_grammar_queue_reqs)
@@ -64,6 +67,8 @@ class _EngineCollector(Collector):
         yield self._gauge("gen_throughput", "Generated tokens per second (last log interval)", s.gen_throughput)
         yield self._gauge("cache_hit_rate", "Cached / prompt tokens over the process lifetime", s.cache_hit_rate)
         yield from sglang_metrics.scheduler_families(s, self._labels[0])
+        yield self._gauge("spec_accept_length", "Speculative decoding: mean tokens per verifying sequence-forward (accepted drafts + 1), lifetime", s.spec_accept_length)
+        yield self._gauge("spec_accept_rate", "Speculative decoding: accepted / proposed draft tokens, lifetime", s.spec_accept_rate)
         if self._extra_fn is not None:
             yield from self._extra_fn(self._labels)
 

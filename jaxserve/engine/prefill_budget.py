@@ -1,0 +1,90 @@
+"""The prefill token budget of a step that also runs decodes, sized from measured step times.
+
+A step that prefills a chunk beside running decodes delays every one of those decodes' next token
+by the chunk's cost. `PrefillBudget` keeps that delay bounded: a step with a chunk may take at most
+`itl_ratio` times a decode-only step of the same batch, so its prefill tokens are
+
+    budget(n) = (itl_ratio - 1) x decode_seconds(n) / prefill_seconds_per_token
+
+clamped to [min_tokens, max_tokens], from exponential moving averages of what the steps took:
+decode_seconds per decode bucket (the power of two of the running batch, which is what the compiled
+step costs), and the marginal seconds per prefill token of steps that had a chunk. The more decodes
+run, the longer a decode step and the larger the chunk they can absorb. Issue 20 measured a
+512-token chunk holding 8 decodes for ~2.5 s against ~120 ms decode steps (P99 / median ITL 1037 /
+118 ms); the bound makes that ratio a setting (`--prefill-decode-itl-ratio`).
+"""
+
+from __future__ import annotations
+
+import math
+
+# weight of the newest step in the moving averages: about the last ten steps count
+EMA_WEIGHT = 0.1
+
+
+class PrefillBudget:
+    """Per-step prefill tokens beside running decodes (see the module docstring).
+
+    Args:
+        itl_ratio: the bound on a chunk step / a decode-only step (> 1); 0 turns the bound off.
+        min_tokens: the least a step with decodes may prefill (prompts always progress).
+        max_tokens: the most (the chunk size).
+    """
+
+    def __init__(self, itl_ratio: float, min_tokens: int, max_tokens: int):
+        self.itl_ratio = itl_ratio
+        self.min_tokens = max(1, min(min_tokens, max_tokens))
+        self.max_tokens = max_tokens
+        self._decode_seconds: dict[int, float] = {}  # decode bucket -> EMA seconds of a decode-only step
+        self._seconds_per_token: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.itl_ratio > 0
+
+    def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        """Record one step: `num_decodes` decoding requests, `num_prefill_tokens` prompt tokens, wall seconds."""
+        if num_prefill_tokens == 0:
+            if num_decodes > 0:
+                key = _bucket(num_decodes)
+                self._decode_seconds[key] = _ema(self._decode_seconds.get(key), seconds)
+            return
+        base = self.decode_seconds(num_decodes) if num_decodes else 0.0
+        per_token = max(seconds - (base or 0.0), 0.0) / num_prefill_tokens
+        self._seconds_per_token = _ema(self._seconds_per_token, per_token)
+
+    def decode_seconds(self, num_decodes: int) -> float | None:
+        """Estimated seconds of a decode-only step of `num_decodes` requests (None before any was seen):
+        the measured bucket, else the nearest smaller measured one scaled by the batch ratio."""
+        key = _bucket(num_decodes)
+        if key in self._decode_seconds:
+            return self._decode_seconds[key]
+        smaller = [k for k in self._decode_seconds if k < key]
+        if smaller:
+            return self._decode_seconds[max(smaller)]  # a lower bound: more decodes never take less time
+        return None
+
+    def budget(self, num_decodes: int) -> int:
+        """Prefill tokens a step beside `num_decodes` running decodes may take: `max_tokens` when the
+        bound is off or no decode runs; 0 while no decode-only step of this batch size (or a smaller
+        one) has been measured, so the scheduler runs one and measures it (steps with a chunk never
+        show the decode cost alone); `min_tokens` while no prefill has been measured."""
+        if not self.enabled or num_decodes == 0:
+            return self.max_tokens
+        decode = self.decode_seconds(num_decodes)
+        if decode is None:
+            return 0
+        if self._seconds_per_token is None:
+            return self.min_tokens
+        if self._seconds_per_token <= 0:
+            return self.max_tokens
+        tokens = math.floor((self.itl_ratio - 1) * decode / self._seconds_per_token)
+        return max(self.min_tokens, min(self.max_tokens, tokens))
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new

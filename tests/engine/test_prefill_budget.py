@@ -1,0 +1,75 @@
+"""PrefillBudget: the prefill tokens beside running decodes follow the measured step costs."""
+
+from __future__ import annotations
+
+from jaxserve.engine.prefill_budget import PrefillBudget
+
+
+def test_budget_from_measured_costs():
+    b = PrefillBudget(itl_ratio=3.0, min_tokens=8, max_tokens=512)
+    assert b.budget(0) == 512  # nothing to stall
+    assert b.budget(4) == 0  # no decode step measured: run one (a decode-only step) first
+    b.observe(num_decodes=4, num_prefill_tokens=0, seconds=0.05)
+    assert b.budget(4) == 8  # no prefill measured: the minimum
+    b.observe(num_decodes=0, num_prefill_tokens=100, seconds=1.0)  # 10 ms per prompt token
+    b.observe(num_decodes=4, num_prefill_tokens=0, seconds=0.05)  # a 4-decode step: 50 ms
+    # (3 - 1) x 50 ms / 10 ms = 10 tokens
+    assert b.budget(4) == 10
+    assert b.budget(3) == 10  # same decode bucket (4)
+    assert b.budget(2) == 0  # bucket 2 not measured, no smaller one: measure it first
+    b.observe(num_decodes=16, num_prefill_tokens=0, seconds=0.5)
+    assert b.budget(16) == 100  # a longer decode step absorbs a larger chunk
+    assert b.budget(9) == 100  # same bucket (16)
+    assert b.budget(5) == 10  # bucket 8 not measured: the nearest smaller measured bucket (4)
+
+
+def test_budget_clamped_and_off():
+    b = PrefillBudget(itl_ratio=2.0, min_tokens=16, max_tokens=64)
+    b.observe(0, 10, 0.001)
+    b.observe(8, 0, 1.0)
+    assert b.budget(8) == 64
+    off = PrefillBudget(itl_ratio=0.0, min_tokens=16, max_tokens=64)
+    off.observe(8, 0, 1.0)
+    assert off.budget(8) == 64
+
+
+def test_mixed_step_marginal_cost():
+    b = PrefillBudget(itl_ratio=2.0, min_tokens=1, max_tokens=1000)
+    b.observe(4, 0, 0.1)
+    b.observe(4, 50, 0.6)  # (0.6 - 0.1) / 50 = 10 ms per token
+    assert b.budget(4) == 10
+
+
+def test_scheduler_caps_prefill_beside_decodes(tiny_model_dir):
+    """A prompt that arrives while requests decode is prefilled in budget-sized chunks, mixed with
+    the decodes; its chunks grow when the measured decode step gets longer."""
+    from jaxserve.engine.engine import Engine
+
+    eng = Engine(model_path=tiny_model_dir, max_total_tokens=4096, max_running_requests=16, chunked_prefill_size=128,
+                 context_length=512, disable_precompile=True, prefill_decode_itl_ratio=3.0, min_prefill_budget=4)
+    assert eng.args.enable_mixed_chunk  # the CPU default
+    for i in range(3):
+        eng.add_request(list(range(10 + i, 40 + i)), {"max_new_tokens": 50})
+    while len(eng.scheduler.running) < 3:
+        eng.step()
+    eng.add_request(list(range(100, 400)), {"max_new_tokens": 4})
+    sched = eng.scheduler
+    sched.prefill_budget = type(sched.prefill_budget)(3.0, 4, 128)  # forget the real step times
+    batch = sched.schedule()
+    assert batch.extend_lens == [1, 1, 1]  # decode cost of this batch unknown: a decode-only step
+    eng._postprocess(batch, eng.runner.sample(*_logits_and_sampling(eng, batch)))
+    sched.prefill_budget.observe(3, 0, 0.05)
+    sched.prefill_budget.observe(0, 100, 0.5)  # 5 ms per prompt token: (3 - 1) x 50 / 5 = 20 tokens
+    batch = sched.schedule()
+    assert sorted(batch.extend_lens) == [1, 1, 1, 29]  # 3 + 20 tokens filled up to the 32-token bucket
+    eng._postprocess(batch, eng.runner.sample(*_logits_and_sampling(eng, batch)))
+    for _ in range(20):  # slower decode steps (the moving average reaches ~94 ms) absorb larger chunks
+        sched.prefill_budget.observe(3, 0, 0.1)
+    batch = sched.schedule()
+    assert sorted(batch.extend_lens)[-1] == 61  # 3 + 37 tokens: the 64 bucket
+
+
+def _logits_and_sampling(eng, batch):
+    logits = eng.runner.forward(batch.entries())
+    sampling, flags = eng._sampling_rows([(r, ()) for r in batch.reqs], None, logits.shape[0])
+    return logits, sampling, flags
