@@ -41,6 +41,7 @@ class _Prompt:
     top_logprobs_num: int
     logprob_start_len: int
     token_ids_logprob: list[int]
+    namespace: tuple[str | None, str | None] | None  # the prefix cache's namespace: (cache_salt, extra_key)
 
 
 def _per_prompt(name: str, value: Any, num: int, is_one: bool) -> list[Any]:
@@ -66,7 +67,7 @@ def _expand(req: GenerateRequest) -> tuple[list[_Prompt], bool, str]:
     if not prompts:
         raise APIError(f"{field} is an empty batch", 400, param=field, code="invalid_value")
     per_prompt = {"rid": req.rid, "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num,
-                  "logprob_start_len": req.logprob_start_len}
+                  "logprob_start_len": req.logprob_start_len, "cache_salt": req.cache_salt, "extra_key": req.extra_key}
     if not is_batch:
         for name, v in per_prompt.items():
             if isinstance(v, list):
@@ -85,7 +86,11 @@ def _expand(req: GenerateRequest) -> tuple[list[_Prompt], bool, str]:
         raise APIError("token_ids_logprob must be a list of ids for a single prompt", 400, param="token_ids_logprob",
                        code="invalid_value")
     ids = _per_prompt("token_ids_logprob", ids, num, is_one)
-    return [_Prompt(*row) for row in zip(prompts, map(dict, params), rids, logprob, top, start, ids)], is_batch, field
+    salts = _per_prompt("cache_salt", req.cache_salt, num, not isinstance(req.cache_salt, list))
+    keys = _per_prompt("extra_key", req.extra_key, num, not isinstance(req.extra_key, list))
+    namespaces = [None if salt is None and key is None else (salt, key) for salt, key in zip(salts, keys)]
+    rows = zip(prompts, map(dict, params), rids, logprob, top, start, ids, namespaces)
+    return [_Prompt(*row) for row in rows], is_batch, field
 
 
 def _parse(body: dict[str, Any]) -> GenerateRequest:
@@ -108,7 +113,7 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], f
             rids = group.submit(
                 p.prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
                 top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,
-                token_ids_logprob=p.token_ids_logprob,
+                token_ids_logprob=p.token_ids_logprob, namespace=p.namespace,
             )
             intervals.update(dict.fromkeys(rids, p.sampling_params.get("stream_interval") or 1))
     except (SamplingParamsError, RequestError) as e:

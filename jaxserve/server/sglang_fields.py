@@ -123,7 +123,7 @@ REQUEST_FIELDS: tuple[Field, ...] = (
     _neutral("require_reasoning", "no hybrid reasoning models"),
     _neutral("max_thinking_tokens", "no hybrid reasoning models"),
     _meta("priority", (int,), "no priority scheduling (as SGLang without --enable-priority-scheduling)"),
-    _refused("extra_key", "prefix-cache namespaces are not exposed"),
+    _impl("extra_key", "a prefix-cache namespace, as cache_salt (one value, or one per prompt)"),
     _meta("no_logs", (bool,), "jaxserve never logs request contents"),
     _neutral("custom_labels", "no custom metric labels"),
     _neutral("return_bytes", "no image generation"),
@@ -142,7 +142,7 @@ REQUEST_FIELDS: tuple[Field, ...] = (
     _refused("mm_processor_kwargs", _NO_MM),
     _refused("multi_item_delimiter_indices", "no multi-item scoring"),
     _refused("token_indices_to_pool", "no pooling readout"),
-    _refused("cache_salt", "prefix-cache namespaces are not exposed"),
+    _impl("cache_salt", "requests share cached prefixes only with the same salt (and extra_key)"),
     _neutral("kv_hints", "no hierarchical-cache storage backends"),
     _meta("model", (str,), "the served model is used whatever the value", source=_ROUTER),
 )

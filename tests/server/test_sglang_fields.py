@@ -215,3 +215,22 @@ def test_per_prompt_logprob_fields_and_a_batch_rid_prefix(http):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_logprob"
     single = post(http, {"text": "one", "return_logprob": [True]})
     assert single.status_code == 400 and single.json()["error"]["param"] == "return_logprob"
+
+
+def test_cache_salt_separates_cached_prefixes(http):
+    prompt = "A long shared prefix for the cache-salt test, " * 4  # several pages of tokens
+    params = {"max_new_tokens": 1, "temperature": 0}
+
+    def cached(**fields) -> int:
+        r = post(http, {"text": prompt, "sampling_params": params, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["cached_tokens"]
+
+    cached(cache_salt="tenant-a")
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached(cache_salt="tenant-a", extra_key="k1") == 0
+    assert cached(cache_salt="tenant-a", extra_key="k1") > 0
+    plain = [cached(), cached()]
+    assert plain[1] > 0
+    assert cached(cache_salt="tenant-c") == 0
