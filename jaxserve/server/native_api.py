@@ -17,7 +17,7 @@ value only, refused); the table there is the reference, docs/api.md renders it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -104,29 +104,45 @@ def _parse(body: dict[str, Any]) -> GenerateRequest:
     return GenerateRequest.model_validate(body)
 
 
-def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str) -> dict[str, int]:
-    """Submit every prompt; returns each sequence's stream interval in tokens."""
+@dataclasses.dataclass(frozen=True)
+class _Sequence:
+    """What the response needs of one submitted sequence: its stream interval in tokens, and its
+    prompt's token ids when `return_prompt_token_ids` asked for them."""
+
+    stream_interval: int
+    prompt_token_ids: list[int] | None
+
+
+def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str,
+            tokenize: Callable[[str | list[int]], list[int]]) -> dict[str, _Sequence]:
+    """Submit every prompt; returns what the response needs of each sequence, by rid."""
     rename = {"prompt": field, "input_ids": field}
-    intervals = {}
+    sequences = {}
     try:
         for p in prompts:
+            prompt = tokenize(p.prompt) if req.return_prompt_token_ids else p.prompt  # tokenized once
             rids = group.submit(
-                p.prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
+                prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
                 top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,
                 token_ids_logprob=p.token_ids_logprob, namespace=p.namespace,
             )
-            intervals.update(dict.fromkeys(rids, p.sampling_params.get("stream_interval") or 1))
+            seq = _Sequence(p.sampling_params.get("stream_interval") or 1,
+                            list(prompt) if req.return_prompt_token_ids else None)
+            sequences.update(dict.fromkeys(rids, seq))
     except (SamplingParamsError, RequestError) as e:
         group.abort()  # the prompts of the batch submitted before the bad one
         raise from_engine_error(e, rename) from None
     except BaseException:
         group.abort()
         raise
-    return intervals
+    return sequences
 
 
-def to_output(out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None) -> dict[str, Any]:
-    """A StepOutput as SGLang's output dict; logprobs become [logprob, token_id, text or None]."""
+def to_output(
+    out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None, prompt_token_ids: list[int] | None = None
+) -> dict[str, Any]:
+    """A StepOutput as SGLang's output dict; logprobs become [logprob, token_id, text or None];
+    `prompt_token_ids` (SGLang's `return_prompt_token_ids`) is added at the top level when given."""
     meta = out.meta
 
     def triple(logprob: float, token_id: int) -> list[Any]:
@@ -151,6 +167,8 @@ def to_output(out: StepOutput, tokenizer: Any, with_text: bool, index: int | Non
     result = GenerateOutput(text=out.text, output_ids=out.output_ids, meta_info=info, index=index).model_dump()
     if index is None:
         del result["index"]
+    if prompt_token_ids is not None:
+        result["prompt_token_ids"] = prompt_token_ids
     for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "output_token_ids_logprobs"):
         if result["meta_info"][key] is None:
             del result["meta_info"][key]
@@ -172,21 +190,22 @@ async def generate(request: Request) -> Response:
     req = _parse(parse_json_body(await request.body()))
     prompts, is_batch, field = _expand(req)
     group = RequestGroup(engine_loop)
-    intervals = await preprocess(request, lambda: _submit(group, req, prompts, field))
+    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.tokenize))
     tokenizer = engine_loop.tokenizer
     if req.stream:
         mark_streaming(request, group.rids)
-        return SSEResponse(_stream(group, tokenizer, req.return_text_in_logprobs, intervals))
+        return SSEResponse(_stream(group, tokenizer, req.return_text_in_logprobs, sequences))
     async with abort_on_disconnect(request, group):
         outputs = await group.wait()
     for out in outputs:
         if (failure := failure_of(out)) is not None:
             return error_response(failure[1], failure[0], code="engine_error")
-    results = [to_output(out, tokenizer, req.return_text_in_logprobs) for out in outputs]
+    results = [to_output(out, tokenizer, req.return_text_in_logprobs, None, sequences[out.rid].prompt_token_ids)
+               for out in outputs]
     return JSONResponse(results if is_batch or len(results) > 1 else results[0])
 
 
-async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool, intervals: dict[str, int]) -> AsyncIterator[str]:
+async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool, sequences: dict[str, _Sequence]) -> AsyncIterator[str]:
     index = {rid: i for i, rid in enumerate(group.rids)}
     sent = dict.fromkeys(group.rids, 0)  # completion tokens in each sequence's last event
     try:
@@ -195,10 +214,11 @@ async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool, interval
                 yield sse_event(error_body(failure[1], failure[0], code="engine_error"))
                 continue
             num_tokens = out.meta.completion_tokens
-            if not out.finished and num_tokens - sent[out.rid] < intervals[out.rid]:
+            seq = sequences[out.rid]
+            if not out.finished and num_tokens - sent[out.rid] < seq.stream_interval:
                 continue  # events are cumulative, so a skipped one loses nothing
             sent[out.rid] = num_tokens
-            yield sse_event(to_output(out, tokenizer, with_text, index[out.rid]))
+            yield sse_event(to_output(out, tokenizer, with_text, index[out.rid], seq.prompt_token_ids))
         yield DONE
     finally:
         group.abort()

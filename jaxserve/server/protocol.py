@@ -49,6 +49,7 @@ class GenerateRequest(_Request):
     return_text_in_logprobs: bool = False
     token_ids_logprob: list[int] | list[list[int]] | None = None
     cache_salt: str | list[str] | None = None
+    return_prompt_token_ids: bool = False
     extra_key: str | list[str] | None = None
     rid: str | list[str] | None = None
 

@@ -128,7 +128,7 @@ REQUEST_FIELDS: tuple[Field, ...] = (
     _neutral("custom_labels", "no custom metric labels"),
     _neutral("return_bytes", "no image generation"),
     _neutral("return_entropy", "entropies are not returned"),
-    _neutral("return_prompt_token_ids", "prompt token ids are not returned"),
+    _impl("return_prompt_token_ids", "the prompt's token ids as the output's `prompt_token_ids`"),
     _meta("external_trace_header", (dict,), "no tracing"),
     _meta("received_time", (int, float), "SGLang-internal timestamp"),
     _neutral("need_wait_for_mm_inputs", _NO_MM),

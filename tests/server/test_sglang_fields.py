@@ -234,3 +234,11 @@ def test_cache_salt_separates_cached_prefixes(http):
     plain = [cached(), cached()]
     assert plain[1] > 0
     assert cached(cache_salt="tenant-c") == 0
+
+
+def test_return_prompt_token_ids(http, default_tokenizer):
+    out = post(http, {"text": "Prompt ids please", "sampling_params": GREEDY, "return_prompt_token_ids": True}).json()
+    assert out["prompt_token_ids"] == default_tokenizer.encode("Prompt ids please", add_special_tokens=False)
+    assert "prompt_token_ids" not in post(http, {"text": "Prompt ids please", "sampling_params": GREEDY}).json()
+    events = stream_events(http, {"input_ids": [5, 6, 7], "sampling_params": GREEDY, "return_prompt_token_ids": True})
+    assert all(e["prompt_token_ids"] == [5, 6, 7] for e in events)
