@@ -26,7 +26,7 @@ from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.request import SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
-from jaxserve.server.metrics import mark_streaming
+from jaxserve.server.metrics import mark_streaming, mark_unlogged
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
 from jaxserve.server.sglang_fields import check_request, check_sampling_params
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
@@ -191,6 +191,8 @@ async def generate(request: Request) -> Response:
     prompts, is_batch, field = _expand(req)
     group = RequestGroup(engine_loop)
     sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.tokenize))
+    if not req.log_metrics:
+        mark_unlogged(request, group.rids)
     tokenizer = engine_loop.tokenizer
     if req.stream:
         mark_streaming(request, group.rids)

@@ -50,6 +50,7 @@ class GenerateRequest(_Request):
     token_ids_logprob: list[int] | list[list[int]] | None = None
     cache_salt: str | list[str] | None = None
     return_prompt_token_ids: bool = False
+    log_metrics: bool = True
     extra_key: str | list[str] | None = None
     rid: str | list[str] | None = None
 

@@ -97,7 +97,7 @@ REQUEST_FIELDS: tuple[Field, ...] = (
     _neutral("return_flat_raw_output_top_logprobs", "top logprobs come as nested lists only"),
     _neutral("return_flat_raw_top_logprobs_b64", "top logprobs come as nested lists only"),
     _impl("stream", "server-sent events with cumulative text"),
-    _meta("log_metrics", (bool,), "every request is counted in /metrics"),
+    _impl("log_metrics", "false: the request is left out of the sglang:* request metrics"),
     _neutral("return_hidden_states", "hidden states are not returned"),
     _neutral("return_routed_experts", "no mixture-of-experts models"),
     _neutral("routed_experts_start_len", "no mixture-of-experts models"),

@@ -96,8 +96,8 @@ def test_neutral_values_pass_and_others_are_400s(field, check):
 
 
 def test_metadata_fields_check_their_type():
-    assert check_request({"routing_key": "a", "log_metrics": False, "priority": 3, "received_time": 1.5}) == {}
-    for body in ({"log_metrics": "yes"}, {"priority": True}, {"conversation_id": 3}):
+    assert check_request({"routing_key": "a", "no_logs": True, "priority": 3, "received_time": 1.5}) == {}
+    for body in ({"no_logs": "yes"}, {"priority": True}, {"conversation_id": 3}):
         with pytest.raises(APIError) as info:
             check_request(body)
         assert info.value.param == next(iter(body)) and info.value.code == "invalid_type"

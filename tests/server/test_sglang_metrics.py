@@ -141,3 +141,12 @@ def test_docs_list_every_sglang_name():
     names = {m.sglang for m in (*SCHEDULER_GAUGES, *REQUEST_METRICS)}
     names |= {t + ("_total" if o == "merge_count" else "") for o, t in RADIX_CACHE_NAMES.items()}
     assert documented == names
+
+
+def test_log_metrics_false_leaves_a_request_out(http):
+    before = scrape(http)
+    http.post("/generate", json={"text": "not logged", "log_metrics": False, "sampling_params": {"max_new_tokens": 3}})
+    http.post("/generate", json={"text": "logged", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    after = scrape(http)
+    assert total(after, "sglang:num_requests_total") - total(before, "sglang:num_requests_total") == 1
+    assert total(after, "jaxserve_num_requests_total") - total(before, "jaxserve_num_requests_total") == 2
