@@ -66,30 +66,23 @@ def _expand(req: GenerateRequest) -> tuple[list[_Prompt], bool, str]:
     num = len(prompts)
     if not prompts:
         raise APIError(f"{field} is an empty batch", 400, param=field, code="invalid_value")
-    per_prompt = {"rid": req.rid, "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num,
-                  "logprob_start_len": req.logprob_start_len, "cache_salt": req.cache_salt, "extra_key": req.extra_key}
+    rid = [f"{req.rid}_{i}" for i in range(num)] if is_batch and isinstance(req.rid, str) else req.rid
+    fields = {"rid": rid, "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num,
+              "logprob_start_len": req.logprob_start_len, "cache_salt": req.cache_salt, "extra_key": req.extra_key}
     if not is_batch:
-        for name, v in per_prompt.items():
+        for name, v in fields.items():
             if isinstance(v, list):
                 raise APIError(f"{name} must not be a list for a single prompt", 400, param=name, code="invalid_value")
-    rid = req.rid
-    if is_batch and isinstance(rid, str):
-        rid = [f"{rid}_{i}" for i in range(num)]
+    cols = {name: _per_prompt(name, v, num, not isinstance(v, list)) for name, v in fields.items()}
     params = _per_prompt("sampling_params", req.sampling_params or {}, num, not isinstance(req.sampling_params, list))
-    rids = _per_prompt("rid", rid, num, not isinstance(rid, list))
-    logprob = _per_prompt("return_logprob", req.return_logprob, num, not isinstance(req.return_logprob, list))
-    top = _per_prompt("top_logprobs_num", req.top_logprobs_num, num, not isinstance(req.top_logprobs_num, list))
-    start = _per_prompt("logprob_start_len", req.logprob_start_len, num, not isinstance(req.logprob_start_len, list))
     ids = req.token_ids_logprob or []
-    is_one = not (ids and isinstance(ids[0], list))
-    if not is_one and not is_batch:
+    if ids and isinstance(ids[0], list) and not is_batch:
         raise APIError("token_ids_logprob must be a list of ids for a single prompt", 400, param="token_ids_logprob",
                        code="invalid_value")
-    ids = _per_prompt("token_ids_logprob", ids, num, is_one)
-    salts = _per_prompt("cache_salt", req.cache_salt, num, not isinstance(req.cache_salt, list))
-    keys = _per_prompt("extra_key", req.extra_key, num, not isinstance(req.extra_key, list))
-    namespaces = [None if salt is None and key is None else (salt, key) for salt, key in zip(salts, keys)]
-    rows = zip(prompts, map(dict, params), rids, logprob, top, start, ids, namespaces)
+    ids = _per_prompt("token_ids_logprob", ids, num, not (ids and isinstance(ids[0], list)))
+    namespaces = [None if salt is None and key is None else (salt, key) for salt, key in zip(cols["cache_salt"], cols["extra_key"])]
+    rows = zip(prompts, map(dict, params), cols["rid"], cols["return_logprob"], cols["top_logprobs_num"],
+               cols["logprob_start_len"], ids, namespaces)
     return [_Prompt(*row) for row in rows], is_batch, field
 
 
