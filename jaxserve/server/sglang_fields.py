@@ -199,19 +199,24 @@ def is_neutral(field: Field, value: Any) -> bool:
     return any(type(value) is type(n) and value == n for n in field.neutral)
 
 
-def _check(fields: Mapping[str, Field], body: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+def _has_type(field: Field, value: Any) -> bool:
+    if isinstance(value, bool):  # JSON true is not a number
+        return bool in field.types
+    return isinstance(value, field.types)
+
+
+def _check(fields: Mapping[str, Field], body: Mapping[str, Any]) -> dict[str, Any]:
     kept = {}
     for name, value in body.items():
-        param = prefix + name
         field = fields.get(name)
         if field is None or field.handling is Handling.IMPLEMENTED:
             kept[name] = value
         elif field.handling is Handling.METADATA:
-            if value is not None and (isinstance(value, bool) and bool not in field.types or not isinstance(value, field.types)):
+            if value is not None and not _has_type(field, value):
                 expected = " or ".join(t.__name__ for t in field.types)
-                raise APIError(f"{param}: must be {expected}, got {type(value).__name__}", 400, param=param, code="invalid_type")
+                raise APIError(f"{name}: must be {expected}, got {type(value).__name__}", 400, param=name, code="invalid_type")
         elif not is_neutral(field, value):
-            raise APIError(f"{param}: {field.note} (got {value!r:.80})", 400, param=param, code="unsupported_parameter")
+            raise APIError(f"{name}: {field.note} (got {value!r:.80})", 400, param=name, code="unsupported_parameter")
     return kept
 
 
@@ -223,7 +228,7 @@ def check_request(body: Mapping[str, Any]) -> dict[str, Any]:
         APIError: 400 naming the first field of the wrong type (METADATA) or not neutral
             (NEUTRAL_ONLY, REFUSED).
     """
-    return _check(_REQUEST, body, "")
+    return _check(_REQUEST, body)
 
 
 def check_sampling_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -233,4 +238,4 @@ def check_sampling_params(params: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         APIError: as `check_request`; `param` is the bare field name, as for every sampling error.
     """
-    return _check(_SAMPLING, params, "")
+    return _check(_SAMPLING, params)
