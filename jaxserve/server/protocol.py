@@ -32,7 +32,8 @@ class _Request(BaseModel):
 class GenerateRequest(_Request):
     """POST /generate. One prompt (`text` or `input_ids`) or a batch (a list of them); per-prompt
     `sampling_params`, `rid`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` and
-    `token_ids_logprob` (a list of id lists) may be lists of the same length. These are the IMPLEMENTED rows of
+    `token_ids_logprob` (a list of id lists), `cache_salt` and `extra_key` may be lists of the same
+    length. These are the IMPLEMENTED rows of
     `sglang_fields.REQUEST_FIELDS`; the handler drops SGLang's other accepted fields before this
     model sees the body."""
 
@@ -47,6 +48,10 @@ class GenerateRequest(_Request):
     logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False
     token_ids_logprob: list[int] | list[list[int]] | None = None
+    cache_salt: str | list[str] | None = None
+    return_prompt_token_ids: bool = False
+    log_metrics: bool = True
+    extra_key: str | list[str] | None = None
     rid: str | list[str] | None = None
 
 
