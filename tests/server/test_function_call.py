@@ -15,7 +15,7 @@ from llguidance import LLMatcher
 from jaxserve.server.chat_prompt import chat_prompt
 from jaxserve.server.function_call import PARSERS, get_parser
 from jaxserve.server.function_call.parsers import closed_schema
-from jaxserve.server.function_call.streaming import ToolCallStreamer
+from jaxserve.server.function_call.streaming import CallArguments, CallStart, Content, ToolCallStreamer
 from jaxserve.server.protocol import ChatCompletionRequest, Tool
 
 WEATHER = Tool.model_validate({"type": "function", "function": {
@@ -55,18 +55,43 @@ def test_parse(name, cases):
         assert (result.content, _calls(result)) == (content, calls), text
 
 
-@pytest.mark.parametrize("name, cases", [("qwen25", TAGGED), ("llama3", PLAIN)])
-def test_streaming_equals_parsing_at_every_split(name, cases):
+def _replay(events):
+    """(content, [(name, arguments text)]) from a stream's events."""
+    content, calls = "", []
+    for e in events:
+        if isinstance(e, Content):
+            content += e.text
+        elif isinstance(e, CallStart):
+            calls.append([e.name, ""])
+        else:
+            calls[-1][1] += e.text
+    return content, [tuple(c) for c in calls]
+
+
+@pytest.mark.parametrize("name, cases, incremental", [
+    ("qwen25", TAGGED, False), ("llama3", PLAIN, False),
+    ("qwen25", [c for c in TAGGED if c[2] and "done" not in c[0]], True),  # forced: a single well-formed call
+])
+def test_streaming_equals_parsing_at_every_split(name, cases, incremental):
     parser = get_parser(name)
     for text, _, _ in cases:
         whole = parser.parse(text, TOOLS)
+        want_calls = [(c.name, c.arguments) for c in whole.calls]
         for cut in range(len(text) + 1):
-            streamer = ToolCallStreamer(parser, TOOLS)
-            pieces = [streamer.feed(text[:cut]), streamer.feed(text[cut:]), streamer.finish()]
-            content = "".join(p.content for p in pieces)
-            calls = [c for p in pieces for c in p.calls]
-            assert calls == list(whole.calls), (text, cut)
+            streamer = ToolCallStreamer(parser, TOOLS, incremental)
+            content, calls = _replay(streamer.feed(text[:cut]) + streamer.feed(text[cut:]) + streamer.finish())
+            assert calls == want_calls, (text, cut)
             assert content == (whole.content or "") or (not whole.content and not content.strip()), (text, cut)
+
+
+def test_incremental_stream_sends_the_name_first_then_argument_pieces():
+    parser = get_parser("qwen25")
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\" x"}}\n</tool_call>'
+    streamer = ToolCallStreamer(parser, TOOLS, incremental=True)
+    events = [e for ch in text for e in streamer.feed(ch)] + streamer.finish()
+    assert events[0] == CallStart("get_weather") and all(isinstance(e, CallArguments) for e in events[1:])
+    assert len(events) > 10  # one piece per character fed
+    assert "".join(e.text for e in events[1:]) == '{"city": "Pa}ris \\" x"}' == parser.parse(text, TOOLS).calls[0].arguments
 
 
 def test_unknown_parser_name():
