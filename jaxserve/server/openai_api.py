@@ -396,6 +396,7 @@ async def _stream_events(
         async for out in group:
             i = index[out.rid]
             if (failure := failure_of(out)) is not None:
+                final[out.rid] = out
                 yield sse_event(error_body(failure[1], failure[0], code="engine_error"))
                 continue
             if transform is not None:

@@ -115,8 +115,12 @@ def test_closed_schema_still_validates_what_it_accepts():
     assert closed_schema({"type": "object", "additionalProperties": True})["additionalProperties"] is True
 
 
-def _matches(grammar: str, text: str, tokenizer) -> bool:
-    ll = llguidance.hf.from_tokenizer(tokenizer)
+@pytest.fixture(scope="module")
+def ll_tokenizer(default_tokenizer):
+    return llguidance.hf.from_tokenizer(default_tokenizer)  # seconds for a 49k vocabulary: once
+
+
+def _matches(grammar: str, text: str, ll) -> bool:
     matcher = LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
     assert not matcher.is_error(), matcher.get_error()
     ids = ll.tokenize_str(text)
@@ -124,15 +128,15 @@ def _matches(grammar: str, text: str, tokenizer) -> bool:
 
 
 @pytest.mark.parametrize("name", ["qwen25", "llama3"])
-def test_grammar_accepts_exactly_valid_calls(name, default_tokenizer):
+def test_grammar_accepts_exactly_valid_calls(name, ll_tokenizer):
     parser = get_parser(name)
     grammar = parser.grammar([WEATHER])
     good = parser.format_call("get_weather", {"city": "Paris"})
-    assert _matches(grammar, good, default_tokenizer)
+    assert _matches(grammar, good, ll_tokenizer)
     assert parser.parse(good, [WEATHER]).calls[0].name == "get_weather"
     for bad in (parser.format_call("get_weather", {}), parser.format_call("get_time", {}),
                 parser.format_call("get_weather", {"city": 3}), "Sure! " + good):
-        assert not _matches(grammar, bad, default_tokenizer), bad
+        assert not _matches(grammar, bad, ll_tokenizer), bad
 
 
 TOOLS_TEMPLATE = (
