@@ -180,3 +180,18 @@ def test_closed_schema_bounds_strings_and_arrays():
     assert closed["l"]["maxItems"] == 16 and closed["l"]["items"]["maxLength"] == 3
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"s": "x" * 129}, closed_schema(schema))
+
+
+def test_unknown_tool_call_parser_fails_at_start_up():
+    from jaxserve.config import ServerArgs
+    from jaxserve.engine.engine_loop import EngineLoop
+    from jaxserve.server.app import create_app
+    from tests.server.fakes import FakeEngine
+
+    loop = EngineLoop(FakeEngine()).start()
+    try:
+        with pytest.raises(ValueError, match="--tool-call-parser 'nope' is not one of: qwen25"):
+            create_app(loop, ServerArgs(model_path="/models/fake-model", tool_call_parser="nope"))
+        create_app(loop, ServerArgs(model_path="/models/fake-model", tool_call_parser="hermes"))
+    finally:
+        loop.shutdown()
