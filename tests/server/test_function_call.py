@@ -12,11 +12,15 @@ import llguidance.hf
 import pytest
 from llguidance import LLMatcher
 
+from jaxserve.config import ServerArgs
+from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.server.app import create_app
 from jaxserve.server.chat_prompt import chat_prompt
 from jaxserve.server.function_call import PARSERS, get_parser
 from jaxserve.server.function_call.parsers import closed_schema
 from jaxserve.server.function_call.streaming import CallArguments, CallStart, Content, ToolCallStreamer
 from jaxserve.server.protocol import ChatCompletionRequest, Tool
+from tests.server.fakes import FakeEngine
 
 WEATHER = Tool.model_validate({"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
@@ -183,11 +187,6 @@ def test_closed_schema_bounds_strings_and_arrays():
 
 
 def test_unknown_tool_call_parser_fails_at_start_up():
-    from jaxserve.config import ServerArgs
-    from jaxserve.engine.engine_loop import EngineLoop
-    from jaxserve.server.app import create_app
-    from tests.server.fakes import FakeEngine
-
     loop = EngineLoop(FakeEngine()).start()
     try:
         with pytest.raises(ValueError, match="--tool-call-parser 'nope' is not one of: qwen25"):
