@@ -482,7 +482,7 @@ def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: s
     streamers = ({i: ToolCallStreamer(plan.parser, plan.tools, incremental) for i in range(len(group.rids))}
                  if plan.tools else {})
     num_calls = dict.fromkeys(range(len(group.rids)), 0)
-    call_ids: dict[int, str] = {}
+    skipping = dict.fromkeys(range(len(group.rids)), False)  # parallel_tool_calls false: a 2nd call is not sent
 
     def chunk(i: int, delta: ChatDelta, logprobs=None, reason=None, matched=None) -> str:
         choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
@@ -490,20 +490,18 @@ def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: s
 
     def pieces(i: int, events: list[StreamEvent], logprobs) -> list[str]:
         out: list[str] = []
-        skipping = False  # parallel_tool_calls false: the second call and later are not sent
         for event in events:
             if isinstance(event, Content):
                 out.append(chunk(i, ChatDelta(content=event.text), logprobs))
                 logprobs = None
             elif isinstance(event, CallStart):
-                skipping = not req.parallel_tool_calls and num_calls[i] >= 1
-                if not skipping:
-                    call_ids[i] = f"call_{uuid.uuid4().hex[:24]}"
+                skipping[i] = not req.parallel_tool_calls and num_calls[i] >= 1
+                if not skipping[i]:
                     num_calls[i] += 1
                     out.append(chunk(i, ChatDelta(tool_calls=[ToolCallDelta(
-                        index=num_calls[i] - 1, id=call_ids[i], type="function",
+                        index=num_calls[i] - 1, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
                         function=FunctionCall(name=event.name, arguments=""))])))
-            elif not skipping:
+            elif not skipping[i]:
                 out.append(chunk(i, ChatDelta(tool_calls=[ToolCallDelta(
                     index=num_calls[i] - 1, function=FunctionCall(arguments=event.text))])))
         if logprobs is not None:  # no text to carry them: a delta of their own

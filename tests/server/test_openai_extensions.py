@@ -334,3 +334,31 @@ def test_tool_refusals(http, body, param, message):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and message in err["message"], err
+
+
+def test_auto_parses_calls_and_content_of_a_pinned_reply(http):
+    """A reply pinned by an EBNF grammar: text, then two calls. Parsed into content and tool_calls,
+    streamed the same, and cut to one call with parallel_tool_calls false."""
+    calls = [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "CET", "hour24": True})]
+    reply = "Checking.\n" + "\n".join(
+        f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>' for n, a in calls)
+    body = {"messages": [{"role": "user", "content": QUESTION}], "tools": [WEATHER, TIME], "temperature": 0,
+            "ebnf": "start: " + json.dumps(reply)}
+    for parallel, want in ((True, calls), (False, calls[:1])):
+        r = http.post("/v1/chat/completions", json={**body, "parallel_tool_calls": parallel})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"].strip() == "Checking."
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
+        assert got == want
+        with http.stream("POST", "/v1/chat/completions", json={**body, "parallel_tool_calls": parallel, "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+        streamed: dict[int, list] = {}
+        for d in deltas:
+            if "id" in d:
+                streamed[d["index"]] = [d["function"]["name"], ""]
+            streamed[d["index"]][1] += d["function"]["arguments"]
+        assert [(n, json.loads(a)) for n, a in streamed.values()] == want
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events).strip() == "Checking."
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
