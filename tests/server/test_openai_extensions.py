@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, wait_idle
 
 SERVER_FLAGS = ["--max-total-tokens", "4096", "--context-length", "1024", "--max-running-requests", "4",
                 "--chunked-prefill-size", "256", "--disable-precompile"]
@@ -362,3 +362,11 @@ def test_auto_parses_calls_and_content_of_a_pinned_reply(http):
         assert [(n, json.loads(a)) for n, a in streamed.values()] == want
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events).strip() == "Checking."
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_idle_after_everything(http):
+    """Refused, forced, echoed and biased requests leave no page locked or outside the prefix cache."""
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER],
+                                                 "tool_choice": "required", "max_tokens": 3, "stream": True})
+    assert r.status_code == 200  # a forced call cut short by max_tokens, streamed
+    wait_idle(http, timeout=60)
