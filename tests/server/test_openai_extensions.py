@@ -14,6 +14,8 @@ import pytest
 
 from tests.server.conftest import ServerProcess, wait_idle
 
+pytestmark = pytest.mark.slow  # loads the default model
+
 SERVER_FLAGS = ["--max-total-tokens", "4096", "--context-length", "1024", "--max-running-requests", "4",
                 "--chunked-prefill-size", "256", "--disable-precompile"]
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # SmolLM2's template default
