@@ -28,7 +28,7 @@ from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.model_runner import BatchEntry, ModelRunner
+from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, BatchEntry, ModelRunner
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, new_rid
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts, num_accepted
@@ -178,6 +178,7 @@ class Engine:
             max_running_requests=args.max_running_requests,
             max_extend_tokens=min(chunk, self.context_length),
             context_length=self.context_length,
+            min_extend_tokens=2 if args.speculative_algorithm else EXTEND_BLOCK_Q,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
