@@ -338,7 +338,7 @@ class Engine:
             self._idle_checks()
             return outputs
         t0 = time.perf_counter()
-        if self.speculator is not None and self.speculator.should_speculate(batch.reqs, batch.is_decode_only):
+        if self.speculator is not None and self.speculator.should_speculate(batch.reqs, self.scheduler.is_decode_batch(batch)):
             rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
             drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
             if any(drafts):
