@@ -282,7 +282,7 @@ class ServerArgs:
     speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request and the radix cache) (default: none, one token per decode step)", choices=("NGRAM",), group="speculative")
     speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 12 for NGRAM, as SGLang)", group="speculative")
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
-    speculative_max_batch_size: int = _flag(4, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks)", group="speculative")
+    speculative_max_batch_size: int = _flag(4, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks; 8 measured better on copy-heavy and worse on random prompts at 8 concurrent, docs/benchmarks.md)", group="speculative")
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
