@@ -136,16 +136,16 @@ def _shared_prefix_workload(num_groups: int = 3, per_group: int = 6, seed: int =
 
 def _hit_rate(url: str, groups: list[list[str]]) -> float:
     """cached / prompt tokens over the workload. The first prompt of every group is sent while the
-    earlier groups' first prompts still run (they decode 48 tokens), as in a real burst: the
-    cache_aware router places a prefix it has not seen on the least loaded worker. The other prompts
-    follow one at a time, interleaved across groups."""
+    earlier groups' first prompts still run (they decode 140 tokens: seconds, against 0.2 s between
+    sends), as in a real burst: the cache_aware router places a prefix it has not seen on the least
+    loaded worker. The other prompts follow one at a time, interleaved across groups."""
     greedy = {"max_new_tokens": 1, "temperature": 0.0}
-    long = {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    long = {"max_new_tokens": 140, "temperature": 0.0, "ignore_eos": True}
     with ThreadPoolExecutor(len(groups)) as pool:
         firsts = []
         for group in groups:
             firsts.append(pool.submit(_generate, url, group[0], long))
-            time.sleep(0.3)
+            time.sleep(0.2)
         metas = [f.result()["meta_info"] for f in firsts]
     for i in range(1, len(groups[0])):
         metas += [_generate(url, group[i], greedy)["meta_info"] for group in groups]
@@ -202,6 +202,35 @@ def test_cache_aware_keeps_one_workers_hit_rate(dp, cache_aware_router):
     assert min(used) > 0, used  # cache_aware still spread the groups over both workers
     # the workload tells policies apart: round_robin computes every prefix on both workers
     assert round_robin < one_worker - 0.05, (round_robin, one_worker)
+
+
+def test_api_key_and_a_dead_worker(tiny_model_dir, tmp_path):
+    """With --api-key the router and the workers require the key; when a worker dies the launcher
+    stops the router and the other worker and exits with status 1."""
+    import psutil
+
+    port = free_port()
+    while any(_taken(p) for p in range(port + 1, port + 4)):
+        port = free_port()
+    proc = ServerProcess(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--served-model-name", "tiny",
+                          "--dp-size", "2", "--api-key", "sekret"], tmp_path / "launcher.log", port=port)
+    try:
+        _wait_for_line(proc, "jaxserve ready")
+        body = {"text": "Keyed", "sampling_params": GREEDY}
+        assert httpx.post(proc.url + "/generate", json=body, timeout=60).status_code == 401
+        assert httpx.post(f"http://127.0.0.1:{port + 1}/generate", json=body, timeout=60).status_code == 401
+        keyed = httpx.post(proc.url + "/generate", json=body, headers={"Authorization": "Bearer sekret"}, timeout=60)
+        assert keyed.status_code == 200 and keyed.json()["meta_info"]["completion_tokens"] == 4
+
+        children = psutil.Process(proc.proc.pid).children(recursive=True)
+        worker0 = next(c for c in children if f"--port {port + 1}" in " ".join(c.cmdline()))
+        worker0.kill()
+        assert proc.proc.wait(90) == 1
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.pid for p in alive]
+        assert "worker 0 exited with status -9: stopping the others" in proc.log()
+    finally:
+        proc.stop()
 
 
 def test_sigterm_stops_the_router_and_every_worker(dp):
