@@ -209,7 +209,7 @@ class DataParallelLauncher:
         try:
             for i, share in enumerate(self.shares):
                 port = worker_ports(self.args)[i]
-                argv = [sys.executable, str(SERVE_SCRIPT), *worker_argv(self.args, port)]
+                argv = [*_serve_command(), *worker_argv(self.args, port)]
                 self.children.append(_Child(f"worker {i}", argv, share))
             for child, url in zip(self.children, self.urls):
                 self._wait(child, lambda url=url: self._get(url + "/health").status_code == 200)
@@ -275,6 +275,12 @@ class DataParallelLauncher:
                 child.proc.wait(10)
         print(f"jaxserve stopped: the router and {self.args.dp_size} workers", flush=True)
         return status
+
+
+def _serve_command() -> list[str]:
+    """scripts/serve.py from a checkout (it keeps torch out of a dev install's server); an installed
+    package has no scripts/, so `python -m jaxserve.server` there."""
+    return [sys.executable, str(SERVE_SCRIPT)] if SERVE_SCRIPT.exists() else [sys.executable, "-m", "jaxserve.server"]
 
 
 def _visible_gpus() -> list[str] | None:
