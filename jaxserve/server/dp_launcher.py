@@ -211,12 +211,12 @@ class DataParallelLauncher:
                 port = worker_ports(self.args)[i]
                 argv = [*_serve_command(), *worker_argv(self.args, port)]
                 self.children.append(_Child(f"worker {i}", argv, share))
-            for child, url in zip(self.children, self.urls):
-                self._wait(child, lambda url=url: self._get(url + "/health").status_code == 200)
+            for url in self.urls:
+                self._wait(lambda url=url: self._get(url + "/health").status_code == 200)
             router = _Child("router", router_argv(self.args, self.urls))
             self.children.append(router)
             router_url = f"http://{_loopback(self.args.host)}:{self.args.port}"
-            self._wait(router, lambda: self._num_healthy(router_url) == self.args.dp_size)
+            self._wait(lambda: self._num_healthy(router_url) == self.args.dp_size)
             print(self._ready_line(), flush=True)
             while not self._stop.wait(POLL_S):
                 if (dead := self._first_dead()) is not None:
@@ -237,7 +237,7 @@ class DataParallelLauncher:
         workers = self._get(router_url + "/workers").json().get("workers", [])
         return sum(1 for w in workers if w.get("is_healthy", True))
 
-    def _wait(self, child: _Child, is_ready) -> None:
+    def _wait(self, is_ready) -> None:
         """Poll until `is_ready()`; raises _Stop on a signal, SystemExit when a child exits."""
         while True:
             if self._stop.is_set():
