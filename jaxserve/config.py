@@ -278,7 +278,7 @@ class ServerArgs:
     )
     min_prefill_budget: int = _flag(32, "fewest prefill tokens a step with running decodes may take (so prompts always progress)", group="scheduling")
     disable_mixed_chunk: bool = _flag(False, "run prefill chunks and decodes in separate forwards (mixed chunks are the default on CPU, where they measured better)", group="scheduling")
-    speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request and the radix cache), or none", choices=("NGRAM",), group="speculative")
+    speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request and the radix cache) (default: none, one token per decode step)", choices=("NGRAM",), group="speculative")
     speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 12 for NGRAM, as SGLang)", group="speculative")
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
     speculative_max_batch_size: int = _flag(4, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks)", group="speculative")

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import random
 import time
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import jax
 import numpy as np
@@ -234,11 +234,13 @@ class Engine:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         token_ids_logprob: Sequence[int] = (),
+        namespace: Hashable = None,
     ) -> list[str]:
         """Queue a prompt (text or token ids); returns the rids of its `n` sequences.
 
         `token_ids_logprob` (SGLang's field, with `return_logprob`): the logprobs of these ids at
-        every output position go into `meta.output_token_ids_logprobs`.
+        every output position go into `meta.output_token_ids_logprobs`. `namespace`: the prefix
+        cache shares KV only between requests of the same namespace (SGLang's `cache_salt`).
 
         Raises:
             SamplingParamsError: an invalid sampling parameter (names it).
@@ -259,7 +261,7 @@ class Engine:
         for i, r in enumerate(rids):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
             req = Req(r, list(input_ids), params, return_logprob or top_logprobs_num > 0, top_logprobs_num,
-                      logprob_start_len, tuple(token_ids_logprob), arrival_time=now, seed=seed)
+                      logprob_start_len, tuple(token_ids_logprob), namespace, arrival_time=now, seed=seed)
             self._reqs[r] = req
             self._detok[r] = IncrementalDetokenizer(self.tokenizer, input_ids, params, self.eos_token_ids)
             self.stats.num_requests += 1

@@ -44,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from jaxserve.constrained import InvalidGrammarError
 from jaxserve.engine.engine import Engine, EngineStats, RequestError, RequestMeta, StepOutput
@@ -256,6 +256,7 @@ class EngineLoop:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         token_ids_logprob: Sequence[int] = (),
+        namespace: Hashable = None,
         on_output: OutputCallback,
     ) -> list[str]:
         """Validate a request now and queue it; returns the rids of its `n` sequences.
@@ -299,7 +300,7 @@ class EngineLoop:
                 got = self.engine.add_request(
                     input_ids, params, rid=base, return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-                    token_ids_logprob=token_ids_logprob,
+                    token_ids_logprob=token_ids_logprob, namespace=namespace,
                 )
                 assert got == rids, (got, rids)
             except Exception as e:  # validated already: this is an engine bug, fail only this request

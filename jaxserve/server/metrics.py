@@ -187,6 +187,10 @@ class ServingMetrics:
         """Label these requests `is_streaming="true"` in the `sglang:*` metrics."""
         self.sglang.mark_streaming(rids)
 
+    def mark_unlogged(self, rids) -> None:
+        """Leave these requests out of the `sglang:*` request metrics (`log_metrics: false`)."""
+        self.sglang.mark_unlogged(rids)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -196,3 +200,10 @@ def mark_streaming(request: Request, rids) -> None:
     metrics = getattr(request.app.state, "serving_metrics", None)
     if metrics is not None:
         metrics.mark_streaming(rids)
+
+
+def mark_unlogged(request: Request, rids) -> None:
+    """Tell the app's metrics (if enabled) to leave these requests out of SGLang's request metrics."""
+    metrics = getattr(request.app.state, "serving_metrics", None)
+    if metrics is not None:
+        metrics.mark_unlogged(rids)

@@ -17,7 +17,7 @@ value only, refused); the table there is the reference, docs/api.md renders it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,7 +26,7 @@ from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.request import SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
-from jaxserve.server.metrics import mark_streaming
+from jaxserve.server.metrics import mark_streaming, mark_unlogged
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
 from jaxserve.server.sglang_fields import check_request, check_sampling_params
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
@@ -41,6 +41,7 @@ class _Prompt:
     top_logprobs_num: int
     logprob_start_len: int
     token_ids_logprob: list[int]
+    namespace: tuple[str | None, str | None] | None  # the prefix cache's namespace: (cache_salt, extra_key)
 
 
 def _per_prompt(name: str, value: Any, num: int, is_one: bool) -> list[Any]:
@@ -65,27 +66,24 @@ def _expand(req: GenerateRequest) -> tuple[list[_Prompt], bool, str]:
     num = len(prompts)
     if not prompts:
         raise APIError(f"{field} is an empty batch", 400, param=field, code="invalid_value")
-    per_prompt = {"rid": req.rid, "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num,
-                  "logprob_start_len": req.logprob_start_len}
+    rid = [f"{req.rid}_{i}" for i in range(num)] if is_batch and isinstance(req.rid, str) else req.rid
+    fields = {"rid": rid, "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num,
+              "logprob_start_len": req.logprob_start_len, "cache_salt": req.cache_salt, "extra_key": req.extra_key}
     if not is_batch:
-        for name, v in per_prompt.items():
+        for name, v in fields.items():
             if isinstance(v, list):
                 raise APIError(f"{name} must not be a list for a single prompt", 400, param=name, code="invalid_value")
-    rid = req.rid
-    if is_batch and isinstance(rid, str):
-        rid = [f"{rid}_{i}" for i in range(num)]
+    cols = {name: _per_prompt(name, v, num, not isinstance(v, list)) for name, v in fields.items()}
     params = _per_prompt("sampling_params", req.sampling_params or {}, num, not isinstance(req.sampling_params, list))
-    rids = _per_prompt("rid", rid, num, not isinstance(rid, list))
-    logprob = _per_prompt("return_logprob", req.return_logprob, num, not isinstance(req.return_logprob, list))
-    top = _per_prompt("top_logprobs_num", req.top_logprobs_num, num, not isinstance(req.top_logprobs_num, list))
-    start = _per_prompt("logprob_start_len", req.logprob_start_len, num, not isinstance(req.logprob_start_len, list))
     ids = req.token_ids_logprob or []
-    is_one = not (ids and isinstance(ids[0], list))
-    if not is_one and not is_batch:
+    if ids and isinstance(ids[0], list) and not is_batch:
         raise APIError("token_ids_logprob must be a list of ids for a single prompt", 400, param="token_ids_logprob",
                        code="invalid_value")
-    ids = _per_prompt("token_ids_logprob", ids, num, is_one)
-    return [_Prompt(*row) for row in zip(prompts, map(dict, params), rids, logprob, top, start, ids)], is_batch, field
+    ids = _per_prompt("token_ids_logprob", ids, num, not (ids and isinstance(ids[0], list)))
+    namespaces = [None if salt is None and key is None else (salt, key) for salt, key in zip(cols["cache_salt"], cols["extra_key"])]
+    rows = zip(prompts, map(dict, params), cols["rid"], cols["return_logprob"], cols["top_logprobs_num"],
+               cols["logprob_start_len"], ids, namespaces)
+    return [_Prompt(*row) for row in rows], is_batch, field
 
 
 def _parse(body: dict[str, Any]) -> GenerateRequest:
@@ -99,29 +97,45 @@ def _parse(body: dict[str, Any]) -> GenerateRequest:
     return GenerateRequest.model_validate(body)
 
 
-def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str) -> dict[str, int]:
-    """Submit every prompt; returns each sequence's stream interval in tokens."""
+@dataclasses.dataclass(frozen=True)
+class _Sequence:
+    """What the response needs of one submitted sequence: its stream interval in tokens, and its
+    prompt's token ids when `return_prompt_token_ids` asked for them."""
+
+    stream_interval: int
+    prompt_token_ids: list[int] | None
+
+
+def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str,
+            tokenize: Callable[[str | list[int]], list[int]]) -> dict[str, _Sequence]:
+    """Submit every prompt; returns what the response needs of each sequence, by rid."""
     rename = {"prompt": field, "input_ids": field}
-    intervals = {}
+    sequences = {}
     try:
         for p in prompts:
+            prompt = tokenize(p.prompt) if req.return_prompt_token_ids else p.prompt  # tokenized once
             rids = group.submit(
-                p.prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
+                prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
                 top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,
-                token_ids_logprob=p.token_ids_logprob,
+                token_ids_logprob=p.token_ids_logprob, namespace=p.namespace,
             )
-            intervals.update(dict.fromkeys(rids, p.sampling_params.get("stream_interval") or 1))
+            seq = _Sequence(p.sampling_params.get("stream_interval") or 1,
+                            list(prompt) if req.return_prompt_token_ids else None)
+            sequences.update(dict.fromkeys(rids, seq))
     except (SamplingParamsError, RequestError) as e:
         group.abort()  # the prompts of the batch submitted before the bad one
         raise from_engine_error(e, rename) from None
     except BaseException:
         group.abort()
         raise
-    return intervals
+    return sequences
 
 
-def to_output(out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None) -> dict[str, Any]:
-    """A StepOutput as SGLang's output dict; logprobs become [logprob, token_id, text or None]."""
+def to_output(
+    out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None, prompt_token_ids: list[int] | None = None
+) -> dict[str, Any]:
+    """A StepOutput as SGLang's output dict; logprobs become [logprob, token_id, text or None];
+    `prompt_token_ids` (SGLang's `return_prompt_token_ids`) is added at the top level when given."""
     meta = out.meta
 
     def triple(logprob: float, token_id: int) -> list[Any]:
@@ -146,6 +160,8 @@ def to_output(out: StepOutput, tokenizer: Any, with_text: bool, index: int | Non
     result = GenerateOutput(text=out.text, output_ids=out.output_ids, meta_info=info, index=index).model_dump()
     if index is None:
         del result["index"]
+    if prompt_token_ids is not None:
+        result["prompt_token_ids"] = prompt_token_ids
     for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "output_token_ids_logprobs"):
         if result["meta_info"][key] is None:
             del result["meta_info"][key]
@@ -167,21 +183,24 @@ async def generate(request: Request) -> Response:
     req = _parse(parse_json_body(await request.body()))
     prompts, is_batch, field = _expand(req)
     group = RequestGroup(engine_loop)
-    intervals = await preprocess(request, lambda: _submit(group, req, prompts, field))
+    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.tokenize))
+    if not req.log_metrics:
+        mark_unlogged(request, group.rids)
     tokenizer = engine_loop.tokenizer
     if req.stream:
         mark_streaming(request, group.rids)
-        return SSEResponse(_stream(group, tokenizer, req.return_text_in_logprobs, intervals))
+        return SSEResponse(_stream(group, tokenizer, req.return_text_in_logprobs, sequences))
     async with abort_on_disconnect(request, group):
         outputs = await group.wait()
     for out in outputs:
         if (failure := failure_of(out)) is not None:
             return error_response(failure[1], failure[0], code="engine_error")
-    results = [to_output(out, tokenizer, req.return_text_in_logprobs) for out in outputs]
+    results = [to_output(out, tokenizer, req.return_text_in_logprobs, None, sequences[out.rid].prompt_token_ids)
+               for out in outputs]
     return JSONResponse(results if is_batch or len(results) > 1 else results[0])
 
 
-async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool, intervals: dict[str, int]) -> AsyncIterator[str]:
+async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool, sequences: dict[str, _Sequence]) -> AsyncIterator[str]:
     index = {rid: i for i, rid in enumerate(group.rids)}
     sent = dict.fromkeys(group.rids, 0)  # completion tokens in each sequence's last event
     try:
@@ -190,10 +209,11 @@ async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool, interval
                 yield sse_event(error_body(failure[1], failure[0], code="engine_error"))
                 continue
             num_tokens = out.meta.completion_tokens
-            if not out.finished and num_tokens - sent[out.rid] < intervals[out.rid]:
+            seq = sequences[out.rid]
+            if not out.finished and num_tokens - sent[out.rid] < seq.stream_interval:
                 continue  # events are cumulative, so a skipped one loses nothing
             sent[out.rid] = num_tokens
-            yield sse_event(to_output(out, tokenizer, with_text, index[out.rid]))
+            yield sse_event(to_output(out, tokenizer, with_text, index[out.rid], seq.prompt_token_ids))
         yield DONE
     finally:
         group.abort()

@@ -31,8 +31,8 @@ from jaxserve.engine.request import SamplingParamsError
 from jaxserve.server.chat_prompt import chat_prompt
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
-from jaxserve.server.function_call import ParsedCall, ToolCallParser, get_parser
-from jaxserve.server.function_call.streaming import ToolCallStreamer
+from jaxserve.server.function_call.plan import ToolPlan, tool_calls_out, tool_plan
+from jaxserve.server.function_call.streaming import CallStart, Content, StreamEvent, ToolCallStreamer
 from jaxserve.server.native_api import failure_of
 from jaxserve.server.protocol import (
     ChatCompletionChoice,
@@ -53,8 +53,6 @@ from jaxserve.server.protocol import (
     ModelList,
     PromptTokensDetails,
     TokenLogprob,
-    Tool,
-    ToolCall,
     ToolCallDelta,
     TopLogprob,
     UsageInfo,
@@ -398,6 +396,7 @@ async def _stream_events(
         async for out in group:
             i = index[out.rid]
             if (failure := failure_of(out)) is not None:
+                final[out.rid] = out
                 yield sse_event(error_body(failure[1], failure[0], code="engine_error"))
                 continue
             if transform is not None:
@@ -421,51 +420,6 @@ async def _stream_events(
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _ToolPlan:
-    """How a chat request uses tools: those shown to the model (none for tool_choice "none"), the
-    parser of the reply, and the grammar that forces a call (tool_choice "required" or named)."""
-
-    tools: list[Tool] | None
-    parser: ToolCallParser
-    grammar: str | None
-
-
-def _tool_plan(req: ChatCompletionRequest, parser_name: str | None) -> _ToolPlan:
-    """Check tools / tool_choice. Raises APIError (400) naming the field."""
-    parser = get_parser(parser_name)
-    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
-    if choice == "none":
-        return _ToolPlan(None, parser, None)
-    if not req.tools:
-        raise APIError(f"tool_choice {_choice_name(choice)} needs tools", 400, param="tool_choice", code="invalid_value")
-    names = [t.function.name for t in req.tools]
-    if len(set(names)) != len(names):
-        raise APIError("tools declare the same function name twice", 400, param="tools", code="invalid_value")
-    if choice == "auto":
-        return _ToolPlan(list(req.tools), parser, None)
-    forced = list(req.tools)
-    if not isinstance(choice, str):
-        forced = [t for t in req.tools if t.function.name == choice.function.name]
-        if not forced:
-            raise APIError(f"tool_choice names the function {choice.function.name!r}, which tools do not declare", 400,
-                           param="tool_choice.function.name", code="invalid_value")
-    if req.regex is not None or req.ebnf is not None or req.json_schema is not None or (
-            req.response_format is not None and req.response_format.type != "text"):
-        raise APIError(f"tool_choice {_choice_name(choice)} constrains the output itself: drop response_format / "
-                       "regex / json_schema / ebnf", 400, param="tool_choice", code="invalid_value")
-    return _ToolPlan(list(req.tools), parser, parser.grammar(forced))
-
-
-def _choice_name(choice: Any) -> str:
-    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
-
-
-def _tool_calls_out(calls: Iterable[ParsedCall]) -> list[ToolCall]:
-    return [ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=c.name, arguments=c.arguments))
-            for c in calls]
-
-
 def _chat_finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
@@ -480,7 +434,7 @@ async def chat_completions(request: Request) -> Response:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}", 400,
                            param="top_logprobs", code="invalid_value")
-    plan = _tool_plan(req, request.app.state.server_args.tool_call_parser)
+    plan = tool_plan(req, request.app.state.server_args.tool_call_parser)
     max_tokens, max_field = max_tokens_of(req)
     tokenizer = engine_loop.tokenizer
     rid = _new_rid(req)
@@ -512,7 +466,8 @@ async def chat_completions(request: Request) -> Response:
         if plan.tools:
             parsed = plan.parser.parse(out.text, plan.tools)
             if parsed.calls:
-                message = ChatMessageOut(content=parsed.content, tool_calls=_tool_calls_out(parsed.calls))
+                calls = parsed.calls if req.parallel_tool_calls else parsed.calls[:1]
+                message = ChatMessageOut(content=parsed.content, tool_calls=tool_calls_out(calls))
             reason = _chat_finish_reason(reason, bool(parsed.calls))
         choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason, matched_stop=matched))
     response = ChatCompletionResponse(id=f"chatcmpl-{rid}", model=model, choices=choices, usage=_usage(outputs, req.n))
@@ -520,40 +475,49 @@ async def chat_completions(request: Request) -> Response:
 
 
 def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: str, model: str,
-                 tokenizer: Any, plan: _ToolPlan) -> AsyncIterator[str]:
-    """Chat chunks; with tools, text goes through a ToolCallStreamer per choice and each completed call
-    is sent as OpenAI's delta.tool_calls: {index, id, type, function.name} first, then its arguments."""
+                 tokenizer: Any, plan: ToolPlan) -> AsyncIterator[str]:
+    """Chat chunks; with tools, text goes through a ToolCallStreamer per choice and each call is sent as
+    OpenAI's delta.tool_calls: {index, id, type, function.name} first, then its argument text (as it is
+    decoded for a forced call, in one piece once the call is complete otherwise)."""
     texts = _TokenTexts(tokenizer)
     created = int(time.time())
-    streamers = {i: ToolCallStreamer(plan.parser, plan.tools) for i in range(len(group.rids))} if plan.tools else {}
+    incremental = plan.grammar is not None  # a forced call is well-formed: stream its arguments as decoded
+    streamers = ({i: ToolCallStreamer(plan.parser, plan.tools, incremental) for i in range(len(group.rids))}
+                 if plan.tools else {})
     num_calls = dict.fromkeys(range(len(group.rids)), 0)
+    skipping = dict.fromkeys(range(len(group.rids)), False)  # parallel_tool_calls false: a 2nd call is not sent
 
     def chunk(i: int, delta: ChatDelta, logprobs=None, reason=None, matched=None) -> str:
         choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
         return _chunk_event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice]))
 
-    def pieces(i: int, content: str, calls: list[ParsedCall], logprobs) -> list[str]:
-        events = [chunk(i, ChatDelta(content=content), logprobs)] if content or logprobs is not None else []
-        for call in _tool_calls_out(calls):
-            k = num_calls[i]
-            num_calls[i] += 1
-            events.append(chunk(i, ChatDelta(tool_calls=[ToolCallDelta(
-                index=k, id=call.id, type="function", function=FunctionCall(name=call.function.name, arguments=""))])))
-            events.append(chunk(i, ChatDelta(tool_calls=[ToolCallDelta(
-                index=k, function=FunctionCall(arguments=call.function.arguments))])))
-        return events
+    def pieces(i: int, events: list[StreamEvent], logprobs) -> list[str]:
+        out: list[str] = []
+        for event in events:
+            if isinstance(event, Content):
+                out.append(chunk(i, ChatDelta(content=event.text), logprobs))
+                logprobs = None
+            elif isinstance(event, CallStart):
+                skipping[i] = not req.parallel_tool_calls and num_calls[i] >= 1
+                if not skipping[i]:
+                    num_calls[i] += 1
+                    out.append(chunk(i, ChatDelta(tool_calls=[ToolCallDelta(
+                        index=num_calls[i] - 1, id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                        function=FunctionCall(name=event.name, arguments=""))])))
+            elif not skipping[i]:
+                out.append(chunk(i, ChatDelta(tool_calls=[ToolCallDelta(
+                    index=num_calls[i] - 1, function=FunctionCall(arguments=event.text))])))
+        if logprobs is not None:  # no text to carry them: a delta of their own
+            out.insert(0, chunk(i, ChatDelta(), logprobs))
+        return out
 
     def delta(i: int, out: StepOutput, text: str, logprobs) -> list[str]:
         if i not in streamers:
             return [chunk(i, ChatDelta(content=text), logprobs)]
-        piece = streamers[i].feed(text)
-        return pieces(i, piece.content, piece.calls, logprobs)
+        return pieces(i, streamers[i].feed(text), logprobs)
 
     def finish(i: int, out: StepOutput, reason: str | None, matched: Any) -> list[str]:
-        events = []
-        if i in streamers:
-            piece = streamers[i].finish()
-            events = pieces(i, piece.content, piece.calls, None)
+        events = pieces(i, streamers[i].finish(), None) if i in streamers else []
         return events + [chunk(i, ChatDelta(), None, _chat_finish_reason(reason, num_calls[i] > 0), matched)]
 
     def logprobs_since(out: StepOutput, start: int) -> ChatLogprobs | None:

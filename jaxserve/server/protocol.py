@@ -6,7 +6,9 @@ silent conversion. A JSON `null` means "the default" for every field (OpenAI cli
 `"top_p": null`). OpenAI requests ignore fields they do not know (clients add vendor fields); the
 native request rejects them, so a misspelt `return_logprobs` is reported instead of ignored.
 Beyond OpenAI's fields, OpenAI requests take SGLang's extras: regex, json_schema, ebnf, ignore_eos,
-no_stop_trim, skip_special_tokens, stop_token_ids, min_tokens, top_k, min_p, repetition_penalty, rid.
+no_stop_trim, skip_special_tokens, stop_token_ids, min_tokens, top_k, min_p, repetition_penalty, rid,
+and chat requests vLLM's and SGLang's continue_final_message and add_generation_prompt. Tool calling
+(tools, tool_choice, tool_calls, tool messages) follows OpenAI's shapes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class _Request(BaseModel):
 class GenerateRequest(_Request):
     """POST /generate. One prompt (`text` or `input_ids`) or a batch (a list of them); per-prompt
     `sampling_params`, `rid`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` and
-    `token_ids_logprob` (a list of id lists) may be lists of the same length. These are the IMPLEMENTED rows of
+    `token_ids_logprob` (a list of id lists), `cache_salt` and `extra_key` may be lists of the same
+    length. These are the IMPLEMENTED rows of
     `sglang_fields.REQUEST_FIELDS`; the handler drops SGLang's other accepted fields before this
     model sees the body."""
 
@@ -47,6 +50,10 @@ class GenerateRequest(_Request):
     logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False
     token_ids_logprob: list[int] | list[list[int]] | None = None
+    cache_salt: str | list[str] | None = None
+    return_prompt_token_ids: bool = False
+    log_metrics: bool = True
+    extra_key: str | list[str] | None = None
     rid: str | list[str] | None = None
 
 

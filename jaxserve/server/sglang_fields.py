@@ -97,7 +97,7 @@ REQUEST_FIELDS: tuple[Field, ...] = (
     _neutral("return_flat_raw_output_top_logprobs", "top logprobs come as nested lists only"),
     _neutral("return_flat_raw_top_logprobs_b64", "top logprobs come as nested lists only"),
     _impl("stream", "server-sent events with cumulative text"),
-    _meta("log_metrics", (bool,), "every request is counted in /metrics"),
+    _impl("log_metrics", "false: the request is left out of the sglang:* request metrics"),
     _neutral("return_hidden_states", "hidden states are not returned"),
     _neutral("return_routed_experts", "no mixture-of-experts models"),
     _neutral("routed_experts_start_len", "no mixture-of-experts models"),
@@ -123,12 +123,12 @@ REQUEST_FIELDS: tuple[Field, ...] = (
     _neutral("require_reasoning", "no hybrid reasoning models"),
     _neutral("max_thinking_tokens", "no hybrid reasoning models"),
     _meta("priority", (int,), "no priority scheduling (as SGLang without --enable-priority-scheduling)"),
-    _refused("extra_key", "prefix-cache namespaces are not exposed"),
+    _impl("extra_key", "a prefix-cache namespace, as cache_salt (one value, or one per prompt)"),
     _meta("no_logs", (bool,), "jaxserve never logs request contents"),
     _neutral("custom_labels", "no custom metric labels"),
     _neutral("return_bytes", "no image generation"),
     _neutral("return_entropy", "entropies are not returned"),
-    _neutral("return_prompt_token_ids", "prompt token ids are not returned"),
+    _impl("return_prompt_token_ids", "the prompt's token ids as the output's `prompt_token_ids`"),
     _meta("external_trace_header", (dict,), "no tracing"),
     _meta("received_time", (int, float), "SGLang-internal timestamp"),
     _neutral("need_wait_for_mm_inputs", _NO_MM),
@@ -142,7 +142,7 @@ REQUEST_FIELDS: tuple[Field, ...] = (
     _refused("mm_processor_kwargs", _NO_MM),
     _refused("multi_item_delimiter_indices", "no multi-item scoring"),
     _refused("token_indices_to_pool", "no pooling readout"),
-    _refused("cache_salt", "prefix-cache namespaces are not exposed"),
+    _impl("cache_salt", "requests share cached prefixes only with the same salt (and extra_key)"),
     _neutral("kv_hints", "no hierarchical-cache storage backends"),
     _meta("model", (str,), "the served model is used whatever the value", source=_ROUTER),
 )
@@ -199,19 +199,24 @@ def is_neutral(field: Field, value: Any) -> bool:
     return any(type(value) is type(n) and value == n for n in field.neutral)
 
 
-def _check(fields: Mapping[str, Field], body: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+def _has_type(field: Field, value: Any) -> bool:
+    if isinstance(value, bool):  # JSON true is not a number
+        return bool in field.types
+    return isinstance(value, field.types)
+
+
+def _check(fields: Mapping[str, Field], body: Mapping[str, Any]) -> dict[str, Any]:
     kept = {}
     for name, value in body.items():
-        param = prefix + name
         field = fields.get(name)
         if field is None or field.handling is Handling.IMPLEMENTED:
             kept[name] = value
         elif field.handling is Handling.METADATA:
-            if value is not None and (isinstance(value, bool) and bool not in field.types or not isinstance(value, field.types)):
+            if value is not None and not _has_type(field, value):
                 expected = " or ".join(t.__name__ for t in field.types)
-                raise APIError(f"{param}: must be {expected}, got {type(value).__name__}", 400, param=param, code="invalid_type")
+                raise APIError(f"{name}: must be {expected}, got {type(value).__name__}", 400, param=name, code="invalid_type")
         elif not is_neutral(field, value):
-            raise APIError(f"{param}: {field.note} (got {value!r:.80})", 400, param=param, code="unsupported_parameter")
+            raise APIError(f"{name}: {field.note} (got {value!r:.80})", 400, param=name, code="unsupported_parameter")
     return kept
 
 
@@ -223,7 +228,7 @@ def check_request(body: Mapping[str, Any]) -> dict[str, Any]:
         APIError: 400 naming the first field of the wrong type (METADATA) or not neutral
             (NEUTRAL_ONLY, REFUSED).
     """
-    return _check(_REQUEST, body, "")
+    return _check(_REQUEST, body)
 
 
 def check_sampling_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -233,4 +238,4 @@ def check_sampling_params(params: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         APIError: as `check_request`; `param` is the bare field name, as for every sampling error.
     """
-    return _check(_SAMPLING, params, "")
+    return _check(_SAMPLING, params)

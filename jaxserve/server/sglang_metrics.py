@@ -125,9 +125,10 @@ _INITIAL_LABEL_VALUES = {("is_streaming",): [("true",), ("false",)], ("cache_sou
 class RequestMetrics:
     """SGLang's per-request counters and histograms, fed with every `StepOutput` (engine thread).
 
-    `mark_streaming(rids)` labels requests whose outputs go to a stream (`is_streaming="true"`); the
-    handler calls it after submitting, so a request that finishes before that is counted as not
-    streaming.
+    `mark_streaming(rids)` labels requests whose outputs go to a stream (`is_streaming="true"`);
+    `mark_unlogged(rids)` leaves requests out (SGLang's `log_metrics: false`, which its health checks
+    send). The handler calls them after submitting, so a request that finishes before that (one with
+    `max_new_tokens: 0`) is counted as a logged, non-streaming one.
     """
 
     def __init__(self, registry: CollectorRegistry, model_name: str, buckets: dict[str, tuple[float, ...]]):
@@ -147,6 +148,7 @@ class RequestMetrics:
                 for extra in _INITIAL_LABEL_VALUES.get(m.extra_labels, [()]):
                     made[m.sglang].labels(*base, *extra)
         self._streaming: set[str] = set()
+        self._unlogged: set[str] = set()
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -154,11 +156,19 @@ class RequestMetrics:
         with self._lock:
             self._streaming.update(rids)
 
+    def mark_unlogged(self, rids: Iterable[str]) -> None:
+        with self._lock:
+            self._unlogged.update(rids)
+
     def observe(self, out: Any, now: float | None = None) -> None:
         """Record one `StepOutput`: TTFT on the first tokens, ITL between outputs, the rest at finish."""
         now = time.perf_counter() if now is None else now
         m, meta = self._m, out.meta
         with self._lock:
+            if out.rid in self._unlogged:
+                if out.finished:
+                    self._unlogged.discard(out.rid)
+                return
             stream = "true" if out.rid in self._streaming else "false"
             last = self._last.get(out.rid)
             if out.new_token_ids:

@@ -293,3 +293,23 @@ def test_spaces_between_special_tokens_reaches_the_tokenizer():
         d = IncrementalDetokenizer(t, [1, 2], SamplingParams(spaces_between_special_tokens=flag), ())
         d.append(3)
         assert {k.get("spaces_between_special_tokens") for k in t.kwargs} == {expected}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.text(alphabet="ab c01.", min_size=1, max_size=40),
+    pattern=st.sampled_from([r"ab", r"b+c", r"[0-9]{2}", r"a.c", r"c\.", r"(ab|ba)0", r" 1", r"a{3}"]),
+    no_stop_trim=st.booleans(),
+)
+def test_stop_regex_on_random_text(tok, text, pattern, no_stop_trim):
+    ids = tok.encode(text, add_special_tokens=False)
+    expected, stop_at = reference_regex_stop(tok, ids, pattern)
+    deltas, detok = stream(tok, ids, stop_regex=(pattern,), no_stop_trim=no_stop_trim, max_new_tokens=len(ids) + 1)
+    if stop_at is None:
+        assert not detok.finished
+        deltas.append(detok.finish({"type": "abort"}).text_delta)  # releases text held for a partial match
+        assert "".join(deltas) == detok.text == full_decode(tok, ids)
+    else:
+        assert "".join(deltas) == detok.text
+        assert detok.num_tokens == stop_at
+        assert detok.text == (full_decode(tok, ids[:stop_at]) if no_stop_trim else expected)

@@ -42,7 +42,7 @@ class FakeEngine:
         pass
 
     def add_request(self, ids, params: SamplingParams, *, rid, return_logprob, top_logprobs_num, logprob_start_len,
-                    token_ids_logprob=()):
+                    token_ids_logprob=(), namespace=None):
         self.thread_ids.add(threading.get_ident())
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         for r in rids:

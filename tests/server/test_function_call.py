@@ -12,11 +12,15 @@ import llguidance.hf
 import pytest
 from llguidance import LLMatcher
 
+from jaxserve.config import ServerArgs
+from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.server.app import create_app
 from jaxserve.server.chat_prompt import chat_prompt
 from jaxserve.server.function_call import PARSERS, get_parser
 from jaxserve.server.function_call.parsers import closed_schema
-from jaxserve.server.function_call.streaming import ToolCallStreamer
+from jaxserve.server.function_call.streaming import CallArguments, CallStart, Content, ToolCallStreamer
 from jaxserve.server.protocol import ChatCompletionRequest, Tool
+from tests.server.fakes import FakeEngine
 
 WEATHER = Tool.model_validate({"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
@@ -55,18 +59,43 @@ def test_parse(name, cases):
         assert (result.content, _calls(result)) == (content, calls), text
 
 
-@pytest.mark.parametrize("name, cases", [("qwen25", TAGGED), ("llama3", PLAIN)])
-def test_streaming_equals_parsing_at_every_split(name, cases):
+def _replay(events):
+    """(content, [(name, arguments text)]) from a stream's events."""
+    content, calls = "", []
+    for e in events:
+        if isinstance(e, Content):
+            content += e.text
+        elif isinstance(e, CallStart):
+            calls.append([e.name, ""])
+        else:
+            calls[-1][1] += e.text
+    return content, [tuple(c) for c in calls]
+
+
+@pytest.mark.parametrize("name, cases, incremental", [
+    ("qwen25", TAGGED, False), ("llama3", PLAIN, False),
+    ("qwen25", [c for c in TAGGED if c[2] and "done" not in c[0]], True),  # forced: a single well-formed call
+])
+def test_streaming_equals_parsing_at_every_split(name, cases, incremental):
     parser = get_parser(name)
     for text, _, _ in cases:
         whole = parser.parse(text, TOOLS)
+        want_calls = [(c.name, c.arguments) for c in whole.calls]
         for cut in range(len(text) + 1):
-            streamer = ToolCallStreamer(parser, TOOLS)
-            pieces = [streamer.feed(text[:cut]), streamer.feed(text[cut:]), streamer.finish()]
-            content = "".join(p.content for p in pieces)
-            calls = [c for p in pieces for c in p.calls]
-            assert calls == list(whole.calls), (text, cut)
+            streamer = ToolCallStreamer(parser, TOOLS, incremental)
+            content, calls = _replay(streamer.feed(text[:cut]) + streamer.feed(text[cut:]) + streamer.finish())
+            assert calls == want_calls, (text, cut)
             assert content == (whole.content or "") or (not whole.content and not content.strip()), (text, cut)
+
+
+def test_incremental_stream_sends_the_name_first_then_argument_pieces():
+    parser = get_parser("qwen25")
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\" x"}}\n</tool_call>'
+    streamer = ToolCallStreamer(parser, TOOLS, incremental=True)
+    events = [e for ch in text for e in streamer.feed(ch)] + streamer.finish()
+    assert events[0] == CallStart("get_weather") and all(isinstance(e, CallArguments) for e in events[1:])
+    assert len(events) > 10  # one piece per character fed
+    assert "".join(e.text for e in events[1:]) == '{"city": "Pa}ris \\" x"}' == parser.parse(text, TOOLS).calls[0].arguments
 
 
 def test_unknown_parser_name():
@@ -90,8 +119,12 @@ def test_closed_schema_still_validates_what_it_accepts():
     assert closed_schema({"type": "object", "additionalProperties": True})["additionalProperties"] is True
 
 
-def _matches(grammar: str, text: str, tokenizer) -> bool:
-    ll = llguidance.hf.from_tokenizer(tokenizer)
+@pytest.fixture(scope="module")
+def ll_tokenizer(default_tokenizer):
+    return llguidance.hf.from_tokenizer(default_tokenizer)  # seconds for a 49k vocabulary: once
+
+
+def _matches(grammar: str, text: str, ll) -> bool:
     matcher = LLMatcher(ll, llguidance.grammar_from("lark", grammar), log_level=0)
     assert not matcher.is_error(), matcher.get_error()
     ids = ll.tokenize_str(text)
@@ -99,15 +132,15 @@ def _matches(grammar: str, text: str, tokenizer) -> bool:
 
 
 @pytest.mark.parametrize("name", ["qwen25", "llama3"])
-def test_grammar_accepts_exactly_valid_calls(name, default_tokenizer):
+def test_grammar_accepts_exactly_valid_calls(name, ll_tokenizer):
     parser = get_parser(name)
     grammar = parser.grammar([WEATHER])
     good = parser.format_call("get_weather", {"city": "Paris"})
-    assert _matches(grammar, good, default_tokenizer)
+    assert _matches(grammar, good, ll_tokenizer)
     assert parser.parse(good, [WEATHER]).calls[0].name == "get_weather"
     for bad in (parser.format_call("get_weather", {}), parser.format_call("get_time", {}),
                 parser.format_call("get_weather", {"city": 3}), "Sure! " + good):
-        assert not _matches(grammar, bad, default_tokenizer), bad
+        assert not _matches(grammar, bad, ll_tokenizer), bad
 
 
 TOOLS_TEMPLATE = (
@@ -151,3 +184,13 @@ def test_closed_schema_bounds_strings_and_arrays():
     assert closed["l"]["maxItems"] == 16 and closed["l"]["items"]["maxLength"] == 3
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"s": "x" * 129}, closed_schema(schema))
+
+
+def test_unknown_tool_call_parser_fails_at_start_up():
+    loop = EngineLoop(FakeEngine()).start()
+    try:
+        with pytest.raises(ValueError, match="--tool-call-parser 'nope' is not one of: qwen25"):
+            create_app(loop, ServerArgs(model_path="/models/fake-model", tool_call_parser="nope"))
+        create_app(loop, ServerArgs(model_path="/models/fake-model", tool_call_parser="hermes"))
+    finally:
+        loop.shutdown()

@@ -12,7 +12,9 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, wait_idle
+
+pytestmark = pytest.mark.slow  # loads the default model
 
 SERVER_FLAGS = ["--max-total-tokens", "4096", "--context-length", "1024", "--max-running-requests", "4",
                 "--chunked-prefill-size", "256", "--disable-precompile"]
@@ -262,6 +264,7 @@ def test_forced_tool_call_is_valid(client, question, choice, want):
     deltas = [d for c in stream if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].index == 0 and deltas[0].id and deltas[0].function.name == call.function.name
     assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(deltas) > 3  # the argument text arrives in pieces as it is decoded
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
 
@@ -333,3 +336,39 @@ def test_tool_refusals(http, body, param, message):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and message in err["message"], err
+
+
+def test_auto_parses_calls_and_content_of_a_pinned_reply(http):
+    """A reply pinned by an EBNF grammar: text, then two calls. Parsed into content and tool_calls,
+    streamed the same, and cut to one call with parallel_tool_calls false."""
+    calls = [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "CET", "hour24": True})]
+    reply = "Checking.\n" + "\n".join(
+        f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>' for n, a in calls)
+    body = {"messages": [{"role": "user", "content": QUESTION}], "tools": [WEATHER, TIME], "temperature": 0,
+            "ebnf": "start: " + json.dumps(reply)}
+    for parallel, want in ((True, calls), (False, calls[:1])):
+        r = http.post("/v1/chat/completions", json={**body, "parallel_tool_calls": parallel})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"].strip() == "Checking."
+        got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
+        assert got == want
+        with http.stream("POST", "/v1/chat/completions", json={**body, "parallel_tool_calls": parallel, "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+        streamed: dict[int, list] = {}
+        for d in deltas:
+            if "id" in d:
+                streamed[d["index"]] = [d["function"]["name"], ""]
+            streamed[d["index"]][1] += d["function"]["arguments"]
+        assert [(n, json.loads(a)) for n, a in streamed.values()] == want
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events).strip() == "Checking."
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_idle_after_everything(http):
+    """Refused, forced, echoed and biased requests leave no page locked or outside the prefix cache."""
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER],
+                                                 "tool_choice": "required", "max_tokens": 3, "stream": True})
+    assert r.status_code == 200  # a forced call cut short by max_tokens, streamed
+    wait_idle(http, timeout=60)

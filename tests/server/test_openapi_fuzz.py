@@ -4,8 +4,11 @@ checkpoint) server: no 5xx, every 4xx an OpenAI-shaped JSON error, and the serve
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import hypothesis
+import jsonschema
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -17,8 +20,10 @@ FUZZ_EXAMPLES = 20  # per route and generation mode (schema-valid bodies, then s
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir, tmp_path_factory):
-    """Its own server: fuzzed requests (n up to 128, long outputs) must not slow the shared one."""
-    proc = ServerProcess(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS], tmp_path_factory.mktemp("fuzz") / "server.log")
+    """Its own server: fuzzed requests (n up to 128, long outputs) must not slow the shared one. It
+    serves the plain-JSON tool format (`--tool-call-parser llama3`), so that format is tested end to end."""
+    flags = ["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--tool-call-parser", "llama3"]
+    proc = ServerProcess(flags, tmp_path_factory.mktemp("fuzz") / "server.log")
     proc.wait_healthy()
     yield proc
     proc.stop()
@@ -80,3 +85,35 @@ def test_fuzz_post_routes(fuzz_server):
         assert http.get("/health").status_code == 200
         r = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] > 0
+
+
+SET = {"type": "function", "function": {"name": "set_level", "parameters": {
+    "type": "object", "properties": {"on": {"type": "boolean"}, "level": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "mode": {"type": "string", "enum": ["low", "high"]}},
+    "required": ["on", "level", "mode"]}}}
+
+
+def test_forced_call_from_random_weights_in_the_llama3_format(fuzz_server):
+    """The grammar alone makes a valid call: the tiny checkpoint's weights are random."""
+    body = {"messages": [{"role": "user", "content": "Set it."}], "tools": [SET], "tool_choice": "required",
+            "temperature": 1.0, "seed": 5, "n": 4}
+    r = httpx.post(fuzz_server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "set_level"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SET["function"]["parameters"])
+
+
+def test_auto_parses_the_llama3_format(fuzz_server):
+    """Under tool_choice "auto" a reply that is a llama3-format call becomes tool_calls on this server
+    (the reply is pinned with an EBNF grammar; with the default qwen25 parser it would stay content)."""
+    reply = json.dumps({"name": "set_level", "parameters": {"on": True, "level": 3, "mode": "high"}})
+    body = {"messages": [{"role": "user", "content": "Set it."}], "tools": [SET], "temperature": 0,
+            "ebnf": "start: " + json.dumps(reply)}
+    r = httpx.post(fuzz_server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"on": True, "level": 3, "mode": "high"}

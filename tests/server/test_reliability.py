@@ -165,3 +165,41 @@ def test_sigterm_past_the_shutdown_timeout_aborts_with_a_reason(tiny_model_dir, 
         assert server.proc.wait(60) == 0
     finally:
         server.stop()
+
+
+def test_keep_alive_on_engine_error_stays_up_answering_503(tiny_model_dir, tmp_path):
+    fault = tmp_path / "fault"
+    server = _start(tiny_model_dir, tmp_path, "--keep-alive-on-engine-error", env={"JAXSERVE_TEST_FAULT_FILE": str(fault)})
+    try:
+        _warm(server.url)
+        fault.touch()
+        r = httpx.post(server.url + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        assert r.status_code == 500 and "InjectedFault" in r.json()["error"]["message"]
+        time.sleep(4)  # past the 3 s after which a server without the flag exits
+        assert server.proc.poll() is None
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+        r = httpx.post(server.url + "/generate", json={"text": "x"}, timeout=10)
+        assert r.status_code == 503 and "InjectedFault" in r.json()["error"]["message"]
+        assert "InjectedFault" in httpx.get(server.url + "/get_server_info", timeout=5).json()["engine_error"]
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 1  # the engine died: a supervisor should still see a failure
+    finally:
+        server.stop()
+
+
+def test_a_second_sigterm_exits_at_once(tiny_model_dir, tmp_path):
+    server = _start(tiny_model_dir, tmp_path, "--shutdown-timeout", "300", "--context-length", "4096")
+    try:
+        _warm(server.url)
+        long = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            with client.stream("POST", "/generate", json={"text": "epic", "stream": True, "sampling_params": long}) as r:
+                lines = r.iter_lines()  # held: a closed line iterator would close the connection
+                assert next(line for line in lines if line.startswith("data: "))
+                server.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+                assert server.proc.poll() is None  # draining: the stream may go on for 300 s
+                server.proc.send_signal(signal.SIGTERM)
+                assert server.proc.wait(10) == 1
+    finally:
+        server.stop()

@@ -96,8 +96,8 @@ def test_neutral_values_pass_and_others_are_400s(field, check):
 
 
 def test_metadata_fields_check_their_type():
-    assert check_request({"routing_key": "a", "log_metrics": False, "priority": 3, "received_time": 1.5}) == {}
-    for body in ({"log_metrics": "yes"}, {"priority": True}, {"conversation_id": 3}):
+    assert check_request({"routing_key": "a", "no_logs": True, "priority": 3, "received_time": 1.5}) == {}
+    for body in ({"no_logs": "yes"}, {"priority": True}, {"conversation_id": 3}):
         with pytest.raises(APIError) as info:
             check_request(body)
         assert info.value.param == next(iter(body)) and info.value.code == "invalid_type"
@@ -135,12 +135,12 @@ def test_all_neutral_values_in_one_request_match_a_plain_one(http):
         ({"sampling_params": {"structural_tag": "{}"}}, "structural_tag", "unsupported_parameter"),
         ({"sampling_params": [{"beam_width": 4}]}, "beam_width", "unsupported_parameter"),
         ({"no_such_field": 1}, "no_such_field", "unknown_parameter"),
-        ({"sampling_params": {"no_such_param": 1}}, "no_such_param", "invalid_value"),
+        ({"sampling_params": {"no_such_param": 1}}, "no_such_param", "unknown_parameter"),
         ({"sampling_params": {"stop_regex": "("}}, "stop_regex", "invalid_value"),
         ({"sampling_params": {"stop_regex": "a*"}}, "stop_regex", "invalid_value"),
         ({"sampling_params": {"stream_interval": 0}}, "stream_interval", "invalid_value"),
         ({"sampling_params": {"sampling_seed": 1, "seed": 2}}, "sampling_seed", "invalid_value"),
-        ({"sampling_params": {"spaces_between_special_tokens": "no"}}, "spaces_between_special_tokens", "invalid_value"),
+        ({"sampling_params": {"spaces_between_special_tokens": "no"}}, "spaces_between_special_tokens", "invalid_type"),
         ({"return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob", "invalid_value"),
     ],
 )
@@ -215,3 +215,30 @@ def test_per_prompt_logprob_fields_and_a_batch_rid_prefix(http):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_logprob"
     single = post(http, {"text": "one", "return_logprob": [True]})
     assert single.status_code == 400 and single.json()["error"]["param"] == "return_logprob"
+
+
+def test_cache_salt_separates_cached_prefixes(http):
+    prompt = "A long shared prefix for the cache-salt test, " * 4  # several pages of tokens
+    params = {"max_new_tokens": 1, "temperature": 0}
+
+    def cached(**fields) -> int:
+        r = post(http, {"text": prompt, "sampling_params": params, **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["cached_tokens"]
+
+    cached(cache_salt="tenant-a")
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached(cache_salt="tenant-a", extra_key="k1") == 0
+    assert cached(cache_salt="tenant-a", extra_key="k1") > 0
+    plain = [cached(), cached()]
+    assert plain[1] > 0
+    assert cached(cache_salt="tenant-c") == 0
+
+
+def test_return_prompt_token_ids(http, default_tokenizer):
+    out = post(http, {"text": "Prompt ids please", "sampling_params": GREEDY, "return_prompt_token_ids": True}).json()
+    assert out["prompt_token_ids"] == default_tokenizer.encode("Prompt ids please", add_special_tokens=False)
+    assert "prompt_token_ids" not in post(http, {"text": "Prompt ids please", "sampling_params": GREEDY}).json()
+    events = stream_events(http, {"input_ids": [5, 6, 7], "sampling_params": GREEDY, "return_prompt_token_ids": True})
+    assert all(e["prompt_token_ids"] == [5, 6, 7] for e in events)

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.server.sglang_metrics import (
     RADIX_CACHE_NAMES, REQUEST_METRICS, SCHEDULER_GAUGES, SCHEDULER_LABELS, TOKENIZER_LABELS,
 )
+from tests.server.conftest import wait_idle
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "examples" / "grafana" / "jaxserve.json"
@@ -75,7 +76,8 @@ def test_every_name_is_exported_with_its_labels(http):
         assert samples[theirs + suffix][0][1] == samples[f"jaxserve_radix_cache_{ours}{suffix}"][0][1]
 
 
-def test_request_counters_follow_the_responses(http, base_url):
+def test_request_counters_follow_the_responses(http):
+    wait_idle(http)  # no other test's request finishes between the two scrapes
     before = scrape(http)
     outs = [http.post("/generate", json={"text": t, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
             for t in ("one two three", "four five")]
@@ -103,6 +105,7 @@ def test_request_counters_follow_the_responses(http, base_url):
 
 
 def test_scheduler_gauges_equal_the_jaxserve_ones(http):
+    wait_idle(http)
     samples = scrape(http)  # one scrape reads one snapshot for both
     for m in SCHEDULER_GAUGES:
         if m.jaxserve is not None:
@@ -141,3 +144,13 @@ def test_docs_list_every_sglang_name():
     names = {m.sglang for m in (*SCHEDULER_GAUGES, *REQUEST_METRICS)}
     names |= {t + ("_total" if o == "merge_count" else "") for o, t in RADIX_CACHE_NAMES.items()}
     assert documented == names
+
+
+def test_log_metrics_false_leaves_a_request_out(http):
+    wait_idle(http)
+    before = scrape(http)
+    http.post("/generate", json={"text": "not logged", "log_metrics": False, "sampling_params": {"max_new_tokens": 3}})
+    http.post("/generate", json={"text": "logged", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    after = scrape(http)
+    assert total(after, "sglang:num_requests_total") - total(before, "sglang:num_requests_total") == 1
+    assert total(after, "jaxserve_num_requests_total") - total(before, "jaxserve_num_requests_total") == 2

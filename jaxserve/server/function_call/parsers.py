@@ -127,6 +127,23 @@ class ToolCallParser:
         raise NotImplementedError
 
 
+# `{"name": "<name>", "arguments": ` at the start of a call: what a call's stream can be sent after
+CALL_HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def raw_arguments(body: str) -> str | None:
+    """The text of the arguments object of a call body `{"name": ..., "arguments": {...}}`, or None
+    when the body has another layout (then the arguments are re-serialized)."""
+    m = CALL_HEADER.match(body)
+    if m is None or not body[m.end() :].startswith("{"):
+        return None
+    try:
+        obj, end = json.JSONDecoder().raw_decode(body, m.end())
+    except json.JSONDecodeError:
+        return None
+    return body[m.end() : end] if isinstance(obj, dict) else None
+
+
 class TaggedJsonParser(ToolCallParser):
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Qwen2.5 / Hermes)."""
 
@@ -139,10 +156,13 @@ class TaggedJsonParser(ToolCallParser):
         pattern = re.compile(re.escape(self.start_marker) + r"(.*?)" + re.escape(self.end_marker), re.DOTALL)
         calls, content, pos = [], [], 0
         for m in pattern.finditer(text):
+            body = m.group(1).strip()
             try:
-                call = _call_of(json.loads(m.group(1).strip()), ("arguments", "parameters"), known)
+                call = _call_of(json.loads(body), ("arguments", "parameters"), known)
             except json.JSONDecodeError:
                 call = None
+            if call is not None and (raw := raw_arguments(body)) is not None:
+                call = ParsedCall(call.name, raw)  # the arguments as the model wrote them, as streamed
             if call is None:  # not a well-formed call of a declared function: leave it as text
                 continue
             content.append(text[pos : m.start()])
