@@ -163,7 +163,7 @@ def main(argv=None) -> None:
     p.add_argument("--engine-itl", default=None, help="also run this workload through Engine.generate in-process (after the servers)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-dir", default="/tmp")
-    p.add_argument("--output-file", default=None, help="append one JSON line per (variant, workload)")
+    p.add_argument("--output-file", default=None, help="append one JSON line per (variant, workload), with each request's ITLs (s)")
     p.add_argument("--plot", default=None, help="write a PNG: median TPOT per workload, one bar per variant")
     args = p.parse_args(argv)
     base = shlex.split(args.server_flags)
@@ -189,7 +189,7 @@ def main(argv=None) -> None:
     if args.output_file:
         with open(args.output_file, "a") as f:
             for r in results:
-                f.write(json.dumps({k: v for k, v in r.items() if k != "itls"}) + "\n")
+                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.model_runner import BatchEntry, ModelRunner
+from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, BatchEntry, ModelRunner
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, new_rid
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts, num_accepted
@@ -179,6 +179,7 @@ class Engine:
             max_running_requests=args.max_running_requests,
             max_extend_tokens=min(chunk, self.context_length),
             context_length=self.context_length,
+            min_extend_tokens=2 if args.speculative_algorithm else EXTEND_BLOCK_Q,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -353,7 +354,7 @@ class Engine:
             self._idle_checks()
             return outputs
         t0 = time.perf_counter()
-        if self.speculator is not None and self.speculator.should_speculate(batch.reqs, batch.is_decode_only):
+        if self.speculator is not None and self.speculator.should_speculate(batch.reqs, self.scheduler.is_decode_batch(batch)):
             rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
             drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
             if any(drafts):

@@ -215,11 +215,14 @@ class ModelRunner:
         context_length: int,
         layer_loop: str = "scan",
         max_layers_per_call: int = MAX_LAYERS_PER_CALL,
+        min_extend_tokens: int = EXTEND_BLOCK_Q,
     ):
         """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
         runs it as a `HostLayerLoop`, with the layer weights split into per-layer buffers (stacked
         params are split here; per-layer params given to "scan" run unrolled, see `llama.forward`) and
-        `layers_per_call(num_layers, max_layers_per_call)` layers per call.
+        `layers_per_call(num_layers, max_layers_per_call)` layers per call. `min_extend_tokens`: the
+        smallest extend bucket (speculative verification adds 2, 4 and 8 tokens: a sequence's last
+        token + its draft, padded to 16 rows, cost 3-5x a decode step on CPU).
 
         Raises:
             ValueError: `layer_loop` is neither "scan" nor "host"."""
@@ -235,7 +238,7 @@ class ModelRunner:
         self.page_size = k_pool.shape[2]
         self.max_seqs = pow2_at_least(max_running_requests)
         self.max_extend_tokens = pow2_at_least(max_extend_tokens, EXTEND_BLOCK_Q)
-        self.extend_tokens = extend_token_buckets(EXTEND_BLOCK_Q, self.max_extend_tokens)
+        self.extend_tokens = extend_token_buckets(min(min_extend_tokens, EXTEND_BLOCK_Q), self.max_extend_tokens)
         self.max_pages = pow2_at_least(-(-context_length // self.page_size))
         self.min_pages = min(self.max_pages, pow2_at_least(MIN_PAGE_BUCKET_TOKENS // self.page_size))
         self._step_jit = {

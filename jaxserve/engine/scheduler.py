@@ -135,6 +135,12 @@ class Scheduler:
             return min(cfg.max_prefill_tokens, cfg.chunked_prefill_size)
         return cfg.max_prefill_tokens
 
+    def is_decode_batch(self, batch: ScheduleBatch) -> bool:
+        """Every request of `batch` decodes one token (a prompt's last chunk of one token does not count:
+        it still has to move to the running queue in `advance`)."""
+        running = set(map(id, self.running))
+        return batch.is_decode_only and all(id(r) in running for r in batch.reqs)
+
     def observe_step(self, batch: ScheduleBatch, seconds: float) -> None:
         """Record how long `batch` took (wall seconds of its forward and sampling), for the prefill budget."""
         num_decodes = sum(1 for r in batch.reqs if r in self.running)

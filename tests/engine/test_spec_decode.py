@@ -236,3 +236,27 @@ def test_acceptance_metrics_exported(spec):
     length = (s.num_spec_accepted_tokens + s.num_spec_verifications) / s.num_spec_verifications
     assert values["jaxserve_spec_accept_length"] == pytest.approx(length)
     assert values["jaxserve_spec_accept_rate"] == pytest.approx(s.num_spec_accepted_tokens / s.num_spec_draft_tokens)
+
+
+def test_one_token_prompts_beside_speculating_decodes(plain, spec):
+    """A one-token prompt (or a last prompt chunk of one token) mixed with decodes makes a batch of
+    one-token extends that is not a decode batch: it must not be verified as one (it was lost)."""
+    prompts = [[5], copy_prompts(1, seed=30)[0], [7], [9, 9]] + copy_prompts(3, seed=31)
+    ref = outputs(plain, prompts, GREEDY)
+    outputs(spec, prompts[1:2], GREEDY)  # the tree now holds its continuation: it decodes with drafts
+    rids = [spec.add_request(prompts[1], GREEDY)[0]]
+    spec.step()  # its prefill
+    rids += spec.add_request(prompts[0], GREEDY) + spec.add_request(prompts[2], GREEDY)
+    before = spec.stats.num_spec_verifications
+    spec.step()  # one-token extends of [5] and [7] beside the drafting decode
+    assert spec.stats.num_spec_verifications == before  # not a decode batch: no verification
+    for p in prompts[3:]:
+        rids += spec.add_request(p, GREEDY)
+    done = {}
+    while len(done) < len(rids):
+        for out in spec.step():
+            if out.finished:
+                done[out.rid] = out.output_ids
+    order = [rids[1], rids[0]] + rids[2:]
+    assert [done[r] for r in order] == [ids for ids, _, _ in ref]
+    assert not spec.has_unfinished()

@@ -41,16 +41,32 @@ def _wait_for_line(proc: ServerProcess, needle: str, timeout: float = READY_TIME
     raise TimeoutError(f"no {needle!r} line in {timeout} s:\n{proc.log()[-4000:]}")
 
 
+def _launch(args: list[str], log_dir) -> ServerProcess:
+    """`serve.py ARGS --port P` for a free P whose next three ports are free too (the workers' and the
+    router's metrics), once it printed its ready line. Another process on this shared machine may
+    take one of those ports between the check and the bind: then once more on other ports."""
+    for attempt in range(2):
+        port = free_port()
+        while any(_taken(p) for p in range(port + 1, port + 4)):
+            port = free_port()
+        proc = ServerProcess(args, log_dir / f"launcher{attempt}.log", port=port)
+        try:
+            proc.ready_line = _wait_for_line(proc, "jaxserve ready")
+        except RuntimeError:
+            if attempt == 0 and "cannot listen on" in proc.log():
+                proc.stop()
+                continue
+            raise
+        proc.worker_urls = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+        return proc
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def dp(tiny_model_dir, tmp_path_factory):
     """`serve.py --dp-size 2 --router-policy round_robin` on a free port (the workers take the next two)."""
-    port = free_port()
-    while any(_taken(p) for p in range(port + 1, port + 4)):
-        port = free_port()
-    proc = ServerProcess(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--served-model-name", "tiny", "--dp-size", "2",
-                          "--router-policy", "round_robin"], tmp_path_factory.mktemp("dp") / "launcher.log", port=port)
-    proc.ready_line = _wait_for_line(proc, "jaxserve ready")
-    proc.worker_urls = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+    proc = _launch(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--served-model-name", "tiny", "--dp-size", "2",
+                    "--router-policy", "round_robin"], tmp_path_factory.mktemp("dp"))
     yield proc
     proc.stop()
 
@@ -209,13 +225,10 @@ def test_api_key_and_a_dead_worker(tiny_model_dir, tmp_path):
     stops the router and the other worker and exits with status 1."""
     import psutil
 
-    port = free_port()
-    while any(_taken(p) for p in range(port + 1, port + 4)):
-        port = free_port()
-    proc = ServerProcess(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--served-model-name", "tiny",
-                          "--dp-size", "2", "--api-key", "sekret"], tmp_path / "launcher.log", port=port)
+    proc = _launch(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--served-model-name", "tiny",
+                    "--dp-size", "2", "--api-key", "sekret"], tmp_path)
+    port = proc.port
     try:
-        _wait_for_line(proc, "jaxserve ready")
         body = {"text": "Keyed", "sampling_params": GREEDY}
         assert httpx.post(proc.url + "/generate", json=body, timeout=60).status_code == 401
         assert httpx.post(f"http://127.0.0.1:{port + 1}/generate", json=body, timeout=60).status_code == 401

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 from jaxtyping import Int
 
+
 def ngram_draft(tokens: Sequence[int] | Int[np.ndarray, " N"], num_draft: int, max_match_len: int = 18) -> list[int]:
     """Up to `num_draft` tokens that followed the longest earlier match of the suffix of `tokens`.
 
