@@ -283,6 +283,16 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 12 for NGRAM, as SGLang)", group="speculative")
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
     speculative_max_batch_size: int = _flag(4, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks; 8 measured better on copy-heavy and worse on random prompts at 8 concurrent, docs/benchmarks.md)", group="speculative")
+    # scale out (issue 18): data-parallel replicas behind sglang-router (jaxserve/server/dp_launcher.py)
+    dp_size: int = _flag(
+        1, "data parallelism: run this many worker processes, each with its share of the devices (CPU: of the cores) "
+        "and its own port (--port + 1, + 2, ...), behind sglang-router on --port; every worker gets the pool flags "
+        "as given (--max-total-tokens is per worker); needs the router extra: pip install 'jaxserve[router]'",
+        group="parallelism")
+    router_policy: str = _flag(
+        "cache_aware", "how sglang-router picks a worker with --dp-size > 1: cache_aware (the worker whose requests "
+        "share the longest prefix, unless the loads are unbalanced) | round_robin | random | power_of_two",
+        choices=("cache_aware", "round_robin", "random", "power_of_two"), group="parallelism")
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
@@ -328,6 +338,10 @@ class ServerArgs:
             raise ValueError(f"--queue-timeout must be > 0 seconds, got {self.queue_timeout}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and self.port + self.dp_size + 1 > 65535:
+            raise ValueError(f"--port {self.port} leaves no room for {self.dp_size} workers on the ports after it (--dp-size)")
         self._validate_release_policy()
         self._validate_decode_latency()
 

@@ -8,8 +8,9 @@ Routes:
     GET  /metrics                  Prometheus metrics (metrics.py), unless --disable-metrics
     GET  /health                   200 while the engine loop runs
     GET  /health_generate          runs one token through the engine
-    GET  /get_model_info           model_path, tokenizer_path, is_generation
-    GET  /get_server_info          the server args, the engine's counters and KV pool usage
+    GET  /get_model_info           model_path, tokenizer_path, is_generation (also as /model_info)
+    GET  /get_server_info          the server args, the engine's counters and KV pool usage (also as /server_info)
+    GET  /get_load                 SGLang's per-rank load list, which sglang-router polls
     POST /flush_cache              empty the prefix cache (400 while requests run)
     POST /abort_request            {"rid": ...}
     GET  /openapi.json             the OpenAPI document, generated from the pydantic models (openapi.py)
@@ -53,7 +54,7 @@ HEALTH_GENERATE_TIMEOUT_S = 60.0
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 # answered even by a dead or draining server: what an operator reads to find out why
-ALWAYS_SERVED = frozenset({"/metrics", "/get_server_info", "/get_model_info", "/v1/models"})
+ALWAYS_SERVED = frozenset({"/metrics", "/get_server_info", "/get_model_info", "/server_info", "/model_info", "/v1/models"})
 
 
 def served_model_name(server_args: ServerArgs, model_path: str) -> str:
@@ -146,12 +147,16 @@ async def get_model_info(request: Request) -> Response:
     engine_loop: EngineLoop = request.app.state.engine_loop
     args = engine_loop.server_args
     tokenizer_path = args.tokenizer_path if args.tokenizer_path not in (None, "default") else engine_loop.model_path
+    architecture = engine_loop.engine.model_config.architecture
     return JSONResponse({
         "model_path": engine_loop.model_path,
         "tokenizer_path": tokenizer_path,
         "is_generation": True,
         "served_model_name": request.app.state.model_name,
         "context_length": engine_loop.context_length,
+        # as SGLang reports the HF config's: sglang-router reads them when it registers a worker
+        "model_type": architecture.removesuffix("ForCausalLM").lower(),
+        "architectures": [architecture],
     })
 
 
@@ -161,6 +166,7 @@ async def get_server_info(request: Request) -> Response:
     args = dataclasses.asdict(engine_loop.server_args)
     if args.get("api_key") or request.app.state.server_args.api_key:
         args["api_key"] = "***"
+    args.setdefault("tp_size", 1)  # sglang-router reads tp_size and dp_size when it registers a worker
     load = engine_loop.load()
     info: dict[str, Any] = {
         **args,
@@ -189,6 +195,21 @@ async def get_server_info(request: Request) -> Response:
         "num_rejected_requests": {"queue_full": load.num_rejected_queue_full, "queue_timeout": load.num_queue_timeouts},
     }
     return JSONResponse(info)
+
+
+async def get_load(request: Request) -> Response:
+    """SGLang's `/get_load` shape: one entry per data-parallel rank of this server (jaxserve has one).
+    num_reqs counts running and waiting requests; num_tokens is the KV pool's used tokens, of which
+    num_pending_tokens are held by requests (not only by the prefix cache)."""
+    load = request.app.state.engine_loop.load()
+    return JSONResponse([{
+        "dp_rank": 0,
+        "num_reqs": load.num_running_reqs + load.num_waiting_reqs,
+        "num_waiting_reqs": load.num_waiting_reqs,
+        "num_tokens": load.kv_used_tokens,
+        "num_pending_tokens": load.kv_used_tokens - (load.kv_cached_tokens - load.kv_locked_tokens),
+        "ts_tic": time.perf_counter(),
+    }])
 
 
 async def flush_cache(request: Request) -> Response:
@@ -225,6 +246,9 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/get_model_info", get_model_info, methods=["GET"]),
         Route("/get_server_info", get_server_info, methods=["GET"]),
+        Route("/model_info", get_model_info, methods=["GET"]),  # SGLang's current names; the router tries them first
+        Route("/server_info", get_server_info, methods=["GET"]),
+        Route("/get_load", get_load, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),

@@ -186,4 +186,11 @@ def _return_freed_memory() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    launch_server(ServerArgs.from_cli(argv if argv is not None else sys.argv[1:]))
+    """scripts/serve.py and `python -m jaxserve.server`: one server, or with `--dp-size N` N workers
+    behind sglang-router (dp_launcher.py)."""
+    args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:])
+    if args.dp_size > 1:
+        from jaxserve.server.dp_launcher import launch_data_parallel
+
+        return launch_data_parallel(args)
+    launch_server(args)

@@ -24,6 +24,9 @@ _OPERATIONS: tuple[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] 
     ("get", "/health_generate", "generates one token", None, None),
     ("get", "/get_model_info", "model path and name", None, None),
     ("get", "/get_server_info", "server args, queue sizes, KV pool usage", None, None),
+    ("get", "/model_info", "model path and name (SGLang's current name of /get_model_info)", None, None),
+    ("get", "/server_info", "server args, queue sizes, KV pool usage (SGLang's current name of /get_server_info)", None, None),
+    ("get", "/get_load", "SGLang's per-rank load list (requests, KV tokens), polled by sglang-router", None, None),
     ("post", "/flush_cache", "empty the prefix cache", None, None),
     ("post", "/abort_request", "stop a request by rid", None, None),
 )

@@ -1,0 +1,261 @@
+"""Data parallelism behind the real sglang-router 0.3.2: `serve.py --dp-size 2` (tiny checkpoint, small
+pools) starts two workers and the router; requests go through the router as through one server.
+
+One launcher serves the module (round_robin, so the counters show both workers used); the
+cache_aware test puts a second real router, with that policy, in front of the same two workers. The
+last test stops the launcher with SIGTERM and checks that nothing it started is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess, free_port
+
+pytest.importorskip("sglang_router", reason="sglang-router is the router extra (and a dev dependency)")
+pytestmark = pytest.mark.slow
+
+GREEDY = {"max_new_tokens": 4, "temperature": 0.0}
+READY_TIMEOUT_S = 240
+
+
+def _wait_for_line(proc: ServerProcess, needle: str, timeout: float = READY_TIMEOUT_S) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = next((x for x in proc.log().splitlines() if x.startswith(needle)), None)
+        if line is not None:
+            return line
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"the launcher exited with {proc.proc.returncode}:\n{proc.log()[-4000:]}")
+        time.sleep(0.5)
+    proc.stop()
+    raise TimeoutError(f"no {needle!r} line in {timeout} s:\n{proc.log()[-4000:]}")
+
+
+def _launch(args: list[str], log_dir) -> ServerProcess:
+    """`serve.py ARGS --port P` for a free P whose next three ports are free too (the workers' and the
+    router's metrics), once it printed its ready line. Another process on this shared machine may
+    take one of those ports between the check and the bind: then once more on other ports."""
+    for attempt in range(2):
+        port = free_port()
+        while any(_taken(p) for p in range(port + 1, port + 4)):
+            port = free_port()
+        proc = ServerProcess(args, log_dir / f"launcher{attempt}.log", port=port)
+        try:
+            proc.ready_line = _wait_for_line(proc, "jaxserve ready")
+        except RuntimeError:
+            if attempt == 0 and "cannot listen on" in proc.log():
+                proc.stop()
+                continue
+            raise
+        proc.worker_urls = [f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"]
+        return proc
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="module")
+def dp(tiny_model_dir, tmp_path_factory):
+    """`serve.py --dp-size 2 --router-policy round_robin` on a free port (the workers take the next two)."""
+    proc = _launch(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--served-model-name", "tiny", "--dp-size", "2",
+                    "--router-policy", "round_robin"], tmp_path_factory.mktemp("dp"))
+    yield proc
+    proc.stop()
+
+
+def _taken(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _generate(url: str, text: str, params=GREEDY) -> dict:
+    r = httpx.post(url + "/generate", json={"text": text, "sampling_params": params}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _finished(url: str) -> int:
+    return httpx.get(url + "/get_server_info", timeout=10).json()["engine_stats"]["num_finished_requests"]
+
+
+def test_the_ready_line_gives_the_routers_url(dp):
+    assert dp.ready_line.startswith(f"jaxserve ready: serving tiny at {dp.url} (OpenAI API at /v1;")
+    assert "round_robin over 2 workers" in dp.ready_line
+
+
+def test_native_chat_stream_and_flush_through_the_router(dp):
+    direct = _generate(dp.worker_urls[0], "The router forwards")
+    routed = _generate(dp.url, "The router forwards")
+    assert routed["output_ids"] == direct["output_ids"] and routed["meta_info"]["completion_tokens"] == 4
+
+    chat = httpx.post(dp.url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] == 3 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+
+    body = {"text": "The router forwards", "sampling_params": GREEDY, "stream": True}
+    with httpx.stream("POST", dp.url + "/generate", json=body, timeout=120) as s:
+        assert s.status_code == 200
+        data = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and len(data) >= 3  # several events passed through, not one buffered body
+    assert json.loads(data[-2])["output_ids"] == direct["output_ids"]
+
+    for url in dp.worker_urls:  # both prefix caches hold something, then the router flushes both
+        _generate(url, "Fill the cache with a prompt that is longer than one page of sixteen tokens, surely")
+    r = httpx.post(dp.url + "/flush_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    for url in dp.worker_urls:
+        assert httpx.get(url + "/get_server_info", timeout=10).json()["kv_pool"]["cached_tokens"] == 0
+
+
+def test_round_robin_sends_requests_to_both_workers(dp):
+    before = [_finished(u) for u in dp.worker_urls]
+    for i in range(6):
+        _generate(dp.url, f"Request number {i}", {"max_new_tokens": 1, "temperature": 0.0})
+    delta = [_finished(u) - b for u, b in zip(dp.worker_urls, before)]
+    assert sum(delta) == 6 and min(delta) >= 2, delta
+
+
+def test_the_workers_answer_the_routers_probes(dp):
+    url = dp.worker_urls[1]
+    info = httpx.get(url + "/server_info", timeout=10).json()
+    assert info.keys() == httpx.get(url + "/get_server_info", timeout=10).json().keys()
+    assert info["dp_size"] == 1 and info["tp_size"] == 1 and info["port"] == int(url.rsplit(":", 1)[1])
+    model = httpx.get(url + "/model_info", timeout=10).json()
+    assert model["architectures"] == ["LlamaForCausalLM"] and model["model_type"] == "llama"
+    load = httpx.get(url + "/get_load", timeout=10).json()
+    assert [sorted(x) for x in load] == [sorted(["dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens",
+                                                 "num_pending_tokens", "ts_tic"])]
+    assert load[0]["num_reqs"] == 0 and load[0]["num_pending_tokens"] == 0
+
+
+def _shared_prefix_workload(num_groups: int = 3, per_group: int = 6, seed: int = 18) -> list[list[str]]:
+    """bench_serving's generated-shared-prefix shape: groups of prompts that share a long system
+    prefix (about 100 tokens) and differ in a short question. An odd number of groups, so round_robin
+    sends each group to both workers."""
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta river stone cloud paper light green orange window music number".split()
+    prefixes = [" ".join(rng.choice(words) for _ in range(90)) for _ in range(num_groups)]
+    return [[f"{p}\nQuestion {g}.{i}: {rng.choice(words)} {rng.choice(words)}?" for i in range(per_group)]
+            for g, p in enumerate(prefixes)]
+
+
+def _hit_rate(url: str, groups: list[list[str]]) -> float:
+    """cached / prompt tokens over the workload. The first prompt of every group is sent while the
+    earlier groups' first prompts still run (they decode 140 tokens: seconds, against 0.2 s between
+    sends), as in a real burst: the cache_aware router places a prefix it has not seen on the least
+    loaded worker. The other prompts follow one at a time, interleaved across groups."""
+    greedy = {"max_new_tokens": 1, "temperature": 0.0}
+    long = {"max_new_tokens": 140, "temperature": 0.0, "ignore_eos": True}
+    with ThreadPoolExecutor(len(groups)) as pool:
+        firsts = []
+        for group in groups:
+            firsts.append(pool.submit(_generate, url, group[0], long))
+            time.sleep(0.2)
+        metas = [f.result()["meta_info"] for f in firsts]
+    for i in range(1, len(groups[0])):
+        metas += [_generate(url, group[i], greedy)["meta_info"] for group in groups]
+    return sum(m["cached_tokens"] for m in metas) / sum(m["prompt_tokens"] for m in metas)
+
+
+def _flush(urls: list[str]) -> None:
+    for url in urls:
+        assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def cache_aware_router(dp, tmp_path_factory):
+    """A second real sglang-router, policy cache_aware, in front of the launcher's two workers."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("router") / "router.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *dp.worker_urls, "--port", str(port),
+         "--host", "127.0.0.1", "--policy", "cache_aware", "--prometheus-port", str(free_port()), "--log-level", "warn"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            assert proc.poll() is None, f"sglang-router exited with {proc.returncode}"
+            try:
+                workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
+                if len(workers) == 2 and all(w["is_healthy"] for w in workers):
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            assert time.monotonic() < deadline, "sglang-router did not list both workers in 60 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def test_cache_aware_keeps_one_workers_hit_rate(dp, cache_aware_router):
+    groups = _shared_prefix_workload()
+    _flush(dp.worker_urls)
+    one_worker = _hit_rate(dp.worker_urls[0], groups)
+    _flush(dp.worker_urls)
+    before = [_finished(u) for u in dp.worker_urls]
+    routed = _hit_rate(cache_aware_router, groups)
+    used = [_finished(u) - b for u, b in zip(dp.worker_urls, before)]
+    _flush(dp.worker_urls)
+    round_robin = _hit_rate(dp.url, groups)
+    assert one_worker > 0.5, one_worker  # the workload shares prefixes at all
+    assert abs(routed - one_worker) <= 0.05, (routed, one_worker)
+    assert min(used) > 0, used  # cache_aware still spread the groups over both workers
+    # the workload tells policies apart: round_robin computes every prefix on both workers
+    assert round_robin < one_worker - 0.05, (round_robin, one_worker)
+
+
+def test_api_key_and_a_dead_worker(tiny_model_dir, tmp_path):
+    """With --api-key the router and the workers require the key; when a worker dies the launcher
+    stops the router and the other worker and exits with status 1."""
+    import psutil
+
+    proc = _launch(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--served-model-name", "tiny",
+                    "--dp-size", "2", "--api-key", "sekret"], tmp_path)
+    port = proc.port
+    try:
+        body = {"text": "Keyed", "sampling_params": GREEDY}
+        assert httpx.post(proc.url + "/generate", json=body, timeout=60).status_code == 401
+        assert httpx.post(f"http://127.0.0.1:{port + 1}/generate", json=body, timeout=60).status_code == 401
+        keyed = httpx.post(proc.url + "/generate", json=body, headers={"Authorization": "Bearer sekret"}, timeout=60)
+        assert keyed.status_code == 200 and keyed.json()["meta_info"]["completion_tokens"] == 4
+
+        children = psutil.Process(proc.proc.pid).children(recursive=True)
+        worker0 = next(c for c in children if f"--port {port + 1}" in " ".join(c.cmdline()))
+        worker0.kill()
+        assert proc.proc.wait(90) == 1
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.pid for p in alive]
+        assert "worker 0 exited with status -9: stopping the others" in proc.log()
+    finally:
+        proc.stop()
+
+
+def test_sigterm_stops_the_router_and_every_worker(dp):
+    """Last in the module (slow tests keep their order): it ends the shared launcher."""
+    import psutil
+
+    children = psutil.Process(dp.proc.pid).children(recursive=True)
+    assert len(children) >= 3  # two workers and the router
+    dp.proc.send_signal(signal.SIGTERM)
+    assert dp.proc.wait(90) == 0
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, [p.pid for p in alive]
+    assert "jaxserve stopped: the router and 2 workers" in dp.log()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(dp.url + "/health", timeout=2)
