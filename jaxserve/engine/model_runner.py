@@ -80,7 +80,9 @@ def forward_step(
 
     Prompt logprobs (`return_input_logprobs`): log p(target_ids[t] | tokens up to t) for every packed
     token (0 where the target is -1); this needs logits at every row, so it is a separate variant.
-    `attn_fn` is the model's K/V write + attention (`llama.paged_attention(backend)`).
+    `attn_fn` is an attention backend (`jaxserve.pallas.get_attention_backend`) or the model's K/V
+    write + attention (`llama.paged_attention(backend)`, what the runner passes). `params` is the Flax
+    model's plain params dict (`jaxserve.model.loader.load_model`).
     Pure; `config`, `attn_fn`, `forward_fn`, `return_input_logprobs` and `model` (the module with the
     model's functions) are static. The engine runs this
     same computation either as one executable (`--layer-loop scan`) or split into `llama.embed_tokens`,

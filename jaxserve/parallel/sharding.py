@@ -69,7 +69,8 @@ def vocab_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
 
 
 def shard_attention(attn_fn: Callable, mesh: Mesh) -> Callable:
-    """Run the model's `attn_fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale)` once per
+    """Run the model's `attn_fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale)` (the
+    K/V write and attention, `llama.paged_attention`) once per
     device on its own heads under `jax.shard_map`: q [T, H, D], k/v [T, KVH, D] and the pools split over
     heads, the batch metadata replicated. Heads never talk to each other in attention, so no collective
     runs inside. `check_vma=False`: a `pallas_call` inside shard_map needs it (JAX 0.10.2).
@@ -87,5 +88,5 @@ def shard_attention(attn_fn: Callable, mesh: Mesh) -> Callable:
         )
         return fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta)
 
-    sharded.attention = getattr(attn_fn, "attention", attn_fn)
+    sharded.writes_kv = True
     return sharded

@@ -90,7 +90,7 @@ def lower_cuda(model_dir: str, tp: int) -> dict:
     import jax.numpy as jnp
 
     from jaxserve import parallel
-    from jaxserve.engine.model_runner import BatchEntry, ModelRunner, forward_step
+    from jaxserve.engine.model_runner import BatchEntry, ModelRunner
     from jaxserve.model import llama
     from jaxserve.model.loader import load_model, replicate_kv_heads
     from jaxserve.pallas.ragged_paged_attention import ragged_paged_attention
