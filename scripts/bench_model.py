@@ -6,11 +6,13 @@ median of --repeats timed runs after a warm-up run. jaxserve runs once per --lay
 model runner's `layer_loop`: "host" calls a jitted group of layers from Python until all have run,
 "host:G" the same with at most G layers per call, "scan" runs one executable with lax.scan over the
 stacked layers); their timed runs alternate, so drift in the machine's speed hits them alike.
-`--models flax jnp` runs each layer loop with the Flax NNX model (`jaxserve.model.llama`) and with the
+`--stat min` reports each variant's fastest run instead of the median (on a machine shared with other
+jobs, the least disturbed run). `--models flax jnp` runs each layer loop with the Flax NNX model (`jaxserve.model.llama`) and with the
 earlier plain-jnp model (`llama_jnp`, the same weights converted to its layout), alternating too.
 
     python scripts/bench_model.py [--repeats 5] [--prompt-len 512] [--batch-sizes 1 8 32]
                                   [--layer-loops host scan host:1] [--models flax jnp] [--skip-transformers]
+                                  [--stat median|min]
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ def timed(fn, repeats: int) -> float:
     return timed_alternating({"fn": fn}, repeats)["fn"]
 
 
-def timed_alternating(fns: dict, repeats: int) -> dict:
-    """Median seconds of each of `fns` (name -> callable) after a warm-up call, the timed calls taken
-    round-robin."""
+def timed_alternating(fns: dict, repeats: int, stat=statistics.median) -> dict:
+    """Median (or `stat`) seconds of each of `fns` (name -> callable) after a warm-up call, the timed
+    calls taken round-robin."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
@@ -48,7 +50,7 @@ def timed_alternating(fns: dict, repeats: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: stat(ts) for name, ts in times.items()}
 
 
 def jax_runner(config, params, max_seqs: int, context: int, layer_loop: str, model=None) -> ModelRunner:
@@ -80,6 +82,8 @@ def main() -> None:
     ap.add_argument("--layer-loops", nargs="+", default=["host", "scan"], type=layer_loop_spec)
     ap.add_argument("--models", nargs="+", default=["flax"], choices=["flax", "jnp"])
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="min: the fastest run of each, less sensitive to other jobs on a shared machine")
     args = ap.parse_args()
 
     import torch
@@ -115,14 +119,15 @@ def main() -> None:
         return lambda: runner.forward(entries).block_until_ready()
 
     prefill = [BatchEntry(prompt, 0, seq_pages(0))]
+    stat = min if args.stat == "min" else statistics.median
     ours = {loop: [n / t] for loop, t in timed_alternating(
-        {loop: step(r, prefill) for loop, r in runners.items()}, args.repeats).items()}
+        {loop: step(r, prefill) for loop, r in runners.items()}, args.repeats, stat).items()}
     for b in args.batch_sizes:
         for runner in runners.values():
             for i in range(b):  # fill each sequence's KV once
                 runner.forward([BatchEntry(prompt, 0, seq_pages(i))])
         entries = [BatchEntry([prompt[-1]], n, seq_pages(i)) for i in range(b)]
-        for loop, t in timed_alternating({loop: step(r, entries) for loop, r in runners.items()}, args.repeats).items():
+        for loop, t in timed_alternating({loop: step(r, entries) for loop, r in runners.items()}, args.repeats, stat).items():
             ours[loop].append(t * 1e3)
     loops = list(runners)
     if args.skip_transformers:

@@ -13,7 +13,7 @@ from unittest import mock
 import httpx
 import pytest
 
-from tests.server.conftest import REPO, SERVE, ServerProcess
+from tests.server.conftest import REPO, SERVE, ServerProcess, free_port
 
 FLAGS = ["--max-total-tokens", "2048", "--context-length", "512", "--max-running-requests", "4",
          "--chunked-prefill-size", "128", "--disable-precompile"]
@@ -63,7 +63,7 @@ def test_default_model_tp3_matches_tp1_over_http(servers):
 @pytest.mark.slow
 def test_default_model_tp2_refused_without_traceback():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
-    proc = subprocess.run([sys.executable, str(SERVE), "--tp-size", "2", "--port", "0", *FLAGS], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, str(SERVE), "--tp-size", "2", "--port", str(free_port()), *FLAGS], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
