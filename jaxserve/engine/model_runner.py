@@ -566,13 +566,6 @@ def _padded_page_ids(pages) -> np.ndarray:
     return out
 
 
-_PAGE_JITS: dict[str, Callable] = {
-    "gather": jax.jit(lambda k_pool, v_pool, pages: _gather_pages(k_pool, v_pool, pages)),
-    "scatter": jax.jit(lambda *a: _scatter_pages(*a), donate_argnums=(0, 1)),
-    "copy": jax.jit(lambda *a: _copy_pages(*a), donate_argnums=(0, 1)),
-}
-
-
 def _gather_pages(k_pool, v_pool, pages):
     # [L, N, ps, KVH, D] -> [L, n, ps, KVH, D]
     return k_pool[:, pages], v_pool[:, pages]
@@ -584,6 +577,14 @@ def _scatter_pages(k_pool, v_pool, pages, k, v):
 
 def _copy_pages(k_pool, v_pool, src, dst):
     return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
+
+
+# the page copies of a single-device pool (the results stay on its device)
+_PAGE_JITS: dict[str, Callable] = {
+    "gather": jax.jit(_gather_pages),
+    "scatter": jax.jit(_scatter_pages, donate_argnums=(0, 1)),
+    "copy": jax.jit(_copy_pages, donate_argnums=(0, 1)),
+}
 
 
 def _sharded_page_jits(rep, pool) -> dict[str, Callable]:

@@ -20,6 +20,7 @@ import pytest
 from jaxserve import parallel
 from jaxserve.config import ModelConfig, ServerArgs
 from tests.conftest import TINY_LLAMA, make_hf_checkpoint
+from tests.pallas.test_ragged_paged_attention import needs_embedded_triton_ir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,6 +87,7 @@ def test_pallas_interpret_under_tp2_gives_xla_tokens(tiny_model_dir, tp_runs):
     assert pallas["outputs"] == tp_runs["llama"][0]["outputs"][:4]
 
 
+@needs_embedded_triton_ir
 def test_sharded_step_lowers_for_cuda(tiny_model_dir):
     [low] = run_worker(tiny_model_dir, "--tp", "2", "--lower-cuda", devices=2)
     # the Triton kernel sits inside the shard_map (a manual computation) of a sharded module
