@@ -293,6 +293,12 @@ class ServerArgs:
         "cache_aware", "how sglang-router picks a worker with --dp-size > 1: cache_aware (the worker whose requests "
         "share the longest prefix, unless the loads are unbalanced) | round_robin | random | power_of_two",
         choices=("cache_aware", "round_robin", "random", "power_of_two"), group="parallelism")
+    # tensor parallelism (jaxserve/parallel/)
+    tp_size: int = _flag(
+        1, "tensor parallelism: shard the model over this many devices of one process (on CPU, host devices "
+        "from JAX_NUM_CPU_DEVICES or XLA_FLAGS=--xla_force_host_platform_device_count)",
+        group="parallelism", aliases=("--tp", "--tensor-parallel-size"),
+    )
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
@@ -316,6 +322,8 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag of the first bad value."""
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
@@ -385,19 +393,19 @@ class ServerArgs:
         groups = {key: parser.add_argument_group(title) for key, title in FLAG_GROUPS.items()}
         for f in dataclasses.fields(ServerArgs):
             group = groups.get(f.metadata.get("group"), groups["other"])
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             help_ = f.metadata.get("help", "")
             if "(default" not in help_:  # a help text that explains its default keeps its own words
                 help_ += f" (default: {f.default})"
             if f.type in (bool, "bool"):
-                group.add_argument(flag, action="store_true", default=f.default, help=help_)
+                group.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=help_)
                 continue
             base = str(f.type).replace(" | None", "")
             kind = {"int": int, "float": float}.get(base, str)
             kwargs = {"type": kind, "default": f.default, "help": help_}
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
-            group.add_argument(flag, **kwargs)
+            group.add_argument(*flags, dest=f.name, **kwargs)
 
     @staticmethod
     def from_cli(argv=None) -> "ServerArgs":

@@ -6,9 +6,13 @@ median of --repeats timed runs after a warm-up run. jaxserve runs once per --lay
 model runner's `layer_loop`: "host" calls a jitted group of layers from Python until all have run,
 "host:G" the same with at most G layers per call, "scan" runs one executable with lax.scan over the
 stacked layers); their timed runs alternate, so drift in the machine's speed hits them alike.
+`--stat min` reports each variant's fastest run instead of the median (on a machine shared with other
+jobs, the least disturbed run). `--models flax jnp` runs each layer loop with the Flax NNX model (`jaxserve.model.llama`) and with the
+earlier plain-jnp model (`llama_jnp`, the same weights converted to its layout), alternating too.
 
     python scripts/bench_model.py [--repeats 5] [--prompt-len 512] [--batch-sizes 1 8 32]
-                                  [--layer-loops host scan host:1]
+                                  [--layer-loops host scan host:1] [--models flax jnp] [--skip-transformers]
+                                  [--stat median|min]
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ def timed(fn, repeats: int) -> float:
     return timed_alternating({"fn": fn}, repeats)["fn"]
 
 
-def timed_alternating(fns: dict, repeats: int) -> dict:
-    """Median seconds of each of `fns` (name -> callable) after a warm-up call, the timed calls taken
-    round-robin."""
+def timed_alternating(fns: dict, repeats: int, stat=statistics.median) -> dict:
+    """Median (or `stat`) seconds of each of `fns` (name -> callable) after a warm-up call, the timed
+    calls taken round-robin."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
@@ -46,11 +50,12 @@ def timed_alternating(fns: dict, repeats: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: stat(ts) for name, ts in times.items()}
 
 
-def jax_runner(config, params, max_seqs: int, context: int, layer_loop: str) -> ModelRunner:
-    """A runner for `layer_loop` ("scan", "host" or "host:G") with pools for `max_seqs` sequences."""
+def jax_runner(config, params, max_seqs: int, context: int, layer_loop: str, model=None) -> ModelRunner:
+    """A runner for `layer_loop` ("scan", "host" or "host:G") with pools for `max_seqs` sequences;
+    `model`: the module with the model's functions (default the Flax model)."""
     loop, _, group = layer_loop.partition(":")
     num_pages = max_seqs * (context // PAGE_SIZE + 1) + 1
     shape = (config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
@@ -58,7 +63,7 @@ def jax_runner(config, params, max_seqs: int, context: int, layer_loop: str) -> 
         config, params, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
         attn_fn=ragged_paged_attention_xla, max_running_requests=max_seqs,
         max_extend_tokens=context, context_length=context + PAGE_SIZE, layer_loop=loop,
-        max_layers_per_call=int(group or MAX_LAYERS_PER_CALL),
+        max_layers_per_call=int(group or MAX_LAYERS_PER_CALL), **({"model": model} if model else {}),
     )
 
 
@@ -75,6 +80,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--layer-loops", nargs="+", default=["host", "scan"], type=layer_loop_spec)
+    ap.add_argument("--models", nargs="+", default=["flax"], choices=["flax", "jnp"])
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="min: the fastest run of each, less sensitive to other jobs on a shared machine")
     args = ap.parse_args()
 
     import torch
@@ -83,7 +92,7 @@ def main() -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     config, params = load_model("default", "float32")
-    tmodel = AutoModelForCausalLM.from_pretrained(
+    tmodel = None if args.skip_transformers else AutoModelForCausalLM.from_pretrained(
         os.path.dirname(default_model_path()), gguf_file=DEFAULT_MODEL_GGUF, dtype=torch.float32
     ).eval()
     rng = np.random.default_rng(0)
@@ -95,21 +104,42 @@ def main() -> None:
     def seq_pages(i):
         return list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq))
 
-    runners = {loop: jax_runner(config, params, max_b, n + PAGE_SIZE, loop) for loop in args.layer_loops}
+    from jaxserve.model import llama, llama_jnp
+
+    variants = {"flax": (llama, lambda loop: params if loop.startswith("host") else llama.stack_layers(params)),
+                "jnp": (llama_jnp, lambda loop: llama_jnp.from_flax_params(config, params))}
+    runners = {}
+    for loop in args.layer_loops:
+        for name in args.models:
+            module, make_params = variants[name]
+            label = loop if args.models == ["flax"] else f"{name} {loop}"
+            runners[label] = jax_runner(config, make_params(loop), max_b, n + PAGE_SIZE, loop, module)
 
     def step(runner, entries):
         return lambda: runner.forward(entries).block_until_ready()
 
     prefill = [BatchEntry(prompt, 0, seq_pages(0))]
+    stat = min if args.stat == "min" else statistics.median
     ours = {loop: [n / t] for loop, t in timed_alternating(
-        {loop: step(r, prefill) for loop, r in runners.items()}, args.repeats).items()}
+        {loop: step(r, prefill) for loop, r in runners.items()}, args.repeats, stat).items()}
     for b in args.batch_sizes:
         for runner in runners.values():
             for i in range(b):  # fill each sequence's KV once
                 runner.forward([BatchEntry(prompt, 0, seq_pages(i))])
         entries = [BatchEntry([prompt[-1]], n, seq_pages(i)) for i in range(b)]
-        for loop, t in timed_alternating({loop: step(r, entries) for loop, r in runners.items()}, args.repeats).items():
+        for loop, t in timed_alternating({loop: step(r, entries) for loop, r in runners.items()}, args.repeats, stat).items():
             ours[loop].append(t * 1e3)
+    loops = list(runners)
+    if args.skip_transformers:
+        names = [f"prefill {n} tokens (tokens/s)"] + [f"decode step, batch {b} (ms)" for b in args.batch_sizes]
+        print(f"\njax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs\n")
+        print("| measure | " + " | ".join(loops) + " | " + " | ".join(f"{loops[0]} speed-up over {loop}" for loop in loops[1:]) + " |")
+        print("|---" * (1 + 2 * len(loops) - 1) + "|")
+        for i, name in enumerate(names):
+            rel = [(ours[loops[0]][i] / ours[loop][i]) if i == 0 else (ours[loop][i] / ours[loops[0]][i]) for loop in loops[1:]]
+            print(f"| {name} | " + " | ".join(f"{ours[loop][i]:.1f}" for loop in loops) + " | "
+                  + " | ".join(f"{r:.3f}" for r in rel) + " |")
+        return
     with torch.no_grad():
         ids = torch.tensor([prompt])
         ref = [n / timed(lambda: tmodel(ids), args.repeats)]
@@ -127,7 +157,6 @@ def main() -> None:
     names = [f"prefill {n} tokens (tokens/s)"] + [f"decode step, batch {b} (ms)" for b in args.batch_sizes]
 
     print(f"\njax {jax.__version__} on {jax.default_backend()}, torch {torch.__version__}, {os.cpu_count()} CPUs\n")
-    loops = args.layer_loops
     print("| measure | " + " | ".join(f"jaxserve ({loop})" for loop in loops) + " | transformers | "
           + " | ".join(f"speed-up ({loop})" for loop in loops) + " |")
     print("|---" * (2 + 2 * len(loops)) + "|")

@@ -11,7 +11,10 @@ On a GPU it
 2. times decode for the kernel, the XLA path and `jax.experimental.pallas.ops.gpu.paged_attention`
    (if importable), and the mixed batch for the kernel and the XLA path: jitted, warmed up, then
    `--iters` back-to-back calls ended by `block_until_ready`, best of 3 repeats;
-3. prints the achieved bandwidth (K/V bytes the batch needs / time) against a measured device copy.
+3. prints the achieved bandwidth (K/V bytes the batch needs / time) against a measured device copy;
+4. with more than one GPU, runs the default model at tp 1 and at tp = all visible GPUs
+   (`scripts/bench_tp.py`'s comparison, Pallas backend, scan layer loop): greedy tokens must agree,
+   and the prefill and decode step times of both are printed (`--no-tp` skips it).
 
 Without a GPU it runs the same code at tiny sizes in Pallas interpret mode (a smoke run: correctness
 only, timings meaningless). Exit status 1 when a correctness check fails.
@@ -359,9 +362,29 @@ def print_table(rows, ceiling: float, setup: Setup) -> None:
     )
 
 
+def run_tp_check(tp: int, report: Report) -> None:
+    """The default model at tp 1 and tp `tp` (all visible GPUs): same greedy tokens, step times."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_tp import compare_tp, print_table as print_tp_table
+
+    n = tp
+    while n > 1 and 9 % n:  # the default model has 9 query heads: the largest tp that divides them
+        n -= 1
+    if n == 1:
+        print(f"tensor parallel: {tp} GPUs, but no tp size > 1 divides the default model's 9 heads; skipped")
+        return
+    print(f"tensor parallel: default model, tp 1 vs tp {n} ({tp} GPUs visible)")
+    result = compare_tp("default", n, prompt_len=512, batch_sizes=[1, 8, 32], repeats=5,
+                        layer_loop="scan", attention_backend="pallas")
+    print_tp_table(result, n)
+    if not result["same_tokens"]:
+        report.failures.append(f"tp {n} greedy tokens differ from tp 1")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=20, help="timed calls per repeat")
+    parser.add_argument("--no-tp", action="store_true", help="skip the tensor-parallel run over all GPUs")
     args = parser.parse_args()
 
     on_gpu = jax.default_backend() == "gpu"
@@ -376,6 +399,8 @@ def main() -> int:
     iters = args.iters if on_gpu else 2
     rows = run_timings(setup, ref_dec, iters, report)
     print_table(rows, copy_bandwidth(2**30 if on_gpu else 2**20, iters), setup)
+    if on_gpu and jax.device_count() > 1 and not args.no_tp:
+        run_tp_check(jax.device_count(), report)
     print("FAIL: " + ", ".join(report.failures) if report.failures else "PASS")
     return 1 if report.failures else 0
 

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import random
 import time
+from pathlib import Path
 from typing import Any, Hashable, Sequence
 
 import jax
@@ -32,7 +33,8 @@ from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, BatchEntry, ModelRunner
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, new_rid
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts, num_accepted
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader import load_model, replicate_kv_heads
+from jaxserve.parallel import make_mesh, plan_tensor_parallel
 from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path
 from jaxserve.pallas import get_attention_backend
 
@@ -142,6 +144,11 @@ class Engine:
         self.model_config, params = load_model(
             args.model_path, args.dtype, args.weights_cache_dir, use_weights_cache=not args.no_weights_cache
         )
+        # tensor parallelism: refuse a tp size the heads or the devices do not allow before any allocation
+        model_name = args.served_model_name or Path(self.model_path.rstrip("/")).name.split(".")[0]
+        plan = plan_tensor_parallel(self.model_config, args.tp_size, model_name)
+        self.mesh = make_mesh(args.tp_size)
+        self.model_config, params = replicate_kv_heads(self.model_config, params, plan.kv_replicas)
         cfg = self.model_config
         self.context_length = args.context_length or min(cfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (
@@ -180,6 +187,7 @@ class Engine:
             max_extend_tokens=min(chunk, self.context_length),
             context_length=self.context_length,
             min_extend_tokens=2 if args.speculative_algorithm else EXTEND_BLOCK_Q,
+            mesh=self.mesh,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -219,10 +227,17 @@ class Engine:
         else:
             self.runner.mark_warmed_up()
         logger.info(
-            "engine ready: %s, KV pool %d tokens (%d pages of %d), context %d, attention %s, layer loop %s",
+            "engine ready: %s, KV pool %d tokens (%d pages of %d), context %d, attention %s, layer loop %s, "
+            "tp_size %d on %s",
             cfg.architecture, self.pool_shape.num_tokens, self.pool_shape.num_pages - 1,
             args.page_size, self.context_length, args.attention_backend, args.layer_loop,
+            args.tp_size, ", ".join(self.devices),
         )
+
+    @property
+    def devices(self) -> list[str]:
+        """The devices the model runs on, as "platform:id" (one per tensor-parallel shard)."""
+        return [f"{d.platform}:{d.id}" for d in self.mesh.devices.flat]
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(

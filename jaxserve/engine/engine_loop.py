@@ -180,6 +180,11 @@ class EngineLoop:
         """The resolved model location (a directory or a .gguf file)."""
         return self.engine.model_path
 
+    @property
+    def devices(self) -> list[str]:
+        """The devices the model runs on ("platform:id", one per tensor-parallel shard)."""
+        return self.engine.devices
+
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a text (no special tokens added), or a validated copy of a list of ids.
 

@@ -21,9 +21,11 @@ to its length. P only sizes the page table sent with each step, so its buckets s
 (one P bucket for contexts up to 4096) and exist to keep that table small for long contexts.
 The argument pytrees (`ForwardBatch`, `SamplingBatch`) have one structure for the process's lifetime.
 
-For research code: `forward_step` is the whole step as one pure function (what the scan loop jits);
-call it under your own `jax.jit`, trace it or inspect its jaxpr. The host loop computes the same step
-from its parts, `llama.embed_tokens`, `llama.decoder_layers` and `head_step`.
+For research code: `forward_step` is the whole step as one pure function of plain arrays (the params
+dict, the pools, a ForwardBatch; what the scan loop jits); call it under your own `jax.jit`, trace it or
+inspect its jaxpr. The host loop computes the same step from its parts, `llama.embed_tokens`,
+`llama.decoder_layers` and `head_step`. The Flax Modules are rebuilt (`nnx.merge`) only inside these
+traced functions; no Module or nnx.State crosses the jit boundary.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from jaxtyping import Array, Float
 from tqdm.auto import tqdm
+
+from jaxserve import parallel
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import sampler as sampler_lib
@@ -59,7 +64,7 @@ MAX_LAYERS_PER_CALL = 5
 
 
 def forward_step(
-    params: llama.ModelParams,
+    params: llama.Params,
     k_pool: Float[Array, "L N ps KVH D"],
     v_pool: Float[Array, "L N ps KVH D"],
     batch: ForwardBatch,
@@ -68,30 +73,36 @@ def forward_step(
     attn_fn: Callable,
     forward_fn: Callable = llama.forward,
     return_input_logprobs: bool = False,
+    model=llama,
 ) -> tuple[Float[Array, "S V"], Float[Array, " T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
     """One engine step: write the batch's K/V into the pools and return float32 logits [S, V] at
     `batch.logits_idx`, the prompt logprobs [T] and the updated pools.
 
     Prompt logprobs (`return_input_logprobs`): log p(target_ids[t] | tokens up to t) for every packed
     token (0 where the target is -1); this needs logits at every row, so it is a separate variant.
-    Pure; `config`, `attn_fn`, `forward_fn` and `return_input_logprobs` are static. The engine runs this
+    `attn_fn` is an attention backend (`jaxserve.pallas.get_attention_backend`) or the model's K/V
+    write + attention (`llama.paged_attention(backend)`, what the runner passes). `params` is the Flax
+    model's plain params dict (`jaxserve.model.loader.load_model`).
+    Pure; `config`, `attn_fn`, `forward_fn`, `return_input_logprobs` and `model` (the module with the
+    model's functions) are static. The engine runs this
     same computation either as one executable (`--layer-loop scan`) or split into `llama.embed_tokens`,
     `llama.decoder_layers` calls over groups of layers and `head_step` (`--layer-loop host`,
     `HostLayerLoop`).
     """
     hidden, k_pool, v_pool = forward_fn(params, k_pool, v_pool, batch, config=config, attn_fn=attn_fn)
-    logits, input_logprobs = step_outputs(params, hidden, batch, return_input_logprobs)
+    logits, input_logprobs = step_outputs(params, hidden, batch, return_input_logprobs, config=config, model=model)
     return logits, input_logprobs, k_pool, v_pool
 
 
 def step_outputs(
-    params: llama.ModelParams, hidden: Float[Array, "T E"], batch: ForwardBatch, return_input_logprobs: bool
+    params: llama.Params, hidden: Float[Array, "T E"], batch: ForwardBatch, return_input_logprobs: bool,
+    *, config: ModelConfig, model=llama,
 ) -> tuple[Float[Array, "S V"], Float[Array, " T"]]:
     """Logits [S, V] at `batch.logits_idx` and prompt logprobs [T] (zeros unless requested) from the
     final hidden states."""
-    logits = llama.compute_logits(params, hidden[batch.logits_idx])
+    logits = model.compute_logits(params, hidden[batch.logits_idx], config=config)
     if return_input_logprobs:
-        all_logits = llama.compute_logits(params, hidden)  # [T, V]
+        all_logits = model.compute_logits(params, hidden, config=config)  # [T, V]
         target = jnp.maximum(batch.target_ids, 0)
         picked = jnp.take_along_axis(all_logits, target[:, None], axis=-1)[:, 0]
         input_logprobs = jnp.where(batch.target_ids >= 0, picked - jax.nn.logsumexp(all_logits, axis=-1), 0.0)
@@ -101,48 +112,53 @@ def step_outputs(
 
 
 def head_step(
-    params: llama.ModelParams, h: Float[Array, "E T"], batch: ForwardBatch, *, config: ModelConfig,
-    return_input_logprobs: bool = False,
+    params: llama.Params, h: Float[Array, "E T"], batch: ForwardBatch, *, config: ModelConfig,
+    return_input_logprobs: bool = False, model=llama,
 ) -> tuple[Float[Array, "S V"], Float[Array, " T"]]:
     """The end of a host-loop step: final norm of the residual stream [E, T], then `step_outputs`."""
-    return step_outputs(params, llama.final_hidden(params, h, config=config), batch, return_input_logprobs)
+    hidden = model.final_hidden(params, h, config=config)
+    return step_outputs(params, hidden, batch, return_input_logprobs, config=config, model=model)
 
 
 class HostLayerLoop:
     """One compiled step of a bucket as three executables run from Python: embed, a group of G
     consecutive decoder layers (called L / G times, with those layers' weights and the index of the
     first; the pools are donated, so each call updates them in place) and the head. Called like a
-    compiled `forward_step`, with per-layer `params.layers`.
+    compiled `forward_step`, with per-layer `params["layers"]`.
 
     Why: under `lax.scan` XLA:CPU copies each layer's slice of the stacked weights before its matmuls;
     separate per-layer buffers are read in place (docs/benchmarks.md, "Model speed").
     """
 
-    def __init__(self, embed: Callable, layers: Callable, head: Callable, first_layer_ids: Sequence[jax.Array]):
+    def __init__(
+        self, embed: Callable, layers: Callable, head: Callable, first_layer_ids: Sequence[jax.Array], model=llama
+    ):
         """`first_layer_ids`: the int32 device scalar of each group's first layer index (G apart), made
-        once by the runner."""
+        once by the runner; `model`: the module with the model's functions."""
         self.embed, self.layers, self.head, self.first_layer_ids = embed, layers, head, first_layer_ids
+        self.model = model
 
-    def __call__(self, params: llama.ModelParams, k_pool, v_pool, batch: ForwardBatch):
+    def __call__(self, params: llama.Params, k_pool, v_pool, batch: ForwardBatch):
         """`batch` may hold numpy arrays: the embed program hands it back on the device for the others."""
-        outer = dataclasses.replace(params, layers=())
-        group = len(params.layers) // len(self.first_layer_ids)
+        outer = self.model.outer_params(params)
+        per_layer = self.model.per_layer(params)
+        group = len(per_layer) // len(self.first_layer_ids)
         (h, cos, sin), batch = self.embed(outer, batch)
         for i, first in enumerate(self.first_layer_ids):
-            ps = params.layers[i * group : (i + 1) * group]
+            ps = per_layer[i * group : (i + 1) * group]
             h, k_pool, v_pool = self.layers(ps, h, k_pool, v_pool, first, batch, cos, sin)
         logits, input_logprobs = self.head(outer, h, batch)
         return logits, input_logprobs, k_pool, v_pool
 
 
 def embed_step(
-    params: llama.ModelParams, batch: ForwardBatch, *, config: ModelConfig
+    params: llama.Params, batch: ForwardBatch, *, config: ModelConfig, model=llama
 ) -> tuple[tuple[Float[Array, "E T"], Float[Array, "T D"], Float[Array, "T D"]], ForwardBatch]:
     """The start of a host-loop step: `llama.embed_tokens` (residual stream [E, T], RoPE cos and sin
     [T, D]), and `batch` itself returned as device arrays for the step's other programs. The step's batch then crosses to the device once, as numpy
     arguments of this call: with a `jax.device_put` of its 12 arrays first, the call took 4-5x longer
     (jax 0.10.2, CPU; `scripts/bench_dispatch.py`)."""
-    return llama.embed_tokens(params, batch, config=config), batch
+    return model.embed_tokens(params, batch, config=config), batch
 
 
 def layers_per_call(num_layers: int, most: int = MAX_LAYERS_PER_CALL) -> int:
@@ -205,7 +221,7 @@ class ModelRunner:
     def __init__(
         self,
         config: ModelConfig,
-        params: llama.ModelParams,
+        params: llama.Params,
         k_pool: jax.Array,
         v_pool: jax.Array,
         *,
@@ -216,11 +232,18 @@ class ModelRunner:
         layer_loop: str = "scan",
         max_layers_per_call: int = MAX_LAYERS_PER_CALL,
         min_extend_tokens: int = EXTEND_BLOCK_Q,
+        model=llama,
+        mesh: Mesh | None = None,
     ):
         """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
         runs it as a `HostLayerLoop`, with the layer weights split into per-layer buffers (stacked
         params are split here; per-layer params given to "scan" run unrolled, see `llama.forward`) and
-        `layers_per_call(num_layers, max_layers_per_call)` layers per call. `min_extend_tokens`: the
+        `layers_per_call(num_layers, max_layers_per_call)` layers per call. `attn_fn` is an attention
+        backend (`jaxserve.pallas.get_attention_backend`); `model` the module with the model's functions
+        (`jaxserve.model.llama`). `mesh` (`jaxserve.parallel.make_mesh`, tensor parallelism): the params
+        and pools are placed on it by the rules table, attention runs per device under shard_map, and
+        every compiled program returns its pools and activations with fixed shardings (GSPMD inserts
+        the all-reduces after the row-parallel projections). None (or a 1-device mesh): one device. `min_extend_tokens`: the
         smallest extend bucket (speculative verification adds 2, 4 and 8 tokens: a sequence's last
         token + its draft, padded to 16 rows, cost 3-5x a decode step on CPU).
 
@@ -230,9 +253,24 @@ class ModelRunner:
             raise ValueError(f"layer_loop must be 'scan' or 'host', got {layer_loop!r}")
         self.config = config
         self.layer_loop = layer_loop
-        if layer_loop == "host" and params is not None and isinstance(params.layers, llama.LayerParams):
-            params = dataclasses.replace(params, layers=llama.unstack_layers(params.layers))
+        self.model = model
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        self.tp_size = 1 if self.mesh is None else parallel.sharding.tp_size(self.mesh)
+        if params is not None:
+            params = model.unstack_layers(params) if layer_loop == "host" else params
+        attn_fn = model.paged_attention(attn_fn)
+        shardings: dict[str, object] = {}
+        if self.mesh is not None:
+            params = parallel.shard_params(params, model.logical_axes(config), self.mesh)
+            pool = parallel.pool_sharding(self.mesh, k_pool.shape[3])
+            k_pool, v_pool = jax.device_put(k_pool, pool), jax.device_put(v_pool, pool)
+            attn_fn = parallel.shard_attention(attn_fn, self.mesh)
+            rep, logits = parallel.replicated(self.mesh), parallel.vocab_sharding(self.mesh, config.vocab_size)
+            shardings = dict(step=(logits, rep, pool, pool), embed=rep, layers=(rep, pool, pool), head=(logits, rep))
+        self._page = _sharded_page_jits(rep, pool) if self.mesh is not None else _PAGE_JITS
+        self._replicated = parallel.replicated(self.mesh) if self.mesh is not None else None
         self.params = params
+        out = {name: {"out_shardings": sh} for name, sh in shardings.items()}
         self.k_pool = k_pool
         self.v_pool = v_pool
         self.page_size = k_pool.shape[2]
@@ -243,17 +281,20 @@ class ModelRunner:
         self.min_pages = min(self.max_pages, pow2_at_least(MIN_PAGE_BUCKET_TOKENS // self.page_size))
         self._step_jit = {
             flag: jax.jit(
-                functools.partial(forward_step, config=config, attn_fn=attn_fn, return_input_logprobs=flag),
-                donate_argnums=(1, 2),
+                functools.partial(forward_step, config=config, attn_fn=attn_fn, return_input_logprobs=flag,
+                                  forward_fn=model.forward, model=model),
+                donate_argnums=(1, 2), **out.get("step", {}),
             )
             for flag in (False, True)
         }
-        self._embed_jit = jax.jit(functools.partial(embed_step, config=config))
+        self._embed_jit = jax.jit(functools.partial(embed_step, config=config, model=model), **out.get("embed", {}))
         self._layers_jit = jax.jit(
-            functools.partial(llama.decoder_layers, config=config, attn_fn=attn_fn), donate_argnums=(2, 3)
+            functools.partial(model.decoder_layers, config=config, attn_fn=attn_fn), donate_argnums=(2, 3),
+            **out.get("layers", {}),
         )
         self._head_jit = {
-            flag: jax.jit(functools.partial(head_step, config=config, return_input_logprobs=flag))
+            flag: jax.jit(functools.partial(head_step, config=config, return_input_logprobs=flag, model=model),
+                          **out.get("head", {}))
             for flag in (False, True)
         }
         self.layers_per_call, self._first_layer_ids = None, []  # host loop only
@@ -366,6 +407,9 @@ class ModelRunner:
 
     def sample(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
         """Sample next tokens from `logits` [S, V]; returns host numpy arrays."""
+        target = self._sampler_logits_sharding(flags)
+        if target is not None and logits.sharding != target:
+            logits = jax.device_put(logits, target)
         key = (logits.shape[0], flags, jax.tree.map(lambda x: x.shape, sampling))
         exe = self._sample_exec.get(key)
         if exe is None:
@@ -375,6 +419,16 @@ class ModelRunner:
         out = exe(logits, sampling)
         return sampler_lib.SampleOutput(*jax.device_get(tuple(out)))
 
+    def _sampler_logits_sharding(self, flags):
+        """Under tensor parallelism, greedy sampling reads the vocab-sharded logits as the step returns
+        them (an argmax per shard, then across shards); every other sampler variant gathers them onto
+        every device first (one layout for filters, penalties, masks and logprobs). None without a mesh."""
+        if self.mesh is None:
+            return None
+        if flags.all_greedy:
+            return parallel.vocab_sharding(self.mesh, self.config.vocab_size)
+        return self._replicated
+
     def _lower_step(
         self, batch: ForwardBatch, input_logprobs: bool, parts: Sequence[str] = ("embed", "layer", "head")
     ) -> dict[str, jax.stages.Lowered]:
@@ -383,14 +437,14 @@ class ModelRunner:
         host loop."""
         if self.layer_loop == "scan":
             return {"step": self._step_jit[input_logprobs].lower(self.params, self.k_pool, self.v_pool, batch)}
-        outer = dataclasses.replace(self.params, layers=())
-        num_tokens, dtype = batch.input_ids.shape[0], self.params.embed.dtype
-        h = jax.ShapeDtypeStruct((self.config.hidden_size, num_tokens), dtype)
-        rope = jax.ShapeDtypeStruct((num_tokens, self.config.head_dim), dtype)
+        outer = self.model.outer_params(self.params)
+        num_tokens, dtype = batch.input_ids.shape[0], jax.tree.leaves(outer)[0].dtype
+        h = jax.ShapeDtypeStruct((self.config.hidden_size, num_tokens), dtype, sharding=self._replicated)
+        rope = jax.ShapeDtypeStruct((num_tokens, self.config.head_dim), dtype, sharding=self._replicated)
         lower = {
             "embed": lambda: self._embed_jit.lower(outer, batch),
             "layer": lambda: self._layers_jit.lower(
-                self.params.layers[: self.layers_per_call], h, self.k_pool, self.v_pool,
+                self.model.per_layer(self.params)[: self.layers_per_call], h, self.k_pool, self.v_pool,
                 self._first_layer_ids[0], batch, rope, rope,
             ),
             "head": lambda: self._head_jit[input_logprobs].lower(outer, h, batch),
@@ -400,7 +454,7 @@ class ModelRunner:
     def _assemble_step(self, compiled: dict[str, Callable]) -> Callable:
         if self.layer_loop == "scan":
             return compiled["step"]
-        return HostLayerLoop(compiled["embed"], compiled["layer"], compiled["head"], self._first_layer_ids)
+        return HostLayerLoop(compiled["embed"], compiled["layer"], compiled["head"], self._first_layer_ids, self.model)
 
     def _compile_step(self, key: BucketKey, batch: ForwardBatch, input_logprobs: bool = False) -> Callable:
         # the host loop's embed and layer programs are the same for both variants: compile only a head
@@ -456,7 +510,8 @@ class ModelRunner:
             jobs += [((key, name), lowered) for name, lowered in self._lower_step(batch, False).items()]
         for sampling, flags in sampler_variants:
             s = sampling.temperature.shape[0]
-            logits = jnp.zeros((s, self.config.vocab_size), jnp.float32)
+            logits = jax.ShapeDtypeStruct((s, self.config.vocab_size), jnp.float32,
+                                          sharding=self._sampler_logits_sharding(flags))
             key = (s, flags, jax.tree.map(lambda x: x.shape, sampling))
             if key not in self._sample_exec:
                 jobs.append((key, self._sample_jit.lower(logits, sampling, flags)))
@@ -490,7 +545,7 @@ class ModelRunner:
     def read_pages(self, pages) -> "DevicePageRead":
         """Start copying K/V of `pages` to the host (`copy_to_host_async`); finish with `.result()`."""
         idx = _padded_page_ids(pages)
-        k, v = _gather_pages_jit(self.k_pool, self.v_pool, jnp.asarray(idx))
+        k, v = self._page["gather"](self.k_pool, self.v_pool, jnp.asarray(idx))
         k.copy_to_host_async()
         v.copy_to_host_async()
         return DevicePageRead(k, v)
@@ -502,12 +557,14 @@ class ModelRunner:
         if pad:
             widths = [(0, 0), (0, pad)] + [(0, 0)] * (k.ndim - 2)
             k, v = np.pad(k[:, :n], widths), np.pad(v[:, :n], widths)
-        self.k_pool, self.v_pool = _scatter_pages_jit(self.k_pool, self.v_pool, jnp.asarray(idx), k, v)
+        self.k_pool, self.v_pool = self._page["scatter"](self.k_pool, self.v_pool, jnp.asarray(idx), k, v)
 
     def copy_pages(self, src, dst) -> None:
         """Copy device pages `src` onto `dst` (whole pages, K and V)."""
         src_idx, dst_idx = _padded_page_ids(src), _padded_page_ids(dst)
-        self.k_pool, self.v_pool = _copy_pages_jit(self.k_pool, self.v_pool, jnp.asarray(src_idx), jnp.asarray(dst_idx))
+        self.k_pool, self.v_pool = self._page["copy"](
+            self.k_pool, self.v_pool, jnp.asarray(src_idx), jnp.asarray(dst_idx)
+        )
 
 
 class DevicePageRead:
@@ -527,17 +584,32 @@ def _padded_page_ids(pages) -> np.ndarray:
     return out
 
 
-@jax.jit
-def _gather_pages_jit(k_pool, v_pool, pages):
+def _gather_pages(k_pool, v_pool, pages):
     # [L, N, ps, KVH, D] -> [L, n, ps, KVH, D]
     return k_pool[:, pages], v_pool[:, pages]
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _scatter_pages_jit(k_pool, v_pool, pages, k, v):
+def _scatter_pages(k_pool, v_pool, pages, k, v):
     return k_pool.at[:, pages].set(k.astype(k_pool.dtype)), v_pool.at[:, pages].set(v.astype(v_pool.dtype))
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _copy_pages_jit(k_pool, v_pool, src, dst):
+def _copy_pages(k_pool, v_pool, src, dst):
     return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
+
+
+# the page copies of a single-device pool (the results stay on its device)
+_PAGE_JITS: dict[str, Callable] = {
+    "gather": jax.jit(_gather_pages),
+    "scatter": jax.jit(_scatter_pages, donate_argnums=(0, 1)),
+    "copy": jax.jit(_copy_pages, donate_argnums=(0, 1)),
+}
+
+
+def _sharded_page_jits(rep, pool) -> dict[str, Callable]:
+    """The page copies over a sharded pool: their results keep the pool's sharding (the compiled steps
+    take exactly that), and pages read for the host come back whole."""
+    return {
+        "gather": jax.jit(_gather_pages, out_shardings=(rep, rep)),
+        "scatter": jax.jit(_scatter_pages, donate_argnums=(0, 1), out_shardings=(pool, pool)),
+        "copy": jax.jit(_copy_pages, donate_argnums=(0, 1), out_shardings=(pool, pool)),
+    }

@@ -1,12 +1,26 @@
-"""The Llama-family decoder as pure functions over a params pytree.
+"""The Llama-family decoder as flax.nnx Modules behind a functional boundary.
 
 One definition covers LlamaForCausalLM (Llama 2/3.x, SmolLM2), MistralForCausalLM (same graph; sliding
 windows are not applied), Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (RMSNorm on q and k per
-head), switched by `ModelConfig` flags. The forward runs on the paged KV pool: each
-layer scatters its new K/V into the pools and then attends through the attention backend given as a
-static function. `forward` carries the pools through `lax.scan` over stacked layers; `embed_tokens`,
-`decoder_layers` and `final_hidden` are its parts, which the model runner can also call a few layers at a
-time.
+head), switched by `ModelConfig` flags. Modules: `Attention`, `MLP`, `DecoderLayer`, `Llama` (embedding,
+layers, final norm, output head). Each declares its own `nnx.Param` shapes with logical axis names
+(`embed`, `q_heads`, `kv_heads`, `mlp`, `vocab`, ...), which `jaxserve.parallel` maps to the mesh.
+
+The functional boundary (how the NNX engines sglang-jax and tpu-inference do it): the model is built
+abstract with `nnx.eval_shape` and split once (`model_defs`); the params live as a plain nested dict
+(`nnx.to_pure_dict`'s form: `{"embed": ..., "layers": {0: {...}, 1: {...}}, ...}`) that the loaders fill
+by path; `nnx.merge(graphdef, params)` runs only inside traced functions. Only plain arrays cross a jit
+boundary: a State of Variables crossing jit each step costs Python time per leaf (tpu-inference #2607).
+
+The pure functions below (`embed_tokens`, `decoder_layers`, `final_hidden`, `compute_logits`, `forward`)
+are what the model runner compiles. `params["layers"]` is either per-layer (int keys, the host layer
+loop's storage; `forward` unrolls them) or stacked on a leading L axis (`stack_layers`; `forward` runs
+`lax.scan`).
+
+Layouts kept from the measured CPU work (docs/architecture.md): weights in the checkpoint's [out, in]
+layout (y = W @ x); Q/K/V fused into one `wqkv` grouped per kv head ([KVH, (G + 2) D, E]: a kv head's G
+query heads, then its K and V rows), so that splitting the kv-head axis over devices splits Q, K and V
+consistently; gate/up fused as [2, I, E]; the residual stream feature-major [E, T].
 
 Numerics follow transformers' modeling_llama.py: RMSNorm in float32, rotate-half RoPE, SiLU-gated MLP.
 """
@@ -14,54 +28,27 @@ Numerics follow transformers' modeling_llama.py: RMSNorm in float32, rotate-half
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jaxtyping import Array, Float, Int32
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch
 from jaxserve.pallas.reference import write_kv
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerParams:
-    """Weights of the decoder layers in the checkpoint's [out, in] layout (y = W @ x).
-
-    Stacked on a leading layer axis L for `lax.scan` (shapes below); a tuple of per-layer LayerParams
-    without that axis is also accepted by `forward` (the model runner's host layer loop uses one).
-    Q, K and V are concatenated on the output axis (rows [0, HD) are Q, then K, then V), and so are the
-    MLP's gate and up projections (gate first): one matmul each instead of three and two.
-    Optional fields are None for architectures without them (fixed for a model's lifetime).
-    """
-
-    attn_norm: Float[Array, "L E"]
-    wqkv: Float[Array, "L HD+2KD E"]
-    wo: Float[Array, "L E HD"]
-    mlp_norm: Float[Array, "L E"]
-    w_gate_up: Float[Array, "L 2I E"]
-    w_down: Float[Array, "L E I"]
-    bqkv: Float[Array, "L HD+2KD"] | None = None
-    q_norm: Float[Array, "L D"] | None = None
-    k_norm: Float[Array, "L D"] | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ModelParams:
-    """All weights. `lm_head` ([V, E]) is None when the output projection is tied to `embed` ([V, E])."""
-
-    embed: Float[Array, "V E"]
-    layers: LayerParams | tuple[LayerParams, ...]
-    final_norm: Float[Array, " E"]
-    lm_head: Float[Array, "V E"] | None = None
-
-
+Params = dict[str, Any]  # the nested dict of arrays (nnx.to_pure_dict's form)
 AttentionFn = Callable[..., jax.Array]
+
+
+def _param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, init=jnp.zeros) -> nnx.Param:
+    # eager_sharding off: the mesh is applied by jaxserve.parallel after loading, not at construction
+    return nnx.Param(init(shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -110,70 +97,222 @@ def apply_rope(
     return (x * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
-def embed_tokens(
-    params: ModelParams, batch: ForwardBatch, *, config: ModelConfig
-) -> tuple[Float[Array, "E T"], Float[Array, "T D"], Float[Array, "T D"]]:
-    """The residual stream's start, feature-major [E, T], and the RoPE tables cos, sin [T, D] of the
-    batch's positions."""
-    h = params.embed[batch.input_ids]  # [T, E]
-    inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
-    angles = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]
-    return h.T, jnp.cos(angles).astype(h.dtype), jnp.sin(angles).astype(h.dtype)
+class Attention(nnx.Module):
+    """Self-attention over the paged KV pool: fused QKV projection (+ bias, + q/k norm), RoPE, the K/V
+    write and ragged paged attention (`attn_fn`), output projection.
 
-
-def decoder_layer(
-    p: LayerParams,
-    h: Float[Array, "E T"],
-    k_pool: Float[Array, "L N ps KVH D"],
-    v_pool: Float[Array, "L N ps KVH D"],
-    layer: Int32[Array, ""],
-    batch: ForwardBatch,
-    cos: Float[Array, "T D"],
-    sin: Float[Array, "T D"],
-    *,
-    config: ModelConfig,
-    attn_fn: AttentionFn,
-) -> tuple[Float[Array, "E T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
-    """One decoder layer (weights `p` of one layer, no L axis): write the batch's K/V into layer `layer`
-    of the pools, attend, run the MLP; returns the residual stream and the updated pools.
-
-    The residual stream is feature-major, [E, T], so every projection is `W @ x` with W in the
-    checkpoint's [out, in] layout. On XLA:CPU this runs decode batches (T = 2..64) 1.2-1.9x faster than
-    x [T, E] @ W [in, out], and a 512-token chunk 6% slower (docs/benchmarks.md, "Projection layout").
-    Per-token work (norms over heads, RoPE, attention) uses [T, ...].
+    Params: `wqkv` [KVH, (G + 2) D, E] (kv_heads, qkv, embed), `wo` [E, H D] (embed, q_heads; the flat
+    H D axis is head-major, so splitting it splits heads), optional `bqkv` [KVH, (G + 2) D] and `q_norm`,
+    `k_norm` [D].
     """
-    num_tokens = h.shape[1]
-    nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
 
-    with jax.named_scope("attention"):
-        x = rms_norm(h, p.attn_norm, config.rms_norm_eps, axis=0)
-        qkv = p.wqkv @ x  # [HD + 2 KD, T]
-        if p.bqkv is not None:
-            qkv = qkv + p.bqkv[:, None]
-        qkv = qkv.T  # [T, HD + 2 KD]: the per-token layout attention reads
-        q = qkv[:, : nh * hd].reshape(num_tokens, nh, hd)
-        k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(num_tokens, nkv, hd)
-        v = qkv[:, (nh + nkv) * hd :].reshape(num_tokens, nkv, hd)
-        if p.q_norm is not None:
-            q = rms_norm(q, p.q_norm, config.rms_norm_eps)
-            k = rms_norm(k, p.k_norm, config.rms_norm_eps)
+    def __init__(self, config: ModelConfig, dtype=jnp.float32):
+        e, d, nkv, g = config.hidden_size, config.head_dim, config.num_kv_heads, config.group_size
+        self.config = config
+        self.wqkv = _param((nkv, (g + 2) * d, e), ("kv_heads", "qkv", "embed"), dtype)
+        self.bqkv = _param((nkv, (g + 2) * d), ("kv_heads", "qkv"), dtype) if config.attention_bias else None
+        self.q_norm = _param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
+        self.k_norm = _param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
+        self.wo = _param((e, config.num_heads * d), ("embed", "q_heads"), dtype)
+
+    def __call__(
+        self,
+        x: Float[Array, "E T"],
+        k_pool: Float[Array, "L N ps KVH D"],
+        v_pool: Float[Array, "L N ps KVH D"],
+        layer: Int32[Array, ""],
+        batch: ForwardBatch,
+        cos: Float[Array, "T D"],
+        sin: Float[Array, "T D"],
+        attn_fn: AttentionFn,
+    ) -> tuple[Float[Array, "E T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+        cfg = self.config
+        num_tokens, d, nkv, g = x.shape[1], cfg.head_dim, cfg.num_kv_heads, cfg.group_size
+        wqkv = self.wqkv[...]
+        # a 2-D matmul on the flattened rows (a split kv-head axis stays a split of the rows): the
+        # einsum over the 3-D weight ran the 512-token prefill ~25% slower on XLA:CPU
+        qkv = (wqkv.reshape(-1, wqkv.shape[-1]) @ x).reshape(nkv, -1, num_tokens)  # [KVH, (G + 2) D, T]
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv[...][:, :, None]
+        qkv = qkv.transpose(2, 0, 1)  # [T, KVH, (G + 2) D]: the per-token layout attention reads
+        # a kv head's G query heads are consecutive: query head h = kv head * G + g, as in HF's GQA
+        q = qkv[:, :, : g * d].reshape(num_tokens, nkv * g, d)
+        k = qkv[:, :, g * d : (g + 1) * d]
+        v = qkv[:, :, (g + 1) * d :]
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, batch.slot_mapping)
-        o = attn_fn(q, k_pool, v_pool, layer, batch.attn, 1.0 / math.sqrt(hd))  # [T, H, D]
-        h = h + p.wo @ o.reshape(num_tokens, nh * hd).T
+        o, k_pool, v_pool = attn_fn(q, k, v, k_pool, v_pool, layer, batch.slot_mapping, batch.attn, 1.0 / math.sqrt(d))
+        return self.wo[...] @ o.reshape(num_tokens, nkv * g * d).T, k_pool, v_pool
 
-    with jax.named_scope("mlp"):
-        x = rms_norm(h, p.mlp_norm, config.rms_norm_eps, axis=0)
-        gate_up = p.w_gate_up @ x  # [2I, T]
-        inter = gate_up.shape[0] // 2
-        h = h + p.w_down @ (jax.nn.silu(gate_up[:inter]) * gate_up[inter:])
-    return h, k_pool, v_pool
+
+class MLP(nnx.Module):
+    """SiLU-gated MLP. Params: `w_gate_up` [2, I, E] (gate first; -, mlp, embed), `w_down` [E, I]."""
+
+    def __init__(self, config: ModelConfig, dtype=jnp.float32):
+        e, i = config.hidden_size, config.intermediate_size
+        self.w_gate_up = _param((2, i, e), ("gate_up", "mlp", "embed"), dtype)
+        self.w_down = _param((e, i), ("embed", "mlp"), dtype)
+
+    def __call__(self, x: Float[Array, "E T"]) -> Float[Array, "E T"]:
+        gate_up = jnp.einsum("gie,et->git", self.w_gate_up[...], x)  # [2, I, T]
+        return self.w_down[...] @ (jax.nn.silu(gate_up[0]) * gate_up[1])
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)). Norm weights [E]."""
+
+    def __init__(self, config: ModelConfig, dtype=jnp.float32):
+        self.config = config
+        self.attn_norm = _param((config.hidden_size,), ("embed",), dtype, jnp.ones)
+        self.attention = Attention(config, dtype)
+        self.mlp_norm = _param((config.hidden_size,), ("embed",), dtype, jnp.ones)
+        self.mlp = MLP(config, dtype)
+
+    def __call__(
+        self,
+        h: Float[Array, "E T"],
+        k_pool: Float[Array, "L N ps KVH D"],
+        v_pool: Float[Array, "L N ps KVH D"],
+        layer: Int32[Array, ""],
+        batch: ForwardBatch,
+        cos: Float[Array, "T D"],
+        sin: Float[Array, "T D"],
+        attn_fn: AttentionFn,
+    ) -> tuple[Float[Array, "E T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+        """The residual stream is feature-major, [E, T], so every projection is `W @ x` with W in the
+        checkpoint's [out, in] layout. On XLA:CPU this runs decode batches (T = 2..64) 1.2-1.9x faster
+        than x [T, E] @ W [in, out], and a 512-token chunk 6% slower (docs/benchmarks.md, "Projection
+        layout")."""
+        eps = self.config.rms_norm_eps
+        with jax.named_scope("attention"):
+            o, k_pool, v_pool = self.attention(
+                rms_norm(h, self.attn_norm[...], eps, axis=0), k_pool, v_pool, layer, batch, cos, sin, attn_fn
+            )
+            h = h + o
+        with jax.named_scope("mlp"):
+            h = h + self.mlp(rms_norm(h, self.mlp_norm[...], eps, axis=0))
+        return h, k_pool, v_pool
+
+
+class Llama(nnx.Module):
+    """The decoder: token embedding [V, E] (vocab, embed), `config.num_layers` DecoderLayers, final
+    norm [E], output head [V, E] (None when tied to the embedding)."""
+
+    def __init__(self, config: ModelConfig, dtype=jnp.float32):
+        self.config = config
+        self.embed = _param((config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
+        self.layers = nnx.List([DecoderLayer(config, dtype) for _ in range(config.num_layers)])
+        self.final_norm = _param((config.hidden_size,), ("embed",), dtype, jnp.ones)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else _param((config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
+        )
+
+    def embed_tokens(
+        self, batch: ForwardBatch
+    ) -> tuple[Float[Array, "E T"], Float[Array, "T D"], Float[Array, "T D"]]:
+        """The residual stream's start, feature-major [E, T], and the RoPE tables cos, sin [T, D]."""
+        embed = self.embed[...]
+        h = embed[batch.input_ids]  # [T, E]
+        inv_freq = jnp.asarray(rope_inv_freq(self.config), jnp.float32)
+        angles = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+        angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]
+        return h.T, jnp.cos(angles).astype(h.dtype), jnp.sin(angles).astype(h.dtype)
+
+    def final_hidden(self, h: Float[Array, "E T"]) -> Float[Array, "T E"]:
+        """The final RMSNorm, back in the token-major layout [T, E]."""
+        return rms_norm(h.T, self.final_norm[...], self.config.rms_norm_eps)
+
+    def logits(self, hidden: Float[Array, "N E"]) -> Float[Array, "N V"]:
+        """Output projection in float32 (tied to the embedding when `lm_head` is None)."""
+        head = self.embed[...] if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("ne,ve->nv", hidden, head, preferred_element_type=jnp.float32)
+
+    def __call__(self, k_pool, v_pool, batch: ForwardBatch, attn_fn: AttentionFn):
+        """All layers unrolled: final hidden states [T, E] and the updated pools."""
+        h, cos, sin = self.embed_tokens(batch)
+        for i, layer in enumerate(self.layers):
+            h, k_pool, v_pool = layer(h, k_pool, v_pool, jnp.int32(i), batch, cos, sin, attn_fn)
+        return self.final_hidden(h), k_pool, v_pool
+
+
+class ModelDefs(NamedTuple):
+    """The graph definitions `nnx.merge` rebuilds Modules from: the model without its layers (embedding,
+    final norm, head) and one decoder layer."""
+
+    outer: Any
+    layer: Any
+
+
+@functools.cache
+def model_defs(config: ModelConfig) -> ModelDefs:
+    """Build the abstract model once per config (`nnx.eval_shape`: no memory) and split it."""
+    outer, _ = nnx.split(nnx.eval_shape(lambda: Llama(dataclasses.replace(config, num_layers=0))))
+    layer, _ = nnx.split(nnx.eval_shape(lambda: DecoderLayer(config)))
+    return ModelDefs(outer, layer)
+
+
+def abstract_params(config: ModelConfig, dtype=jnp.float32) -> Params:
+    """The params dict of `config` as ShapeDtypeStructs (per-layer storage): what a loader must fill."""
+    _, state = nnx.split(nnx.eval_shape(lambda: Llama(config, dtype)))
+    return nnx.to_pure_dict(state)
+
+
+def logical_axes(config: ModelConfig) -> Params:
+    """The params dict's tree with each leaf's logical axis names (a tuple of str, one per dim)."""
+    _, state = nnx.split(nnx.eval_shape(lambda: Llama(config)))
+    return nnx.to_pure_dict(jax.tree.map(lambda v: v.get_metadata()["out_sharding"], state,
+                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def outer_params(params: Params) -> Params:
+    """`params` without its layers (what embed and head programs take)."""
+    return {k: v for k, v in params.items() if k != "layers"}
+
+
+def is_stacked(layers) -> bool:
+    """Whether `layers` is stacked on a leading L axis (str keys) rather than per layer (int keys)."""
+    return bool(layers) and not isinstance(next(iter(layers)), int)
+
+
+def per_layer(params: Params) -> tuple[Params, ...]:
+    """The per-layer params trees in layer order (`params["layers"]` not stacked)."""
+    layers = params["layers"]
+    return tuple(layers[i] for i in sorted(layers))
+
+
+def stack_layers(params: Params) -> Params:
+    """Per-layer `params["layers"]` -> one tree stacked on a leading L axis (for `lax.scan`)."""
+    layers = params["layers"]
+    if is_stacked(layers):
+        return params
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in sorted(layers)])
+    return {**params, "layers": stacked}
+
+
+def unstack_layers(params: Params) -> Params:
+    """Stacked `params["layers"]` -> per-layer trees, each in its own buffers (the host loop reads them
+    in place; a slice of a stacked buffer is copied before each matmul on XLA:CPU)."""
+    layers = params["layers"]
+    if not is_stacked(layers):
+        return params
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    per_layer = {i: jax.tree.map(lambda x, i=i: jnp.array(x[i]), layers) for i in range(num_layers)}
+    return {**params, "layers": per_layer}
+
+
+def embed_tokens(
+    params: Params, batch: ForwardBatch, *, config: ModelConfig
+) -> tuple[Float[Array, "E T"], Float[Array, "T D"], Float[Array, "T D"]]:
+    """`Llama.embed_tokens` over `params` (its layers, if any, are ignored)."""
+    return nnx.merge(model_defs(config).outer, outer_params(params)).embed_tokens(batch)
 
 
 def decoder_layers(
-    ps: tuple[LayerParams, ...],
+    ps: tuple[Params, ...],
     h: Float[Array, "E T"],
     k_pool: Float[Array, "L N ps KVH D"],
     v_pool: Float[Array, "L N ps KVH D"],
@@ -185,22 +324,26 @@ def decoder_layers(
     config: ModelConfig,
     attn_fn: AttentionFn,
 ) -> tuple[Float[Array, "E T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
-    """Consecutive decoder layers `first_layer`, `first_layer + 1`, ... with per-layer weights `ps`
-    (unrolled); `decoder_layer` for each in turn."""
+    """Consecutive decoder layers `first_layer`, `first_layer + 1`, ... with per-layer params `ps`
+    (unrolled): write each layer's K/V into the pools, attend, run the MLP."""
+    layer_def, attn_fn = model_defs(config).layer, paged_attention(attn_fn)
     for i, p in enumerate(ps):
-        h, k_pool, v_pool = decoder_layer(
-            p, h, k_pool, v_pool, first_layer + i, batch, cos, sin, config=config, attn_fn=attn_fn
-        )
+        h, k_pool, v_pool = nnx.merge(layer_def, p)(h, k_pool, v_pool, first_layer + i, batch, cos, sin, attn_fn)
     return h, k_pool, v_pool
 
 
-def final_hidden(params: ModelParams, h: Float[Array, "E T"], *, config: ModelConfig) -> Float[Array, "T E"]:
+def final_hidden(params: Params, h: Float[Array, "E T"], *, config: ModelConfig) -> Float[Array, "T E"]:
     """The final RMSNorm, back in the token-major layout [T, E]."""
-    return rms_norm(h.T, params.final_norm, config.rms_norm_eps)
+    return nnx.merge(model_defs(config).outer, outer_params(params)).final_hidden(h)
+
+
+def compute_logits(params: Params, hidden: Float[Array, "N E"], *, config: ModelConfig) -> Float[Array, "N V"]:
+    """Output projection [N, V] in float32 (tied to the embedding when the head is absent)."""
+    return nnx.merge(model_defs(config).outer, outer_params(params)).logits(hidden)
 
 
 def forward(
-    params: ModelParams,
+    params: Params,
     k_pool: Float[Array, "L N ps KVH D"],
     v_pool: Float[Array, "L N ps KVH D"],
     batch: ForwardBatch,
@@ -211,36 +354,45 @@ def forward(
     """Run the decoder over a ragged batch: write every token's K/V into the pools and return the final
     (normed) hidden states [T, E] with the updated pools.
 
-    Stacked `params.layers` run under `lax.scan` (one layer body in the compiled program); a tuple of
-    per-layer LayerParams is unrolled (one body per layer: slower to compile). `config` and `attn_fn`
-    are static (bind them with functools.partial before jit). The pools should be donated by the
-    caller's jit so the per-layer scatters update them in place.
+    Stacked `params["layers"]` run under `lax.scan` (one layer body in the compiled program; the pools
+    ride in the carry, never as xs/ys); per-layer params are unrolled. `config` and `attn_fn` are static
+    (bind them with functools.partial before jit): an attention backend, or a function that also
+    writes K/V (`paged_attention`).
+    The pools should be donated by the caller's jit so the per-layer scatters update them in place.
     """
+    attn_fn = paged_attention(attn_fn)
     h, cos, sin = embed_tokens(params, batch, config=config)
-    if isinstance(params.layers, LayerParams):
+    layers = params["layers"]
+    if is_stacked(layers):
+        layer_def = model_defs(config).layer
 
         def step(carry, p):
             h, k_pool, v_pool, layer = carry
-            h, k_pool, v_pool = decoder_layer(
-                p, h, k_pool, v_pool, layer, batch, cos, sin, config=config, attn_fn=attn_fn
-            )
+            h, k_pool, v_pool = nnx.merge(layer_def, p)(h, k_pool, v_pool, layer, batch, cos, sin, attn_fn)
             return (h, k_pool, v_pool, layer + 1), None
 
-        (h, k_pool, v_pool, _), _ = jax.lax.scan(step, (h, k_pool, v_pool, jnp.int32(0)), params.layers)
+        (h, k_pool, v_pool, _), _ = jax.lax.scan(step, (h, k_pool, v_pool, jnp.int32(0)), layers)
     else:
+        ps = tuple(layers[i] for i in sorted(layers))
         h, k_pool, v_pool = decoder_layers(
-            params.layers, h, k_pool, v_pool, jnp.int32(0), batch, cos, sin, config=config, attn_fn=attn_fn
+            ps, h, k_pool, v_pool, jnp.int32(0), batch, cos, sin, config=config, attn_fn=attn_fn
         )
     return final_hidden(params, h, config=config), k_pool, v_pool
 
 
-def compute_logits(params: ModelParams, hidden: Float[Array, "N E"]) -> Float[Array, "N V"]:
-    """Output projection in float32 (tied to the embedding when `lm_head` is None)."""
-    head = params.embed if params.lm_head is None else params.lm_head
-    return jnp.einsum("ne,ve->nv", hidden, head, preferred_element_type=jnp.float32)
+@functools.cache
+def paged_attention(attention: Callable) -> AttentionFn:
+    """Wrap a ragged paged attention backend (`(q, k_pool, v_pool, layer, meta, sm_scale) -> out`, see
+    `jaxserve.pallas.get_attention_backend`) as the model's `attn_fn`: scatter the step's K/V into layer
+    `layer` of the pools, then attend. A function already in that form (marked `writes_kv`, like this
+    wrapper or `jaxserve.parallel.shard_attention`'s) is returned as it is, so every entry point takes
+    either."""
+    if getattr(attention, "writes_kv", False):
+        return attention
 
+    def attn_fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale):
+        k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, slot_mapping)
+        return attention(q, k_pool, v_pool, layer, meta, sm_scale), k_pool, v_pool
 
-def unstack_layers(layers: LayerParams) -> tuple[LayerParams, ...]:
-    """Split stacked [L, ...] layer weights into L per-layer LayerParams, each in its own buffers."""
-    num_layers = layers.attn_norm.shape[0]
-    return tuple(jax.tree.map(lambda x, i=i: jnp.array(x[i]), layers) for i in range(num_layers))
+    attn_fn.writes_kv = True
+    return attn_fn

@@ -1,4 +1,7 @@
-"""Weight loading: HF safetensors directories and GGUF files -> (ModelConfig, ModelParams).
+"""Weight loading: HF safetensors directories and GGUF files -> (ModelConfig, params dict).
+
+The params are the plain nested dict of `llama.abstract_params(config)` (the Flax model's
+`nnx.to_pure_dict` form), filled by path: `params["layers"][i]["attention"]["wqkv"]` and so on.
 
 GGUF tensors are dequantized by the `gguf` package. llama.cpp's converter permutes the rows of Q and K
 of llama models so that RoPE pairs are interleaved (GGML's rope layout); the loader undoes it to get
@@ -25,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.llama import LayerParams, ModelParams
+from jaxserve.model import llama
 from jaxserve.model.registry import get_forward
 from jaxserve.model.tokenizer import cache_root, resolve_model_path, source_fingerprint
 
@@ -50,20 +53,20 @@ _HF_LAYER_NAMES = {
     "mlp.up_proj.weight": "up_proj",
     "mlp.down_proj.weight": "down_proj",
 }
-# LayerParams field -> the HF projections concatenated (on the output axis) into it
-_LAYER_FIELDS = {
-    "attn_norm": ("attn_norm",),
-    "wqkv": ("q_proj", "k_proj", "v_proj"),
-    "wo": ("o_proj",),
-    "mlp_norm": ("mlp_norm",),
-    "w_gate_up": ("gate_proj", "up_proj"),
-    "w_down": ("down_proj",),
-    "bqkv": ("q_bias", "k_bias", "v_bias"),
-    "q_norm": ("q_norm",),
-    "k_norm": ("k_norm",),
+# path of a layer param in the params dict -> the HF tensors it is built from (see `_layer_param`)
+_LAYER_PATHS = {
+    ("attn_norm",): ("attn_norm",),
+    ("attention", "wqkv"): ("q_proj", "k_proj", "v_proj"),
+    ("attention", "wo"): ("o_proj",),
+    ("attention", "bqkv"): ("q_bias", "k_bias", "v_bias"),
+    ("attention", "q_norm"): ("q_norm",),
+    ("attention", "k_norm"): ("k_norm",),
+    ("mlp_norm",): ("mlp_norm",),
+    ("mlp", "w_gate_up"): ("gate_proj", "up_proj"),
+    ("mlp", "w_down"): ("down_proj",),
 }
 # bumped whenever the params pytree's layout changes, so that stale converted-weights caches are rebuilt
-PARAMS_LAYOUT_VERSION = 2
+PARAMS_LAYOUT_VERSION = 3
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -105,8 +108,8 @@ def load_model(
     dtype: str = "auto",
     weights_cache_dir: str | None = None,
     use_weights_cache: bool = True,
-) -> tuple[ModelConfig, ModelParams]:
-    """Load a checkpoint as (config, params on the default device).
+) -> tuple[ModelConfig, llama.Params]:
+    """Load a checkpoint as (config, params dict on the default device, per-layer storage).
 
     Args:
         model_path: an HF directory with `config.json` and `*.safetensors`, a `.gguf` file, or "default".
@@ -245,7 +248,7 @@ def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, out_dim // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _assemble(config: ModelConfig, tensors, dtype) -> ModelParams:
+def _assemble(config: ModelConfig, tensors, dtype) -> llama.Params:
     layers: dict[str, list] = {}
     globals_: dict[str, np.ndarray] = {}
     expected = sum(1 for _ in _expected_layer_tensors(config)) * config.num_layers
@@ -264,24 +267,69 @@ def _assemble(config: ModelConfig, tensors, dtype) -> ModelParams:
     missing = [f for f in _expected_layer_tensors(config) if f not in layers or any(x is None for x in layers[f])]
     if missing or "model.embed_tokens.weight" not in globals_ or "model.norm.weight" not in globals_:
         raise ValueError(f"checkpoint is missing weights: {missing or 'embed/norm'}")
+    hf_globals = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
-    def field(name: str):
-        parts = _LAYER_FIELDS[name]
-        if parts[0] not in layers:
-            return None
-        per_layer = [np.concatenate([layers[part][i] for part in parts], axis=0) for i in range(config.num_layers)]
-        return jnp.asarray(np.stack(per_layer), dtype=dtype)
+    def fill(path: tuple, spec) -> jax.Array:
+        if path[0] == "layers":
+            value = _layer_param(config, path[2:], [layers[part][path[1]] for part in _LAYER_PATHS[path[2:]]])
+        else:
+            value = globals_[hf_globals[path[0]]]
+        if value.shape != spec.shape:
+            raise ValueError(f"checkpoint tensor for {'/'.join(map(str, path))} has shape {value.shape}, expected {spec.shape}")
+        return jnp.asarray(value, dtype=dtype)
 
-    layer_params = LayerParams(**{f.name: field(f.name) for f in dataclasses.fields(LayerParams)})
-    lm_head = None
-    if not config.tie_word_embeddings and "lm_head.weight" in globals_:
-        lm_head = jnp.asarray(globals_["lm_head.weight"], dtype=dtype)
-    return ModelParams(
-        embed=jnp.asarray(globals_["model.embed_tokens.weight"], dtype=dtype),
-        layers=layer_params,
-        final_norm=jnp.asarray(globals_["model.norm.weight"], dtype=dtype),
-        lm_head=lm_head,
-    )
+    return _map_with_path(fill, llama.abstract_params(config, dtype))
+
+
+def _layer_param(config: ModelConfig, path: tuple, parts: list[np.ndarray]) -> np.ndarray:
+    """One layer param from its HF tensors: Q/K/V (weights or biases) regrouped per kv head into
+    [KVH, (G + 2) D, ...], gate/up stacked into [2, I, E], the rest as they are."""
+    if path[-1] in ("wqkv", "bqkv"):
+        nkv, d = config.num_kv_heads, config.head_dim
+        q, k, v = (p.reshape(nkv, -1, *p.shape[1:]) for p in parts)  # [KVH, G D | D, ...]
+        assert q.shape[1] == config.group_size * d and k.shape[1] == d, (q.shape, k.shape)
+        return np.concatenate([q, k, v], axis=1)
+    if path[-1] == "w_gate_up":
+        return np.stack(parts)
+    return parts[0]
+
+
+def _map_with_path(fn, tree: dict, prefix: tuple = ()) -> dict:
+    """`fn(path, leaf)` over a nested dict (the params' form), keeping None leaves."""
+    return {
+        k: (_map_with_path(fn, v, prefix + (k,)) if isinstance(v, dict) else (None if v is None else fn(prefix + (k,), v)))
+        for k, v in tree.items()
+    }
+
+
+def replicate_kv_heads(config: ModelConfig, params: llama.Params, factor: int) -> tuple[ModelConfig, llama.Params]:
+    """Copy each kv head `factor` times (tensor parallelism over more devices than kv heads): the config
+    then has `num_kv_heads * factor` kv heads, each serving `group_size / factor` query heads, and the
+    outputs are unchanged (query head h still reads the K/V of HF kv head h // group_size).
+
+    Raises:
+        ValueError: `factor` does not divide the GQA group size.
+    """
+    if factor == 1:
+        return config, params
+    g, d = config.group_size, config.head_dim
+    if g % factor:
+        raise ValueError(f"cannot replicate {config.num_kv_heads} kv heads {factor} times: {g} query heads per kv head")
+    new = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * factor)
+
+    def regroup(x):  # [KVH, (G + 2) D, ...] -> [KVH f, (G / f + 2) D, ...]
+        q, kv = x[:, : g * d], x[:, g * d :]
+        q = q.reshape(new.num_kv_heads, (g // factor) * d, *x.shape[2:])
+        return jnp.concatenate([q, jnp.repeat(kv, factor, axis=0)], axis=1)
+
+    layers = {}
+    for i, layer in params["layers"].items():
+        attn = dict(layer["attention"])
+        for name in ("wqkv", "bqkv"):
+            if attn.get(name) is not None:
+                attn[name] = regroup(attn[name])
+        layers[i] = {**layer, "attention": attn}
+    return new, {**params, "layers": layers}
 
 
 def _expected_layer_tensors(config: ModelConfig):
@@ -299,7 +347,7 @@ def _to_numpy(w) -> np.ndarray:
     return w
 
 
-def _save(cache_dir: Path, config: ModelConfig, params: ModelParams) -> None:
+def _save(cache_dir: Path, config: ModelConfig, params: llama.Params) -> None:
     import orbax.checkpoint as ocp
 
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -308,13 +356,19 @@ def _save(cache_dir: Path, config: ModelConfig, params: ModelParams) -> None:
         import shutil
 
         shutil.rmtree(tmp)
+    # orbax keys are strings: layer i is saved as "i"; None leaves (absent params) are left out
+    tree = _drop_none({**params, "layers": {str(i): p for i, p in params["layers"].items()}})
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(tmp.absolute() / "params", params)
+        ckptr.save(tmp.absolute() / "params", tree)
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
     tmp.rename(cache_dir)
 
 
-def _restore(cache_dir: Path) -> tuple[ModelConfig, ModelParams]:
+def _drop_none(tree: dict) -> dict:
+    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in tree.items() if v is not None}
+
+
+def _restore(cache_dir: Path) -> tuple[ModelConfig, llama.Params]:
     import orbax.checkpoint as ocp
 
     from jaxserve.config import RopeScaling
@@ -325,16 +379,14 @@ def _restore(cache_dir: Path) -> tuple[ModelConfig, ModelParams]:
     config = ModelConfig(**raw)
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(cache_dir.absolute() / "params")
-    return config, _params_from_tree(restored)
+    restored = {**restored, "layers": {int(i): p for i, p in restored["layers"].items()}}
 
+    def fill(path: tuple, spec):
+        node = restored
+        for k in path:
+            node = node[k]
+        if node.shape != spec.shape:
+            raise ValueError(f"cached {'/'.join(map(str, path))} has shape {node.shape}, expected {spec.shape}")
+        return node
 
-def _params_from_tree(tree) -> ModelParams:
-    if isinstance(tree, ModelParams):
-        return tree
-    layers = tree["layers"]
-    return ModelParams(
-        embed=tree["embed"],
-        layers=LayerParams(**{f.name: layers.get(f.name) for f in dataclasses.fields(LayerParams)}),
-        final_norm=tree["final_norm"],
-        lm_head=tree.get("lm_head"),
-    )
+    return config, _map_with_path(fill, llama.abstract_params(config))

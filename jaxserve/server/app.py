@@ -174,6 +174,7 @@ async def get_server_info(request: Request) -> Response:
         "served_model_name": request.app.state.model_name,
         "resolved_model_path": engine_loop.model_path,
         "context_length": engine_loop.context_length,
+        "devices": engine_loop.devices,
         "num_running_reqs": load.num_running_reqs,
         "num_waiting_reqs": load.num_waiting_reqs,
         "num_pending_reqs": load.num_pending_reqs,

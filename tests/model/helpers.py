@@ -16,7 +16,8 @@ from jaxserve.pallas.reference import ragged_paged_attention_xla
 class SingleSequence:
     """Pages 1..n of a private pool, handed out in order (page 0 stays the dummy page).
 
-    `all_logits` runs `llama.forward` (stacked layers under lax.scan); `last_logits` and `greedy` run the
+    `all_logits` runs `llama.forward` (under lax.scan if `params` has stacked layers, unrolled if per
+    layer); `last_logits` and `greedy` run the
     model runner's step with the given `layer_loop` (and `max_layers_per_call` for the host loop).
     """
 
@@ -36,7 +37,7 @@ class SingleSequence:
         self.config, self.params, self.page_size = config, params, page_size
         self.page_table = list(range(1, num_pages))
         self._forward = jax.jit(
-            functools.partial(llama.forward, config=config, attn_fn=ragged_paged_attention_xla)
+            functools.partial(llama.forward, config=config, attn_fn=llama.paged_attention(ragged_paged_attention_xla))
         )
 
     def all_logits(self, tokens, prefix_len: int = 0) -> np.ndarray:
@@ -46,7 +47,7 @@ class SingleSequence:
         hidden, self.runner.k_pool, self.runner.v_pool = self._forward(
             self.params, self.runner.k_pool, self.runner.v_pool, batch
         )
-        return np.asarray(llama.compute_logits(self.params, hidden[: len(tokens)]))
+        return np.asarray(llama.compute_logits(self.params, hidden[: len(tokens)], config=self.config))
 
     def last_logits(self, tokens, prefix_len: int = 0) -> np.ndarray:
         pages = self.page_table[: -(-(prefix_len + len(tokens)) // self.page_size)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -130,15 +129,16 @@ def test_tiny_checkpoints_match_transformers(tmp_path, case):
     config, params = load_model(path, "float32", use_weights_cache=False)
     assert config.architecture == arch
     ids = list(np.random.default_rng(0).integers(0, cfg["vocab_size"], size=200))
-    ours = SingleSequence(config, params, page_size=8, max_tokens=256).all_logits(ids)
+    # llama.forward over stacked layers runs lax.scan
+    stacked = llama.stack_layers(params)
+    ours = SingleSequence(config, stacked, page_size=8, max_tokens=256).all_logits(ids)
     model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
     err = rel_l2(ours, ref)
     assert err.max() <= 1e-4, f"{case}: max relative L2 error {err.max():.2e}"
-    # llama.forward over per-layer params (the host loop's storage) unrolls the layers: same logits
-    per_layer = dataclasses.replace(params, layers=llama.unstack_layers(params.layers))
-    unrolled = SingleSequence(config, per_layer, page_size=8, max_tokens=256).all_logits(ids)
+    # over per-layer params (what the loader returns, the host loop's storage) it unrolls the layers
+    unrolled = SingleSequence(config, params, page_size=8, max_tokens=256).all_logits(ids)
     err = rel_l2(unrolled, ref)
     assert err.max() <= 1e-4, f"{case}: unrolled layers, max relative L2 error {err.max():.2e}"
     # the engine's host layer loop (per-layer buffers, jitted groups of layers) on a chunked prompt:

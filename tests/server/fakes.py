@@ -29,6 +29,7 @@ class FakeEngine:
         self.thread_ids: set[int] = set()
         self.tokenizer = None
         self.model_path = "/models/fake-model"
+        self.devices = ["cpu:0"]
         self.args = ServerArgs(model_path="/models/fake-model")
 
     def tokenize(self, prompt):

@@ -1,0 +1,22 @@
+"""Devices live here: the mesh, the logical-axis rules table, and the helpers that shard params and the
+KV pool and run attention per device (DESIGN.md, "Parallelism").
+
+The model only names logical axes on its Params; the model runner asks this package for shardings.
+"""
+
+from jaxserve.parallel.mesh import MESH_AXES, TensorParallelPlan, make_mesh, plan_tensor_parallel
+from jaxserve.parallel.rules import LOGICAL_AXIS_RULES, POOL_AXES, partition_spec
+from jaxserve.parallel.sharding import (
+    pool_sharding,
+    replicated,
+    shard_attention,
+    shard_params,
+    param_shardings,
+    vocab_sharding,
+)
+
+__all__ = [
+    "LOGICAL_AXIS_RULES", "MESH_AXES", "POOL_AXES", "TensorParallelPlan", "make_mesh", "param_shardings",
+    "partition_spec", "plan_tensor_parallel", "pool_sharding", "replicated", "shard_attention", "shard_params",
+    "vocab_sharding",
+]

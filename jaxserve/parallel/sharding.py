@@ -1,0 +1,92 @@
+"""Shardings of the params and the KV pool on the mesh, and attention per device under shard_map."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.parallel.rules import POOL_AXES, partition_spec
+
+P = PartitionSpec
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A whole copy on every device of the mesh."""
+    return NamedSharding(mesh, P())
+
+
+def tp_size(mesh: Mesh) -> int:
+    return mesh.shape["tensor"]
+
+
+def param_shardings(params, axes, mesh: Mesh):
+    """NamedShardings for a params tree from the matching tree of logical axis names (`axes`:
+    `llama.logical_axes(config)`; stacked layers get a leading unsplit "layers" axis)."""
+
+    def one(x, names):
+        names = tuple(names)
+        if len(names) < x.ndim:  # stacked layers [L, ...]
+            names = ("layers",) * (x.ndim - len(names)) + names
+        return NamedSharding(mesh, partition_spec(names, x.shape, tp_size(mesh)))
+
+    return jax.tree.map(one, params, _align(axes, params), is_leaf=lambda a: isinstance(a, tuple))
+
+
+def _align(axes, params):
+    """`axes` restricted and shaped to `params`' tree (per-layer or stacked layers)."""
+    if isinstance(params, dict):
+        if "layers" in params and isinstance(axes.get("layers"), dict):
+            layer_axes = next(iter(axes["layers"].values())) if axes["layers"] else {}
+            layers = params["layers"]
+            if layers and isinstance(next(iter(layers)), int):
+                aligned_layers = {i: _align(layer_axes, p) for i, p in layers.items()}
+            else:
+                aligned_layers = _align(layer_axes, layers)
+            rest = {k: _align(axes[k], v) for k, v in params.items() if k != "layers"}
+            return {**rest, "layers": aligned_layers}
+        return {k: _align(axes[k], v) for k, v in params.items()}
+    if isinstance(params, (list, tuple)):
+        return type(params)(_align(axes, p) for p in params)
+    return tuple(axes)
+
+
+def shard_params(params, axes, mesh: Mesh):
+    """Place `params` on the mesh by the rules table (`param_shardings`)."""
+    return jax.tree.map(jax.device_put, params, param_shardings(params, axes, mesh))
+
+
+def pool_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
+    """The KV pool [L, N, ps, KVH, D] split over kv heads."""
+    shape = (1, 1, 1, num_kv_heads, 1)
+    return NamedSharding(mesh, partition_spec(POOL_AXES, shape, tp_size(mesh)))
+
+
+def vocab_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
+    """Logits [S, V] split over the vocabulary (replicated when tp does not divide V)."""
+    return NamedSharding(mesh, partition_spec((None, "vocab"), (1, vocab_size), tp_size(mesh)))
+
+
+def shard_attention(attn_fn: Callable, mesh: Mesh) -> Callable:
+    """Run the model's `attn_fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale)` (the
+    K/V write and attention, `llama.paged_attention`) once per
+    device on its own heads under `jax.shard_map`: q [T, H, D], k/v [T, KVH, D] and the pools split over
+    heads, the batch metadata replicated. Heads never talk to each other in attention, so no collective
+    runs inside. `check_vma=False`: a `pallas_call` inside shard_map needs it (JAX 0.10.2).
+    """
+    heads = P(None, "tensor", None)
+    pool = P(None, None, None, "tensor", None)
+
+    def sharded(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale):
+        fn = jax.shard_map(
+            lambda *a: attn_fn(*a, sm_scale),
+            mesh=mesh,
+            in_specs=(heads, heads, heads, pool, pool, P(), P(), P()),
+            out_specs=(heads, pool, pool),
+            check_vma=False,
+        )
+        return fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta)
+
+    sharded.writes_kv = True
+    return sharded

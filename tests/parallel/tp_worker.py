@@ -1,0 +1,135 @@
+"""Run the tiny checkpoints at several tp sizes in one process with forced host devices; print JSON.
+
+A separate process because the number of host devices is fixed when jax starts:
+
+    JAX_NUM_CPU_DEVICES=4 python -m tests.parallel.tp_worker MODEL_DIR... --tp 1 2 4 [--backend xla|pallas]
+                                                             [--precompile] [--num-prompts N] [--lower-cuda]
+
+For each tp size: greedy outputs of 16 mixed-length requests through the Engine (radix cache, chunked
+prefill, the release policy aggressive with soft release and coalescing), compiles after warm-up, free
+pages after a flush, the host tier's use, and the logits of one prefill through a ModelRunner.
+`--lower-cuda` instead lowers the tp-sharded scan step with the Pallas (Triton) backend for "cuda".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+AGGRESSIVE = dict(
+    release_conservative_batch_size=0, release_aggressive_batch_size=0, enable_hierarchical_cache=True,
+    radix_cache_soft_free_threshold=0.0, radix_cache_evict_threshold=0.0, enable_auto_merge=True,
+    merge_max_suffix_tokens=15, merge_min_shared_ratio=0.0,
+)
+
+
+def prompts(vocab_size: int) -> list[list[int]]:
+    """16 prompts of 4 to 94 tokens; half share a 44-token prefix (radix hits; at page size 8 the match
+    ends inside a page, so coalescing copies it on write)."""
+    rng = np.random.default_rng(0)
+    system = [int(x) for x in rng.integers(3, vocab_size, 44)]
+    out = []
+    for i in range(16):
+        tail = [int(x) for x in rng.integers(3, vocab_size, int(rng.integers(3, 50)))]
+        out.append(system + tail if i % 2 else tail)
+    return out
+
+
+def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: int) -> dict:
+    import jax
+
+    from jaxserve.engine.engine import Engine
+    from jaxserve.engine.model_runner import BatchEntry
+
+    engine = Engine(
+        model_path=model_dir, tp_size=tp, attention_backend=backend, max_total_tokens=1024,
+        max_running_requests=8, chunked_prefill_size=32, context_length=128, page_size=8,
+        disable_precompile=not precompile, **AGGRESSIVE,
+    )
+    ps = prompts(engine.model_config.vocab_size)[:num_prompts]
+    greedy = {"max_new_tokens": 6, "temperature": 0}
+    seeded = {"max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "seed": 7}
+    half = len(ps) // 2
+    outputs = [o["output_ids"] for o in engine.generate(ps[:half], greedy)]
+    engine.step()  # an idle tick: the policy soft-releases the unlocked prefixes
+    outputs += [o["output_ids"] for o in engine.generate(ps[half:], greedy)]
+    compiles = engine.runner.num_compiles_after_warmup
+    sampled = [o["output_ids"] for o in engine.generate(ps[:2], seeded)]  # compiles its sampler variant
+    engine.cache.check_integrity([])
+    stats = engine.radix_cache_stats()
+    engine.flush_cache()
+    runner = engine.runner
+    prefill = ps[1][:30]  # one chunk
+    logits = np.asarray(runner.forward([BatchEntry(prefill, 0, list(range(1, 1 + -(-len(prefill) // 8))))]))[0]
+    return {
+        "tp": tp,
+        "devices": engine.devices,
+        "num_kv_heads": engine.model_config.num_kv_heads,
+        "pool_sharding": str(runner.k_pool.sharding.spec) if hasattr(runner.k_pool.sharding, "spec") else "",
+        "outputs": outputs,
+        "sampled": sampled,
+        "compiles_after_warmup": compiles if precompile else None,
+        "free_pages": engine.allocator.num_free,
+        "usable_pages": engine.allocator.num_usable,
+        "num_recalls": stats.num_recalls,
+        "cow_hit_tokens": stats.cow_hit_tokens,
+        "logits": logits.tolist(),
+        "jax_devices": len(jax.devices()),
+    }
+
+
+def lower_cuda(model_dir: str, tp: int) -> dict:
+    """Lower the scan-loop step of the tp-sharded model with the Pallas backend for "cuda"; count the
+    Triton kernels and the all-reduces in the lowered module."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve import parallel
+    from jaxserve.engine.model_runner import BatchEntry, ModelRunner
+    from jaxserve.model import llama
+    from jaxserve.model.loader import load_model, replicate_kv_heads
+    from jaxserve.pallas.ragged_paged_attention import ragged_paged_attention
+
+    config, params = load_model(model_dir, "bfloat16", use_weights_cache=False)
+    config, params = replicate_kv_heads(config, params, parallel.plan_tensor_parallel(config, tp).kv_replicas)
+    mesh = parallel.make_mesh(tp)
+    shape = (config.num_layers, 9, 8, config.num_kv_heads, config.head_dim)
+    backend = functools.partial(ragged_paged_attention, interpret=False)
+    runner = ModelRunner(config, llama.stack_layers(params), jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16),
+                         attn_fn=backend, max_running_requests=2, max_extend_tokens=16, context_length=64,
+                         layer_loop="scan", mesh=mesh)
+    batch, _ = runner.build_forward_batch([BatchEntry([5] * 10, 0, [1, 2])])
+    lowered = runner._step_jit[False].trace(runner.params, runner.k_pool, runner.v_pool, batch).lower(
+        lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    return {"triton_kernels": text.count("triton"), "all_reduces": text.count("all_reduce"),
+            "num_sharding_annotations": text.count("sdy.sharding") + text.count("mhlo.sharding"),
+            "manual_axes": text.count("sdy.manual_computation"), "tp": tp}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dirs", nargs="+")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--backend", default="xla")
+    ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--lower-cuda", action="store_true")
+    args = ap.parse_args()
+    if args.lower_cuda:
+        results = [lower_cuda(d, tp) for d in args.model_dirs for tp in args.tp]
+    else:
+        results = [
+            {"model_dir": d, **run(d, tp, args.backend, args.precompile, args.num_prompts)}
+            for d in args.model_dirs for tp in args.tp
+        ]
+    sys.stdout.write("\nRESULT " + json.dumps(results) + "\n")
+
+
+if __name__ == "__main__":
+    main()
