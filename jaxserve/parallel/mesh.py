@@ -32,7 +32,7 @@ def make_mesh(tp_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh
             " (on CPU, set JAX_NUM_CPU_DEVICES or XLA_FLAGS=--xla_force_host_platform_device_count before start)"
             if devices[0].platform == "cpu" else ""
         )
-        raise ValueError(f"--tp-size {tp_size} needs {tp_size} devices, but {len(devices)} are visible{hint}")
+        raise ValueError(f"--tp-size {tp_size} needs {tp_size} devices, but {len(devices)} {'is' if len(devices) == 1 else 'are'} visible{hint}")
     return Mesh(np.asarray(devices[:tp_size]).reshape(1, tp_size), MESH_AXES)
 
 

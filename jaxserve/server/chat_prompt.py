@@ -84,9 +84,12 @@ def _text_of(content: Any, i: int) -> str:
     if not isinstance(content, list):
         return content or ""
     parts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
+    for j, part in enumerate(content):
+        if part.type != "text":
             raise APIError(f"content parts of type {part.type!r} are not supported (text only)", 400,
                            param=f"messages[{i}].content", code="unsupported_parameter")
+        if part.text is None:
+            raise APIError("a content part of type 'text' needs a 'text' field", 400,
+                           param=f"messages[{i}].content[{j}].text", code="missing_required_parameter")
         parts.append(part.text)
     return "\n".join(parts)

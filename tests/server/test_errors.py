@@ -29,6 +29,7 @@ BAD_INPUTS = [
     (CHAT, {"messages": []}, "messages", "at least one"),
     (CHAT, {"messages": "hi"}, "messages", "list"),
     (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "role"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text", "needs a 'text' field"),
     (CHAT, {"messages": MSG, "temperature": "hot"}, "temperature", "number"),
     (CHAT, {"messages": MSG, "n": "3"}, "n", "integer"),
     (CHAT, {"messages": MSG, "stream": "yes"}, "stream", "bool"),
