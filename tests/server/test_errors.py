@@ -7,6 +7,7 @@ import re
 import pytest
 
 LONG_TEXT = "hello " * 400  # > 256 tokens, the test server's context length
+HUGE_TEXT = "x" * 3_000_000  # too long for any tokenization: refused before the tokenizer runs
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -60,6 +61,8 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "return_logprobs": True}, "return_logprobs", "unknown"),
     ("/generate", {"text": "hi", "top_logprobs_num": 21}, "top_logprobs_num", "20"),
     ("/generate", {"text": LONG_TEXT}, "text", "256"),
+    ("/generate", {"text": HUGE_TEXT}, "text", "3000000 characters"),
+    (COMPLETIONS, {"prompt": HUGE_TEXT}, "prompt", "3000000 characters"),
     ("/abort_request", {}, "rid", "rid"),
 ]
 
