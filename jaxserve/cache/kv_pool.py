@@ -6,7 +6,7 @@ Page 0 is a reserved dummy page that padding tokens write to; it is never handed
 Sizing (`pool_budget` / `size_pool`): `--max-total-tokens` wins; otherwise `--mem-fraction-static`
 of the device's memory minus the weights (on accelerators the default fraction is 0.85, SGLang's
 rule). On CPU, where JAX reports no device memory, the base is the RAM available now
-(`/proc/meminfo` MemAvailable); with neither flag the CPU pool gets min(2 GiB, 10% of that RAM), so a
+(`/proc/meminfo` MemAvailable); with neither flag the CPU pool gets min(1.5 GiB, 10% of that RAM), so a
 laptop stays usable (issue 19: a 30% share took 7.6 GB of RSS for a 135M model). The memory-derived
 size is rounded down to 3 significant bits so that restarts reuse compiled executables. The rule and
 the size are logged at start-up.
@@ -65,7 +65,7 @@ def available_memory_bytes() -> int:
     return 8 << 30
 
 
-CPU_DEFAULT_POOL_CAP_BYTES = 2 << 30
+CPU_DEFAULT_POOL_CAP_BYTES = 3 << 29  # 1.5 GiB: with 2 GiB the default server's RSS measured 3.36-3.51 GB, at the 3.5 GB limit (issue 19)
 CPU_DEFAULT_POOL_RAM_FRACTION = 0.10
 ACCELERATOR_DEFAULT_FRACTION = 0.85
 
@@ -92,7 +92,7 @@ def pool_budget(
     gib = available_bytes / (1 << 30)
     if platform == "cpu" and mem_fraction_static is None:
         cap = min(CPU_DEFAULT_POOL_CAP_BYTES, int(available_bytes * CPU_DEFAULT_POOL_RAM_FRACTION))
-        return PoolBudget(cap, f"CPU default: min(2 GiB, 10% of {gib:.1f} GiB available RAM); "
+        return PoolBudget(cap, f"CPU default: min(1.5 GiB, 10% of {gib:.1f} GiB available RAM); "
                                "--max-total-tokens or --mem-fraction-static override it")
     if platform == "cpu":
         return PoolBudget(int(available_bytes * mem_fraction_static),

@@ -1,4 +1,4 @@
-"""The KV pool's default size: min(2 GiB, 10% of available RAM) on CPU, SGLang's fraction elsewhere."""
+"""The KV pool's default size: min(1.5 GiB, 10% of available RAM) on CPU, SGLang's fraction elsewhere."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from jaxserve.cache.kv_pool import pool_budget, size_pool
 GIB = 1 << 30
 
 
-@pytest.mark.parametrize("available_gib, expected_gib", [(64, 2.0), (20, 2.0), (16, 1.6), (4, 0.4)])
-def test_cpu_default_is_2_gib_or_10_percent_of_ram(available_gib, expected_gib):
+@pytest.mark.parametrize("available_gib, expected_gib", [(64, 1.5), (20, 1.5), (12, 1.2), (4, 0.4)])
+def test_cpu_default_is_1_5_gib_or_10_percent_of_ram(available_gib, expected_gib):
     b = pool_budget(mem_fraction_static=None, weights_bytes=GIB, platform="cpu", available_bytes=available_gib * GIB)
     assert b.budget_bytes == pytest.approx(expected_gib * GIB, abs=1)
-    assert "2 GiB" in b.rule and "10%" in b.rule
+    assert "1.5 GiB" in b.rule and "10%" in b.rule
 
 
 def test_cpu_with_mem_fraction_static_keeps_the_fraction_rule():
@@ -39,9 +39,9 @@ def test_size_pool_uses_the_rule_and_logs_it(monkeypatch, caplog):
     shape = size_pool(num_layers=2, num_kv_heads=4, head_dim=64, page_size=16, dtype="float32",
                       max_total_tokens=None, mem_fraction_static=None, weights_bytes=0, platform="cpu")
     assert shape.bytes_per_token == 4096
-    assert shape.num_tokens == 2 * GIB // 4096  # 524288: already 3 significant bits
-    assert shape.num_tokens * shape.bytes_per_token <= 2 * GIB
-    assert "KV pool: 524288 tokens" in caplog.text and "min(2 GiB, 10%" in caplog.text
+    assert shape.num_tokens == 3 * GIB // 2 // 4096  # 393216: already 3 significant bits
+    assert shape.num_tokens * shape.bytes_per_token <= 3 * GIB // 2
+    assert "KV pool: 393216 tokens" in caplog.text and "min(1.5 GiB, 10%" in caplog.text
     explicit = size_pool(num_layers=2, num_kv_heads=4, head_dim=64, page_size=16, dtype="float32",
                          max_total_tokens=4096, mem_fraction_static=None, weights_bytes=0, platform="cpu")
     assert explicit.num_tokens == 4096 and "--max-total-tokens" in caplog.text

@@ -28,7 +28,7 @@ def test_serve_default_model(tmp_path):
         rss_gb = _rss_bytes(server.proc.pid) / 1e9  # right after start-up, as the README states it
         assert rss_gb < 3.5, f"the default server's RSS is {rss_gb:.2f} GB"
         log = server.log()
-        assert "KV pool:" in log and "CPU default: min(2 GiB, 10%" in log
+        assert "KV pool:" in log and "CPU default: min(1.5 GiB, 10%" in log
         ready = [line for line in log.splitlines() if line.startswith("jaxserve ready:")]
         assert ready == [f"jaxserve ready: serving SmolLM2-135M-Instruct at {server.url} (OpenAI API at /v1)"], log[-2000:]
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
