@@ -6,6 +6,7 @@ each test pays only for the shape buckets it uses, and the persistent XLA cache 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -111,3 +112,35 @@ def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"the server did not go idle in {timeout} s: {info}")
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def real_router(worker_urls: list[str], policy: str, log_path: Path):
+    """The real sglang-router (`python -m sglang_router.launch_router`, the argv the --dp-size launcher
+    builds) on a free loopback port in front of `worker_urls`; yields its URL once it lists every worker
+    as healthy (60 s at most), and stops it after."""
+    from jaxserve.config import ServerArgs
+    from jaxserve.server.dp_launcher import router_argv
+
+    port = free_port()
+    argv = router_argv(ServerArgs(port=port, router_policy=policy, dp_size=len(worker_urls), log_level="warning"), worker_urls)
+    argv[argv.index("--prometheus-port") + 1] = str(free_port())  # not port + N + 1: free for certain
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        try:
+            while True:
+                assert proc.poll() is None, f"sglang-router exited with {proc.returncode}"
+                try:
+                    workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
+                    if len(workers) == len(worker_urls) and all(w["is_healthy"] for w in workers):
+                        break
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+                assert time.monotonic() < deadline, f"sglang-router did not list its {len(worker_urls)} workers in 60 s"
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(30)

@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess, free_port
+from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess, free_port, real_router
 
 pytest.importorskip("sglang_router", reason="sglang-router is the router extra (and a dev dependency)")
 pytestmark = pytest.mark.slow
@@ -176,31 +174,8 @@ def _flush(urls: list[str]) -> None:
 @pytest.fixture(scope="module")
 def cache_aware_router(dp, tmp_path_factory):
     """A second real sglang-router, policy cache_aware, in front of the launcher's two workers."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("router") / "router.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *dp.worker_urls, "--port", str(port),
-         "--host", "127.0.0.1", "--policy", "cache_aware", "--prometheus-port", str(free_port()), "--log-level", "warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            assert proc.poll() is None, f"sglang-router exited with {proc.returncode}"
-            try:
-                workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
-                if len(workers) == 2 and all(w["is_healthy"] for w in workers):
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            assert time.monotonic() < deadline, "sglang-router did not list both workers in 60 s"
-            time.sleep(0.5)
+    with real_router(dp.worker_urls, "cache_aware", tmp_path_factory.mktemp("router") / "router.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 def test_cache_aware_keeps_one_workers_hit_rate(dp, cache_aware_router):

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
-from tests.server.conftest import free_port
+from tests.server.conftest import real_router
 
 sgl = pytest.importorskip("sglang", reason="sglang==0.5.23 (--no-deps) is installed by the README's test command")
 
@@ -152,30 +149,8 @@ def router(server, tmp_path_factory):
     """The real sglang-router 0.3.2 (its Rust binary, `python -m sglang_router.launch_router`) in front
     of the session's server."""
     pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency")
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("router") / "router.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", server.url, "--port", str(port),
-         "--policy", "round_robin", "--log-level", "warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            assert proc.poll() is None, f"sglang-router exited with {proc.returncode}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "sglang-router did not start in 60 s"
-            time.sleep(0.5)
+    with real_router([server.url], "round_robin", tmp_path_factory.mktemp("router") / "router.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        log.close()
 
 
 def test_generate_through_the_real_router(router, http):
