@@ -9,14 +9,7 @@ Start-up shows the model loading and the compilation of the shape buckets, then 
 the endpoints.
 """
 
-import sys
-
-# The server never uses PyTorch (a dev-only dependency, for reference tests), but transformers imports
-# it whenever it is installed: ~180 MB of RSS. Hiding it keeps a dev install's server as lean as a
-# user's (importlib finds no module whose sys.modules entry is None, so transformers runs torch-free).
-sys.modules.setdefault("torch", None)
-
-from jaxserve.server.launch import main  # noqa: E402
+import runpy
 
 if __name__ == "__main__":
-    main()
+    runpy.run_module("jaxserve.server", run_name="__main__")  # its __main__ hides torch, then serves

@@ -1,6 +1,14 @@
-"""`python -m jaxserve.server [flags]`: the same as `python scripts/serve.py [flags]`."""
+"""`python -m jaxserve.server [flags]` (and `python scripts/serve.py [flags]`, which runs this module)."""
 
-from jaxserve.server.launch import main
+import sys
+
+# The server never uses PyTorch (a dev-only dependency, for reference tests), but transformers imports
+# it whenever it is installed: ~180 MB of RSS. Hiding it keeps a dev install's server as lean as a
+# user's (importlib finds no module whose sys.modules entry is None, so transformers runs torch-free).
+# It must happen before anything imports transformers, so before jaxserve.server.launch.
+sys.modules.setdefault("torch", None)
+
+from jaxserve.server.launch import main  # noqa: E402
 
 if __name__ == "__main__":
     main()
