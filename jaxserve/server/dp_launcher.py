@@ -34,7 +34,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import IO
 
 import httpx
@@ -42,7 +41,6 @@ import httpx
 from jaxserve.config import ServerArgs
 
 WORKER_HOST = "127.0.0.1"
-SERVE_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve.py"
 # flags the launcher owns: a worker gets its own port and never starts a router of its own
 LAUNCHER_FIELDS = frozenset({"dp_size", "router_policy", "host", "port"})
 ROUTER_LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error": "error"}
@@ -209,7 +207,7 @@ class DataParallelLauncher:
         try:
             for i, share in enumerate(self.shares):
                 port = worker_ports(self.args)[i]
-                argv = [*_serve_command(), *worker_argv(self.args, port)]
+                argv = [sys.executable, "-m", "jaxserve.server", *worker_argv(self.args, port)]
                 self.children.append(_Child(f"worker {i}", argv, share))
             for url in self.urls:
                 self._wait(lambda url=url: self._get(url + "/health").status_code == 200)
@@ -275,12 +273,6 @@ class DataParallelLauncher:
                 child.proc.wait(10)
         print(f"jaxserve stopped: the router and {self.args.dp_size} workers", flush=True)
         return status
-
-
-def _serve_command() -> list[str]:
-    """scripts/serve.py from a checkout (it keeps torch out of a dev install's server); an installed
-    package has no scripts/, so `python -m jaxserve.server` there."""
-    return [sys.executable, str(SERVE_SCRIPT)] if SERVE_SCRIPT.exists() else [sys.executable, "-m", "jaxserve.server"]
 
 
 def _visible_gpus() -> list[str] | None:
