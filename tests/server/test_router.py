@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import sglang_router  # noqa: F401  (the router extra, and a dev dependency: a missing install fails here, not skips)
 
 from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess, free_port, real_router
 
-pytest.importorskip("sglang_router", reason="sglang-router is the router extra (and a dev dependency)")
 pytestmark = pytest.mark.slow
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0}

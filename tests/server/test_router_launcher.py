@@ -38,7 +38,6 @@ def test_the_router_listens_on_port_with_cache_aware_by_default():
 
 
 def test_the_routers_own_parser_accepts_the_command_line():
-    pytest.importorskip("sglang_router")
     from sglang_router.launch_router import parse_router_args
 
     args = ServerArgs.from_cli(["--port", "8000", "--dp-size", "2", "--router-policy", "power_of_two", "--api-key", "k"])

@@ -14,10 +14,9 @@ import re
 
 import httpx
 import pytest
+import sglang as sgl  # sglang==0.5.23 --no-deps, from the README's test command: a missing install fails, not skips
 
 from tests.server.conftest import real_router
-
-sgl = pytest.importorskip("sglang", reason="sglang==0.5.23 (--no-deps) is installed by the README's test command")
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 
@@ -148,7 +147,6 @@ def test_sglang_router_bodies(http):
 def router(server, tmp_path_factory):
     """The real sglang-router 0.3.2 (its Rust binary, `python -m sglang_router.launch_router`) in front
     of the session's server."""
-    pytest.importorskip("sglang_router", reason="sglang-router is a dev dependency")
     with real_router([server.url], "round_robin", tmp_path_factory.mktemp("router") / "router.log") as url:
         yield url
 
