@@ -131,10 +131,12 @@ class Attention(nnx.Module):
         wqkv = self.wqkv[...]
         # a 2-D matmul on the flattened rows (a split kv-head axis stays a split of the rows): the
         # einsum over the 3-D weight ran the 512-token prefill ~25% slower on XLA:CPU
-        qkv = (wqkv.reshape(-1, wqkv.shape[-1]) @ x).reshape(nkv, -1, num_tokens)  # [KVH, (G + 2) D, T]
+        qkv = wqkv.reshape(-1, wqkv.shape[-1]) @ x  # [KVH (G + 2) D, T]
         if self.bqkv is not None:
-            qkv = qkv + self.bqkv[...][:, :, None]
-        qkv = qkv.transpose(2, 0, 1)  # [T, KVH, (G + 2) D]: the per-token layout attention reads
+            qkv = qkv + self.bqkv[...].reshape(-1)[:, None]
+        # transpose the 2-D result, then split the heads: a 3-D transpose(2, 0, 1) of [KVH, (G + 2) D, T]
+        # cost ~1 ms more per layer at T = 512 on XLA:CPU (docs/benchmarks.md, "Flax NNX model ...")
+        qkv = qkv.T.reshape(num_tokens, nkv, -1)  # [T, KVH, (G + 2) D]: the per-token layout attention reads
         # a kv head's G query heads are consecutive: query head h = kv head * G + g, as in HF's GQA
         q = qkv[:, :, : g * d].reshape(num_tokens, nkv * g, d)
         k = qkv[:, :, g * d : (g + 1) * d]
