@@ -7,11 +7,10 @@ model runner's `layer_loop`: "host" calls a jitted group of layers from Python u
 "host:G" the same with at most G layers per call, "scan" runs one executable with lax.scan over the
 stacked layers); their timed runs alternate, so drift in the machine's speed hits them alike.
 `--stat min` reports each variant's fastest run instead of the median (on a machine shared with other
-jobs, the least disturbed run). `--models flax jnp` runs each layer loop with the Flax NNX model (`jaxserve.model.llama`) and with the
-earlier plain-jnp model (`llama_jnp`, the same weights converted to its layout), alternating too.
+jobs, the least disturbed run).
 
     python scripts/bench_model.py [--repeats 5] [--prompt-len 512] [--batch-sizes 1 8 32]
-                                  [--layer-loops host scan host:1] [--models flax jnp] [--skip-transformers]
+                                  [--layer-loops host scan host:1] [--skip-transformers]
                                   [--stat median|min]
 """
 
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.model_runner import MAX_LAYERS_PER_CALL, BatchEntry, ModelRunner
+from jaxserve.model import llama
 from jaxserve.model.loader import load_model
 from jaxserve.model.tokenizer import DEFAULT_MODEL_GGUF, default_model_path
 from jaxserve.pallas.reference import ragged_paged_attention_xla
@@ -53,9 +53,8 @@ def timed_alternating(fns: dict, repeats: int, stat=statistics.median) -> dict:
     return {name: stat(ts) for name, ts in times.items()}
 
 
-def jax_runner(config, params, max_seqs: int, context: int, layer_loop: str, model=None) -> ModelRunner:
-    """A runner for `layer_loop` ("scan", "host" or "host:G") with pools for `max_seqs` sequences;
-    `model`: the module with the model's functions (default the Flax model)."""
+def jax_runner(config, params, max_seqs: int, context: int, layer_loop: str) -> ModelRunner:
+    """A runner for `layer_loop` ("scan", "host" or "host:G") with pools for `max_seqs` sequences."""
     loop, _, group = layer_loop.partition(":")
     num_pages = max_seqs * (context // PAGE_SIZE + 1) + 1
     shape = (config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
@@ -63,7 +62,7 @@ def jax_runner(config, params, max_seqs: int, context: int, layer_loop: str, mod
         config, params, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
         attn_fn=ragged_paged_attention_xla, max_running_requests=max_seqs,
         max_extend_tokens=context, context_length=context + PAGE_SIZE, layer_loop=loop,
-        max_layers_per_call=int(group or MAX_LAYERS_PER_CALL), **({"model": model} if model else {}),
+        max_layers_per_call=int(group or MAX_LAYERS_PER_CALL),
     )
 
 
@@ -80,7 +79,6 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--layer-loops", nargs="+", default=["host", "scan"], type=layer_loop_spec)
-    ap.add_argument("--models", nargs="+", default=["flax"], choices=["flax", "jnp"])
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="min: the fastest run of each, less sensitive to other jobs on a shared machine")
@@ -104,16 +102,11 @@ def main() -> None:
     def seq_pages(i):
         return list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq))
 
-    from jaxserve.model import llama, llama_jnp
-
-    variants = {"flax": (llama, lambda loop: params if loop.startswith("host") else llama.stack_layers(params)),
-                "jnp": (llama_jnp, lambda loop: llama_jnp.from_flax_params(config, params))}
-    runners = {}
-    for loop in args.layer_loops:
-        for name in args.models:
-            module, make_params = variants[name]
-            label = loop if args.models == ["flax"] else f"{name} {loop}"
-            runners[label] = jax_runner(config, make_params(loop), max_b, n + PAGE_SIZE, loop, module)
+    runners = {
+        loop: jax_runner(config, params if loop.startswith("host") else llama.stack_layers(params), max_b,
+                         n + PAGE_SIZE, loop)
+        for loop in args.layer_loops
+    }
 
     def step(runner, entries):
         return lambda: runner.forward(entries).block_until_ready()
@@ -133,12 +126,11 @@ def main() -> None:
     if args.skip_transformers:
         names = [f"prefill {n} tokens (tokens/s)"] + [f"decode step, batch {b} (ms)" for b in args.batch_sizes]
         print(f"\njax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs\n")
-        print("| measure | " + " | ".join(loops) + " | " + " | ".join(f"{loops[0]} speed-up over {loop}" for loop in loops[1:]) + " |")
-        print("|---" * (1 + 2 * len(loops) - 1) + "|")
+        columns = ["measure", *loops, *(f"{loops[0]} speed-up over {loop}" for loop in loops[1:])]
+        print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
         for i, name in enumerate(names):
             rel = [(ours[loops[0]][i] / ours[loop][i]) if i == 0 else (ours[loop][i] / ours[loops[0]][i]) for loop in loops[1:]]
-            print(f"| {name} | " + " | ".join(f"{ours[loop][i]:.1f}" for loop in loops) + " | "
-                  + " | ".join(f"{r:.3f}" for r in rel) + " |")
+            print("| " + " | ".join([name, *(f"{ours[loop][i]:.1f}" for loop in loops), *(f"{r:.3f}" for r in rel)]) + " |")
         return
     with torch.no_grad():
         ids = torch.tensor([prompt])

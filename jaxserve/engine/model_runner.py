@@ -73,7 +73,6 @@ def forward_step(
     attn_fn: Callable,
     forward_fn: Callable = llama.forward,
     return_input_logprobs: bool = False,
-    model=llama,
 ) -> tuple[Float[Array, "S V"], Float[Array, " T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
     """One engine step: write the batch's K/V into the pools and return float32 logits [S, V] at
     `batch.logits_idx`, the prompt logprobs [T] and the updated pools.
@@ -83,26 +82,25 @@ def forward_step(
     `attn_fn` is an attention backend (`jaxserve.pallas.get_attention_backend`) or the model's K/V
     write + attention (`llama.paged_attention(backend)`, what the runner passes). `params` is the Flax
     model's plain params dict (`jaxserve.model.loader.load_model`).
-    Pure; `config`, `attn_fn`, `forward_fn`, `return_input_logprobs` and `model` (the module with the
-    model's functions) are static. The engine runs this
+    Pure; `config`, `attn_fn`, `forward_fn` and `return_input_logprobs` are static. The engine runs this
     same computation either as one executable (`--layer-loop scan`) or split into `llama.embed_tokens`,
     `llama.decoder_layers` calls over groups of layers and `head_step` (`--layer-loop host`,
     `HostLayerLoop`).
     """
     hidden, k_pool, v_pool = forward_fn(params, k_pool, v_pool, batch, config=config, attn_fn=attn_fn)
-    logits, input_logprobs = step_outputs(params, hidden, batch, return_input_logprobs, config=config, model=model)
+    logits, input_logprobs = step_outputs(params, hidden, batch, return_input_logprobs, config=config)
     return logits, input_logprobs, k_pool, v_pool
 
 
 def step_outputs(
     params: llama.Params, hidden: Float[Array, "T E"], batch: ForwardBatch, return_input_logprobs: bool,
-    *, config: ModelConfig, model=llama,
+    *, config: ModelConfig,
 ) -> tuple[Float[Array, "S V"], Float[Array, " T"]]:
     """Logits [S, V] at `batch.logits_idx` and prompt logprobs [T] (zeros unless requested) from the
     final hidden states."""
-    logits = model.compute_logits(params, hidden[batch.logits_idx], config=config)
+    logits = llama.compute_logits(params, hidden[batch.logits_idx], config=config)
     if return_input_logprobs:
-        all_logits = model.compute_logits(params, hidden, config=config)  # [T, V]
+        all_logits = llama.compute_logits(params, hidden, config=config)  # [T, V]
         target = jnp.maximum(batch.target_ids, 0)
         picked = jnp.take_along_axis(all_logits, target[:, None], axis=-1)[:, 0]
         input_logprobs = jnp.where(batch.target_ids >= 0, picked - jax.nn.logsumexp(all_logits, axis=-1), 0.0)
@@ -113,11 +111,11 @@ def step_outputs(
 
 def head_step(
     params: llama.Params, h: Float[Array, "E T"], batch: ForwardBatch, *, config: ModelConfig,
-    return_input_logprobs: bool = False, model=llama,
+    return_input_logprobs: bool = False,
 ) -> tuple[Float[Array, "S V"], Float[Array, " T"]]:
     """The end of a host-loop step: final norm of the residual stream [E, T], then `step_outputs`."""
-    hidden = model.final_hidden(params, h, config=config)
-    return step_outputs(params, hidden, batch, return_input_logprobs, config=config, model=model)
+    hidden = llama.final_hidden(params, h, config=config)
+    return step_outputs(params, hidden, batch, return_input_logprobs, config=config)
 
 
 class HostLayerLoop:
@@ -131,17 +129,16 @@ class HostLayerLoop:
     """
 
     def __init__(
-        self, embed: Callable, layers: Callable, head: Callable, first_layer_ids: Sequence[jax.Array], model=llama
+        self, embed: Callable, layers: Callable, head: Callable, first_layer_ids: Sequence[jax.Array]
     ):
         """`first_layer_ids`: the int32 device scalar of each group's first layer index (G apart), made
-        once by the runner; `model`: the module with the model's functions."""
+        once by the runner."""
         self.embed, self.layers, self.head, self.first_layer_ids = embed, layers, head, first_layer_ids
-        self.model = model
 
     def __call__(self, params: llama.Params, k_pool, v_pool, batch: ForwardBatch):
         """`batch` may hold numpy arrays: the embed program hands it back on the device for the others."""
-        outer = self.model.outer_params(params)
-        per_layer = self.model.per_layer(params)
+        outer = llama.outer_params(params)
+        per_layer = llama.per_layer(params)
         group = len(per_layer) // len(self.first_layer_ids)
         (h, cos, sin), batch = self.embed(outer, batch)
         for i, first in enumerate(self.first_layer_ids):
@@ -152,13 +149,13 @@ class HostLayerLoop:
 
 
 def embed_step(
-    params: llama.Params, batch: ForwardBatch, *, config: ModelConfig, model=llama
+    params: llama.Params, batch: ForwardBatch, *, config: ModelConfig
 ) -> tuple[tuple[Float[Array, "E T"], Float[Array, "T D"], Float[Array, "T D"]], ForwardBatch]:
     """The start of a host-loop step: `llama.embed_tokens` (residual stream [E, T], RoPE cos and sin
     [T, D]), and `batch` itself returned as device arrays for the step's other programs. The step's batch then crosses to the device once, as numpy
     arguments of this call: with a `jax.device_put` of its 12 arrays first, the call took 4-5x longer
     (jax 0.10.2, CPU; `scripts/bench_dispatch.py`)."""
-    return model.embed_tokens(params, batch, config=config), batch
+    return llama.embed_tokens(params, batch, config=config), batch
 
 
 def layers_per_call(num_layers: int, most: int = MAX_LAYERS_PER_CALL) -> int:
@@ -232,15 +229,13 @@ class ModelRunner:
         layer_loop: str = "scan",
         max_layers_per_call: int = MAX_LAYERS_PER_CALL,
         min_extend_tokens: int = EXTEND_BLOCK_Q,
-        model=llama,
         mesh: Mesh | None = None,
     ):
         """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
         runs it as a `HostLayerLoop`, with the layer weights split into per-layer buffers (stacked
         params are split here; per-layer params given to "scan" run unrolled, see `llama.forward`) and
         `layers_per_call(num_layers, max_layers_per_call)` layers per call. `attn_fn` is an attention
-        backend (`jaxserve.pallas.get_attention_backend`); `model` the module with the model's functions
-        (`jaxserve.model.llama`). `mesh` (`jaxserve.parallel.make_mesh`, tensor parallelism): the params
+        backend (`jaxserve.pallas.get_attention_backend`). `mesh` (`jaxserve.parallel.make_mesh`, tensor parallelism): the params
         and pools are placed on it by the rules table, attention runs per device under shard_map, and
         every compiled program returns its pools and activations with fixed shardings (GSPMD inserts
         the all-reduces after the row-parallel projections). None (or a 1-device mesh): one device. `min_extend_tokens`: the
@@ -253,15 +248,14 @@ class ModelRunner:
             raise ValueError(f"layer_loop must be 'scan' or 'host', got {layer_loop!r}")
         self.config = config
         self.layer_loop = layer_loop
-        self.model = model
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.tp_size = 1 if self.mesh is None else parallel.sharding.tp_size(self.mesh)
         if params is not None:
-            params = model.unstack_layers(params) if layer_loop == "host" else params
-        attn_fn = model.paged_attention(attn_fn)
+            params = llama.unstack_layers(params) if layer_loop == "host" else params
+        attn_fn = llama.paged_attention(attn_fn)
         shardings: dict[str, object] = {}
         if self.mesh is not None:
-            params = parallel.shard_params(params, model.logical_axes(config), self.mesh)
+            params = parallel.shard_params(params, llama.logical_axes(config), self.mesh)
             pool = parallel.pool_sharding(self.mesh, k_pool.shape[3])
             k_pool, v_pool = jax.device_put(k_pool, pool), jax.device_put(v_pool, pool)
             attn_fn = parallel.shard_attention(attn_fn, self.mesh)
@@ -282,18 +276,18 @@ class ModelRunner:
         self._step_jit = {
             flag: jax.jit(
                 functools.partial(forward_step, config=config, attn_fn=attn_fn, return_input_logprobs=flag,
-                                  forward_fn=model.forward, model=model),
+                                  forward_fn=llama.forward),
                 donate_argnums=(1, 2), **out.get("step", {}),
             )
             for flag in (False, True)
         }
-        self._embed_jit = jax.jit(functools.partial(embed_step, config=config, model=model), **out.get("embed", {}))
+        self._embed_jit = jax.jit(functools.partial(embed_step, config=config), **out.get("embed", {}))
         self._layers_jit = jax.jit(
-            functools.partial(model.decoder_layers, config=config, attn_fn=attn_fn), donate_argnums=(2, 3),
+            functools.partial(llama.decoder_layers, config=config, attn_fn=attn_fn), donate_argnums=(2, 3),
             **out.get("layers", {}),
         )
         self._head_jit = {
-            flag: jax.jit(functools.partial(head_step, config=config, return_input_logprobs=flag, model=model),
+            flag: jax.jit(functools.partial(head_step, config=config, return_input_logprobs=flag),
                           **out.get("head", {}))
             for flag in (False, True)
         }
@@ -437,14 +431,14 @@ class ModelRunner:
         host loop."""
         if self.layer_loop == "scan":
             return {"step": self._step_jit[input_logprobs].lower(self.params, self.k_pool, self.v_pool, batch)}
-        outer = self.model.outer_params(self.params)
+        outer = llama.outer_params(self.params)
         num_tokens, dtype = batch.input_ids.shape[0], jax.tree.leaves(outer)[0].dtype
         h = jax.ShapeDtypeStruct((self.config.hidden_size, num_tokens), dtype, sharding=self._replicated)
         rope = jax.ShapeDtypeStruct((num_tokens, self.config.head_dim), dtype, sharding=self._replicated)
         lower = {
             "embed": lambda: self._embed_jit.lower(outer, batch),
             "layer": lambda: self._layers_jit.lower(
-                self.model.per_layer(self.params)[: self.layers_per_call], h, self.k_pool, self.v_pool,
+                llama.per_layer(self.params)[: self.layers_per_call], h, self.k_pool, self.v_pool,
                 self._first_layer_ids[0], batch, rope, rope,
             ),
             "head": lambda: self._head_jit[input_logprobs].lower(outer, h, batch),
@@ -454,7 +448,7 @@ class ModelRunner:
     def _assemble_step(self, compiled: dict[str, Callable]) -> Callable:
         if self.layer_loop == "scan":
             return compiled["step"]
-        return HostLayerLoop(compiled["embed"], compiled["layer"], compiled["head"], self._first_layer_ids, self.model)
+        return HostLayerLoop(compiled["embed"], compiled["layer"], compiled["head"], self._first_layer_ids)
 
     def _compile_step(self, key: BucketKey, batch: ForwardBatch, input_logprobs: bool = False) -> Callable:
         # the host loop's embed and layer programs are the same for both variants: compile only a head
