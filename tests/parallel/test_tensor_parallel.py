@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU host devices: outputs at tp 2 and 4 equal tp 1 (tiny Llama with 2 kv heads,
 so tp 4 replicates them, and tiny Qwen3), the Pallas backend under tp 2, the CUDA lowering of the
-sharded step, and the start-up refusals.
+sharded step, retraction under a tiny pool at tp 2, and the start-up refusals.
 
 Each multi-device run is a subprocess (`tests/parallel/tp_worker.py`) with JAX_NUM_CPU_DEVICES set
 before jax starts; this process keeps its single device.
@@ -85,6 +85,16 @@ def test_pallas_interpret_under_tp2_gives_xla_tokens(tiny_model_dir, tp_runs):
     # greedy outputs do not depend on the batch they ran in: the first 4 prompts of the XLA run at tp 1
     [pallas] = run_worker(tiny_model_dir, "--tp", "2", "--backend", "pallas", "--num-prompts", "4", devices=2)
     assert pallas["outputs"] == tp_runs["llama"][0]["outputs"][:4]
+
+
+def test_retraction_at_tp2_gives_tp1_outputs_and_leaks_no_page(tiny_model_dir):
+    base, tp2 = run_worker(tiny_model_dir, "--tp", "1", "2", "--retract", devices=2)
+    assert [base["tp"], tp2["tp"]] == [1, 2]
+    for r in (base, tp2):
+        assert r["num_retractions"] > 0, f"the pool did not force a retraction at tp {r['tp']}"
+        assert all(len(o) == 32 for o in r["outputs"]), r["tp"]
+        assert r["free_pages"] == r["usable_pages"], f"pages leaked at tp {r['tp']}"
+    assert tp2["outputs"] == base["outputs"]
 
 
 @needs_embedded_triton_ir

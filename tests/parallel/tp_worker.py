@@ -4,11 +4,14 @@ A separate process because the number of host devices is fixed when jax starts:
 
     JAX_NUM_CPU_DEVICES=4 python -m tests.parallel.tp_worker MODEL_DIR... --tp 1 2 4 [--backend xla|pallas]
                                                              [--precompile] [--num-prompts N] [--lower-cuda]
+                                                             [--retract]
 
 For each tp size: greedy outputs of 16 mixed-length requests through the Engine (radix cache, chunked
 prefill, the release policy aggressive with soft release and coalescing), compiles after warm-up, free
 pages after a flush, the host tier's use, and the logits of one prefill through a ModelRunner.
 `--lower-cuda` instead lowers the tp-sharded scan step with the Pallas (Triton) backend for "cuda".
+`--retract` instead runs the 16 requests with long outputs on a pool too small for them, so decodes
+retract requests and resume them: greedy outputs, the retraction count and the free pages after a flush.
 """
 
 from __future__ import annotations
@@ -81,6 +84,27 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
     }
 
 
+def run_retract(model_dir: str, tp: int, backend: str) -> dict:
+    """16 greedy requests of 32 new tokens on a 192-token pool (24 pages of 8) with the radix cache on:
+    the running decodes outgrow the pool, so the scheduler retracts requests (their pages go back, their
+    output so far is kept) and re-admits them later."""
+    from jaxserve.engine.engine import Engine
+
+    engine = Engine(
+        model_path=model_dir, tp_size=tp, attention_backend=backend, max_total_tokens=192,
+        max_running_requests=8, chunked_prefill_size=32, context_length=128, page_size=8,
+        disable_precompile=True,
+    )
+    outputs = [o["output_ids"] for o in engine.generate(prompts(engine.model_config.vocab_size),
+                                                       {"max_new_tokens": 32, "temperature": 0})]
+    engine.cache.check_integrity([])
+    engine.flush_cache()
+    return {
+        "tp": tp, "outputs": outputs, "num_retractions": engine.scheduler.num_retractions,
+        "free_pages": engine.allocator.num_free, "usable_pages": engine.allocator.num_usable,
+    }
+
+
 def lower_cuda(model_dir: str, tp: int) -> dict:
     """Lower the scan-loop step of the tp-sharded model with the Pallas backend for "cuda"; count the
     Triton kernels and the all-reduces in the lowered module."""
@@ -120,9 +144,12 @@ def main() -> None:
     ap.add_argument("--precompile", action="store_true")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--lower-cuda", action="store_true")
+    ap.add_argument("--retract", action="store_true")
     args = ap.parse_args()
     if args.lower_cuda:
         results = [lower_cuda(d, tp) for d in args.model_dirs for tp in args.tp]
+    elif args.retract:
+        results = [run_retract(d, tp, args.backend) for d in args.model_dirs for tp in args.tp]
     else:
         results = [
             {"model_dir": d, **run(d, tp, args.backend, args.precompile, args.num_prompts)}
