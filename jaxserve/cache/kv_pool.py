@@ -10,6 +10,12 @@ rule). On CPU, where JAX reports no device memory, the base is the RAM available
 laptop stays usable (issue 19: a 30% share took 7.6 GB of RSS for a 135M model). The memory-derived
 size is rounded down to 3 significant bits so that restarts reuse compiled executables. The rule and
 the size are logged at start-up.
+
+Tensor parallelism splits the pool over kv heads: each of `pool_shards` devices holds 1/pool_shards of
+every page. On accelerators each device has its own memory, so the budget is one device's (its free
+memory times the fraction, minus its share of the weights) and it must hold one share of the pool:
+the pool gets `pool_shards` times the tokens one whole-pool device would. CPU host devices
+(JAX_NUM_CPU_DEVICES) all live in the one RAM, so there the budget covers the whole pool at any tp.
 """
 
 from __future__ import annotations
@@ -49,12 +55,16 @@ class PoolShape:
         return (self.num_pages - 1) * self.page_size
 
 
-def available_memory_bytes() -> int:
-    """Free memory of the default device in bytes; on CPU, MemAvailable from /proc/meminfo."""
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+def available_memory_bytes(devices=None) -> int:
+    """Free memory in bytes of the least free of `devices` (default: the first device), each of which
+    holds one share of the pool; on CPU (no device memory stats), MemAvailable from /proc/meminfo."""
+    free = []
+    for dev in list(devices) if devices is not None else jax.devices()[:1]:
+        stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+        if stats and "bytes_limit" in stats:
+            free.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    if free:
+        return min(free)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -85,9 +95,13 @@ def pool_budget(
 
     Args:
         mem_fraction_static: --mem-fraction-static, or None.
-        weights_bytes: the model's weights (subtracted on accelerators, where the fraction covers both).
+        weights_bytes: the model's weights one device holds (subtracted on accelerators, where the
+            fraction covers both; with tensor parallelism, one device's share).
         platform: "cpu", "gpu" or "tpu".
-        available_bytes: free device memory, or on CPU the available RAM (`available_memory_bytes()`).
+        available_bytes: free memory of one device (the least free of the mesh), or on CPU the
+            available RAM (`available_memory_bytes()`).
+
+    On accelerators the budget is one device's; on CPU, the whole pool's (see the module docstring).
     """
     gib = available_bytes / (1 << 30)
     if platform == "cpu" and mem_fraction_static is None:
@@ -114,9 +128,18 @@ def size_pool(
     weights_bytes: int,
     platform: str,
     max_num_pages: int | None = None,
+    pool_shards: int = 1,
+    available_bytes: int | None = None,
 ) -> PoolShape:
     """Choose the number of pages (see the module docstring for the rule); `max_num_pages`
     (`--radix-cache-max-num-blocks`) caps the usable pages.
+
+    Args:
+        num_kv_heads: kv heads of the pool (after kv-head replication for tensor parallelism).
+        weights_bytes: the weights one device holds (`jaxserve.parallel.per_device_nbytes`).
+        pool_shards: devices the pool is split over by kv heads (`jaxserve.parallel.pool_shards`): on
+            accelerators each holds `bytes_per_token / pool_shards` per token against its own budget.
+        available_bytes: free memory of the least free device (default `available_memory_bytes()`).
 
     Raises:
         ValueError: the memory budget leaves no room for two pages.
@@ -126,10 +149,15 @@ def size_pool(
         num_tokens = max_total_tokens
         rule = "--max-total-tokens"
     else:
-        budget = pool_budget(mem_fraction_static=mem_fraction_static, weights_bytes=weights_bytes,
-                             platform=platform, available_bytes=available_memory_bytes())
-        num_tokens = _round_down_coarse(int(max(0, budget.budget_bytes) // probe.bytes_per_token))
-        rule = budget.rule
+        budget = pool_budget(
+            mem_fraction_static=mem_fraction_static, weights_bytes=weights_bytes, platform=platform,
+            available_bytes=available_memory_bytes() if available_bytes is None else available_bytes,
+        )
+        # host devices share one RAM, so the CPU budget is the whole pool's at any tp
+        shards = 1 if platform == "cpu" else pool_shards
+        bytes_per_token_per_device = probe.bytes_per_token // shards  # kv heads divide by the shards
+        num_tokens = _round_down_coarse(int(max(0, budget.budget_bytes) // bytes_per_token_per_device))
+        rule = budget.rule + (f", per device: the pool is split over {shards} devices" if shards > 1 else "")
     num_pages = num_tokens // page_size + 1
     if max_num_pages is not None:
         num_pages = min(num_pages, max_num_pages + 1)
@@ -137,8 +165,9 @@ def size_pool(
         raise ValueError(f"the KV pool would hold {num_tokens} tokens: raise --max-total-tokens or --mem-fraction-static")
     shape = dataclasses.replace(probe, num_pages=num_pages)
     logger.info(
-        "KV pool: %d tokens (%d pages, %.2f GiB) by %s", shape.num_tokens, num_pages,
-        shape.num_tokens * shape.bytes_per_token / (1 << 30), rule,
+        "KV pool: %d tokens (%d pages, %.2f GiB in all, %.2f GiB per device) by %s", shape.num_tokens, num_pages,
+        shape.num_tokens * shape.bytes_per_token / (1 << 30),
+        shape.num_tokens * shape.bytes_per_token / max(1, pool_shards) / (1 << 30), rule,
     )
     return shape
 

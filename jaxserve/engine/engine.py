@@ -21,7 +21,7 @@ from typing import Any, Hashable, Sequence
 import jax
 import numpy as np
 
-from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, size_pool
+from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, available_memory_bytes, size_pool
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
 from jaxserve.config import ServerArgs
@@ -34,8 +34,9 @@ from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, BatchEntry, ModelRunner
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, new_rid
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts, num_accepted
+from jaxserve.model import llama
 from jaxserve.model.loader import load_model, replicate_kv_heads
-from jaxserve.parallel import make_mesh, plan_tensor_parallel
+from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
 from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path
 from jaxserve.pallas import get_attention_backend
 
@@ -155,7 +156,8 @@ class Engine:
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )
-        weights_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        # each device holds its share of the weights and of every page: size the pool to one device's budget
+        weights_bytes = per_device_nbytes(params, llama.logical_axes(cfg), args.tp_size)
         dtype = jax.tree.leaves(params)[0].dtype
         self.pool_shape = size_pool(
             num_layers=cfg.num_layers,
@@ -168,6 +170,8 @@ class Engine:
             weights_bytes=weights_bytes,
             platform=platform,
             max_num_pages=args.radix_cache_max_num_blocks,
+            pool_shards=pool_shards(cfg.num_kv_heads, args.tp_size),
+            available_bytes=available_memory_bytes(self.mesh.devices.flat),
         )
         k_pool, v_pool = allocate_pools(self.pool_shape)
         self.allocator = PageAllocator(self.pool_shape.num_pages)

@@ -7,6 +7,9 @@ The model only names logical axes on its Params; the model runner asks this pack
 from jaxserve.parallel.mesh import MESH_AXES, TensorParallelPlan, make_mesh, plan_tensor_parallel
 from jaxserve.parallel.rules import LOGICAL_AXIS_RULES, POOL_AXES, partition_spec
 from jaxserve.parallel.sharding import (
+    num_shards,
+    per_device_nbytes,
+    pool_shards,
     pool_sharding,
     replicated,
     shard_attention,
@@ -16,7 +19,7 @@ from jaxserve.parallel.sharding import (
 )
 
 __all__ = [
-    "LOGICAL_AXIS_RULES", "MESH_AXES", "POOL_AXES", "TensorParallelPlan", "make_mesh", "param_shardings",
-    "partition_spec", "plan_tensor_parallel", "pool_sharding", "replicated", "shard_attention", "shard_params",
+    "LOGICAL_AXIS_RULES", "MESH_AXES", "POOL_AXES", "TensorParallelPlan", "make_mesh", "num_shards",
+    "param_shardings", "partition_spec", "per_device_nbytes", "plan_tensor_parallel", "pool_shards", "pool_sharding", "replicated", "shard_attention", "shard_params",
     "vocab_sharding",
 ]

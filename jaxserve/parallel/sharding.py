@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.parallel.rules import POOL_AXES, partition_spec
@@ -55,6 +57,30 @@ def _align(axes, params):
 def shard_params(params, axes, mesh: Mesh):
     """Place `params` on the mesh by the rules table (`param_shardings`)."""
     return jax.tree.map(jax.device_put, params, param_shardings(params, axes, mesh))
+
+
+def num_shards(axes: tuple[str | None, ...], shape: tuple[int, ...], tp: int) -> int:
+    """Into how many pieces tensor parallelism of size `tp` splits an array with logical `axes` and
+    `shape` (`tp` if the rules table splits one of its dims and tp divides it, else 1: replicated)."""
+    return tp if "tensor" in tuple(partition_spec(axes, shape, tp)) else 1
+
+
+def per_device_nbytes(params, axes, tp: int) -> int:
+    """Bytes of `params` one device holds at tensor parallelism `tp`: each array's bytes divided by its
+    `num_shards` (split arrays) or whole (replicated ones: norms, an odd-sized vocabulary). Pure
+    arithmetic on shapes (arrays or ShapeDtypeStructs), no device needed. `axes`: `llama.logical_axes(config)`."""
+    shapes, names = jax.tree.leaves(params), jax.tree.leaves(_align(axes, params), is_leaf=lambda a: isinstance(a, tuple))
+    total = 0
+    for x, axis_names in zip(shapes, names):
+        axis_names = ("layers",) * (x.ndim - len(axis_names)) + tuple(axis_names)
+        total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // num_shards(axis_names, x.shape, tp)
+    return total
+
+
+def pool_shards(num_kv_heads: int, tp: int) -> int:
+    """Into how many pieces the KV pool [L, N, ps, KVH, D] is split over kv heads at `tp` (after kv-head
+    replication, `num_kv_heads` is a multiple of tp; 1 when tp does not divide it)."""
+    return num_shards(POOL_AXES, (1, 1, 1, num_kv_heads, 1), tp)
 
 
 def pool_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:

@@ -45,3 +45,27 @@ def test_size_pool_uses_the_rule_and_logs_it(monkeypatch, caplog):
     explicit = size_pool(num_layers=2, num_kv_heads=4, head_dim=64, page_size=16, dtype="float32",
                          max_total_tokens=4096, mem_fraction_static=None, weights_bytes=0, platform="cpu")
     assert explicit.num_tokens == 4096 and "--max-total-tokens" in caplog.text
+
+
+# 2 layers x 8 kv heads x 64 dims x 2 (K, V) x 4 bytes = 8 KiB per token of the whole pool
+TP_POOL = dict(num_layers=2, num_kv_heads=8, head_dim=64, page_size=16, dtype="float32", max_total_tokens=None)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_accelerator_pool_is_sized_per_device_share(platform):
+    # each of 4 devices: 16 GiB free x 0.5 - 2 GiB of its weights = 6 GiB, and holds 1/4 of every page
+    # (2 of the 8 kv heads): 8 KiB / 4 = 2 KiB per token, so 6 GiB / 2 KiB = 3 x 2^20 tokens
+    kwargs = dict(TP_POOL, mem_fraction_static=0.5, weights_bytes=2 * GIB, platform=platform, available_bytes=16 * GIB)
+    tp4 = size_pool(**kwargs, pool_shards=4)
+    assert tp4.num_tokens == 3 * 2**20
+    assert tp4.num_tokens * tp4.bytes_per_token // 4 <= 6 * GIB  # one device's share fits its budget
+    tp1 = size_pool(**kwargs)
+    assert tp1.num_tokens == 6 * GIB // 8192 == 3 * 2**18
+
+
+def test_cpu_pool_keeps_its_whole_pool_default_at_any_tp(caplog):
+    # host devices share one RAM: min(1.5 GiB, 10% of 64 GiB) for the whole pool, 1.5 GiB / 8 KiB tokens
+    caplog.set_level(logging.INFO, logger="jaxserve.cache.kv_pool")
+    kwargs = dict(TP_POOL, mem_fraction_static=None, weights_bytes=GIB, platform="cpu", available_bytes=64 * GIB)
+    assert size_pool(**kwargs, pool_shards=4).num_tokens == size_pool(**kwargs).num_tokens == 3 * GIB // 2 // 8192
+    assert "per device: the pool is split" not in caplog.text

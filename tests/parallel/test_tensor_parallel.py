@@ -146,6 +146,26 @@ def test_rules_table_splits_megatron_style():
     assert parallel.partition_spec(("vocab", "embed"), (49153, 576), 2) == P(None, None)
 
 
+def test_per_device_weight_bytes_follow_the_rules_table():
+    from jaxserve.model import llama
+
+    e, i, v, layers = 576, 1536, 49152, 30
+    # per layer: wqkv [3, (3 + 2) 64, E], wo [E, 9 64], w_gate_up [2, I, E], w_down [E, I] are split in 3;
+    # the two norms [E] are whole; then the embedding and the (untied) head [V, E] split over the
+    # vocabulary, the final norm whole
+    split_per_layer = 3 * 5 * 64 * e + e * 9 * 64 + 2 * i * e + e * i
+    tp3 = layers * (split_per_layer // 3 + 2 * e) + 2 * (v * e // 3) + e
+    abstract = llama.abstract_params(SMOLLM2)
+    axes = llama.logical_axes(SMOLLM2)
+    assert parallel.per_device_nbytes(abstract, axes, 3) == 4 * tp3
+    assert parallel.per_device_nbytes(abstract, axes, 1) == 4 * (layers * (split_per_layer + 2 * e) + 2 * v * e + e)
+    odd = ModelConfig(**{**SMOLLM2.__dict__, "vocab_size": v + 1})
+    # an odd vocabulary stays whole on every device, embedding and head alike
+    odd_tp3 = layers * (split_per_layer // 3 + 2 * e) + 2 * (v + 1) * e + e
+    assert parallel.per_device_nbytes(llama.abstract_params(odd), llama.logical_axes(odd), 3) == 4 * odd_tp3
+    assert parallel.pool_shards(3, 3) == 3 and parallel.pool_shards(4, 2) == 2 and parallel.pool_shards(3, 1) == 1
+
+
 @pytest.mark.parametrize("flag", ["--tp-size", "--tp", "--tensor-parallel-size"])
 def test_tp_flag_and_aliases(flag):
     assert ServerArgs.from_cli([flag, "3"]).tp_size == 3
