@@ -10,8 +10,9 @@ tp 1 and tp N alternating. The greedy token of every sequence is checked to be t
 
 On CPU the N devices are host devices forced with JAX_NUM_CPU_DEVICES (set here before jax starts):
 they share the same cores, so the numbers measure only the overhead of partitioning (collectives,
-per-device dispatch), not a speed-up. With more host devices than cores, XLA:CPU can abort in an
-all-reduce's rendezvous on large steps (docs/benchmarks.md); keep the sizes small there.
+per-device dispatch), not a speed-up. Importing jaxserve.parallel sizes XLA:CPU's thread pool for
+the forced devices (NPROC; without it, an all-reduce aborted in its rendezvous at tp 3 on 2 cores:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
