@@ -299,6 +299,18 @@ class ServerArgs:
         "from JAX_NUM_CPU_DEVICES or XLA_FLAGS=--xla_force_host_platform_device_count)",
         group="parallelism", aliases=("--tp", "--tensor-parallel-size"),
     )
+    # several hosts (issue 18): one model over --nnodes processes on jax.distributed (jaxserve/parallel/distributed.py)
+    nnodes: int = _flag(
+        1, "processes (usually one per host) that together run one model; with more than 1, --tp-size counts "
+        "the devices of all of them and rank 0 alone serves HTTP (docs/scaling.md)", group="parallelism")
+    node_rank: int = _flag(0, "this process's rank among --nnodes: 0 serves HTTP and schedules, the others follow", group="parallelism")
+    dist_init_addr: str | None = _flag(
+        None, "HOST:PORT of rank 0's jax.distributed coordinator, the same on every rank (default: none; needed with --nnodes > 1)",
+        group="parallelism", aliases=("--nccl-init-addr",))
+    dist_timeout: int | None = _flag(
+        None, "seconds to wait for every rank to join, and after which a silent rank counts as lost (rank 0 "
+        "then fails its requests with a 500 and exits 1) (default: 300, JAX's own initialization timeout)",
+        group="parallelism")
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
@@ -348,10 +360,31 @@ class ServerArgs:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        self._validate_multihost()
         if self.dp_size > 1 and self.port + self.dp_size + 1 > 65535:
             raise ValueError(f"--port {self.port} leaves no room for {self.dp_size} workers on the ports after it (--dp-size)")
         self._validate_release_policy()
         self._validate_decode_latency()
+
+    def _validate_multihost(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
+        if self.dist_timeout is not None and self.dist_timeout < 1:
+            raise ValueError(f"--dist-timeout must be >= 1 second, got {self.dist_timeout}")
+        if self.nnodes == 1:
+            return
+        host, _, port = (self.dist_init_addr or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            got = "none given" if self.dist_init_addr is None else f"got {self.dist_init_addr!r}"
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (rank 0's coordinator), {got}")
+        if self.dp_size > 1:
+            raise ValueError(f"--dp-size {self.dp_size} with --nnodes {self.nnodes} is not supported: run the replicas "
+                             "as separate deployments behind sglang-router (docs/scaling.md)")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} "
+                             "(every process holds the same number of the model's devices)")
 
     def _validate_decode_latency(self) -> None:
         if self.prefill_decode_itl_ratio != 0 and self.prefill_decode_itl_ratio <= 1:

@@ -239,6 +239,17 @@ class EngineLoop:
             self._thread.join(timeout)
         self._fail_all(reason, status_code=status_code)
 
+    def die(self, e: BaseException) -> None:
+        """End the engine from another thread as a step that raised `e` would (a lost rank of a
+        multi-host server, which may leave the loop thread blocked or idle): fail every pending
+        request with a 500, call the death observers; the thread stops at its next wake."""
+        with self._cond:
+            if self._error is not None:
+                return
+            self._stopping = True
+            self._cond.notify()
+        self._die(e)
+
     @property
     def is_running(self) -> bool:
         """True while the loop thread serves: started, not shut down, not dead."""
@@ -411,7 +422,8 @@ class EngineLoop:
         try:
             self._serve()
         except BaseException as e:  # noqa: BLE001 - the thread is dying: say so, fail everyone
-            self._die(e)
+            if self._error is None:  # not already ended by `die` from another thread
+                self._die(e)
 
     def _serve(self) -> None:
         while True:

@@ -31,6 +31,7 @@ traced functions; no Module or nnx.State crosses the jit boundary.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -257,7 +258,7 @@ class ModelRunner:
         if self.mesh is not None:
             params = parallel.shard_params(params, llama.logical_axes(config), self.mesh)
             pool = parallel.pool_sharding(self.mesh, k_pool.shape[3])
-            k_pool, v_pool = jax.device_put(k_pool, pool), jax.device_put(v_pool, pool)
+            k_pool, v_pool = parallel.sharding.put(k_pool, pool), parallel.sharding.put(v_pool, pool)
             attn_fn = parallel.shard_attention(attn_fn, self.mesh)
             rep, logits = parallel.replicated(self.mesh), parallel.vocab_sharding(self.mesh, config.vocab_size)
             shardings = dict(step=(logits, rep, pool, pool), embed=rep, layers=(rep, pool, pool), head=(logits, rep))
@@ -295,7 +296,14 @@ class ModelRunner:
         if layer_loop == "host":
             self.layers_per_call = layers_per_call(config.num_layers, max_layers_per_call)
             self._first_layer_ids = [jnp.int32(i) for i in range(0, config.num_layers, self.layers_per_call)]
-        self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,))
+            if jax.process_count() > 1 and self.mesh is not None:  # a scalar of one process's device is no global input
+                self._first_layer_ids = [parallel.sharding.put(np.int32(i), self._replicated) for i in range(0, config.num_layers, self.layers_per_call)]
+        # several processes: rank 0 reads the sampled ids, so they must be whole on its devices
+        multi = {"out_shardings": self._replicated} if jax.process_count() > 1 and self.mesh is not None else {}
+        self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,), **multi)
+        # rank 0 of several processes: a `jaxserve.parallel.distributed.StepChannel` that sends every
+        # program's host inputs to the other ranks before it runs (None: one process, or a follower)
+        self.channel = None
         self._step_exec: dict[tuple[BucketKey, bool], Callable] = {}
         self._sample_exec: dict[tuple, Callable] = {}
         self.warmed_up = False
@@ -393,25 +401,37 @@ class ModelRunner:
         With `input_logprobs`, returns (logits, prompt logprobs [T_bucket] as numpy) instead.
         """
         batch, key = self.build_forward_batch(entries)
-        exe = self._step_exec.get((key, input_logprobs)) or self._compile_step(key, batch, input_logprobs)
-        logits, prompt_logprobs, self.k_pool, self.v_pool = exe(self.params, self.k_pool, self.v_pool, batch)
-        if input_logprobs:
-            return logits, np.asarray(prompt_logprobs)
-        return logits
+        return self.run_batch(batch, key, input_logprobs)
+
+    def run_batch(self, batch: ForwardBatch, key: BucketKey, input_logprobs: bool = False):
+        """The compiled step of bucket `key` over a padded host batch (`build_forward_batch`); returns
+        what `forward` returns. The unit the other ranks of a multi-host server replay."""
+        with self._routed("run_batch", batch, key, input_logprobs):
+            exe = self._step_exec.get((key, input_logprobs)) or self._compile_step(key, batch, input_logprobs)
+            logits, prompt_logprobs, self.k_pool, self.v_pool = exe(self.params, self.k_pool, self.v_pool, batch)
+            if input_logprobs:
+                return logits, np.asarray(prompt_logprobs)
+            return logits
+
+    def _routed(self, op: str, *args):
+        """Around a method that runs a device program: on rank 0 of several processes, first send
+        `op(*args)` to the other ranks (`StepChannel.step`); a no-op in one process."""
+        return contextlib.nullcontext() if self.channel is None else self.channel.step(op, *args)
 
     def sample(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
         """Sample next tokens from `logits` [S, V]; returns host numpy arrays."""
-        target = self._sampler_logits_sharding(flags)
-        if target is not None and logits.sharding != target:
-            logits = jax.device_put(logits, target)
-        key = (logits.shape[0], flags, jax.tree.map(lambda x: x.shape, sampling))
-        exe = self._sample_exec.get(key)
-        if exe is None:
-            exe = self._compile(lambda: self._sample_jit.lower(logits, sampling, flags).compile(), f"sampler {key[:2]}",
-                                feature_variant=True)
-            self._sample_exec[key] = exe
-        out = exe(logits, sampling)
-        return sampler_lib.SampleOutput(*jax.device_get(tuple(out)))
+        with self._routed("sample", sampling, flags):
+            target = self._sampler_logits_sharding(flags)
+            if target is not None and logits.sharding != target:
+                logits = jax.device_put(logits, target)
+            key = (logits.shape[0], flags, jax.tree.map(lambda x: x.shape, sampling))
+            exe = self._sample_exec.get(key)
+            if exe is None:
+                exe = self._compile(lambda: self._sample_jit.lower(logits, sampling, flags).compile(), f"sampler {key[:2]}",
+                                    feature_variant=True)
+                self._sample_exec[key] = exe
+            out = exe(logits, sampling)
+            return sampler_lib.SampleOutput(*jax.device_get(tuple(out)))
 
     def _sampler_logits_sharding(self, flags):
         """Under tensor parallelism, greedy sampling reads the vocab-sharded logits as the step returns
@@ -539,26 +559,30 @@ class ModelRunner:
     def read_pages(self, pages) -> "DevicePageRead":
         """Start copying K/V of `pages` to the host (`copy_to_host_async`); finish with `.result()`."""
         idx = _padded_page_ids(pages)
-        k, v = self._page["gather"](self.k_pool, self.v_pool, jnp.asarray(idx))
+        with self._routed("read_pages", pages):
+            k, v = self._page["gather"](self.k_pool, self.v_pool, idx)
         k.copy_to_host_async()
         v.copy_to_host_async()
         return DevicePageRead(k, v)
 
     def write_pages(self, pages, k: np.ndarray, v: np.ndarray) -> None:
-        """Write host K/V `[L, len(pages), ps, KVH, D]` into device `pages`."""
-        idx = _padded_page_ids(pages)
-        n, pad = len(pages), len(idx) - len(pages)
-        if pad:
-            widths = [(0, 0), (0, pad)] + [(0, 0)] * (k.ndim - 2)
-            k, v = np.pad(k[:, :n], widths), np.pad(v[:, :n], widths)
-        self.k_pool, self.v_pool = self._page["scatter"](self.k_pool, self.v_pool, jnp.asarray(idx), k, v)
+        """Write host K/V `[L, len(pages), ps, KVH, D]` into device `pages`. With several processes
+        the contents reach the other ranks through a collective (`StepChannel.share`)."""
+        with self._routed("write_pages", pages, (k.shape, k.dtype.str), (v.shape, v.dtype.str)):
+            if self.channel is not None:
+                k, v = self.channel.share(k, v)
+            idx = _padded_page_ids(pages)
+            n, pad = len(pages), len(idx) - len(pages)
+            if pad:
+                widths = [(0, 0), (0, pad)] + [(0, 0)] * (k.ndim - 2)
+                k, v = np.pad(k[:, :n], widths), np.pad(v[:, :n], widths)
+            self.k_pool, self.v_pool = self._page["scatter"](self.k_pool, self.v_pool, idx, k, v)
 
     def copy_pages(self, src, dst) -> None:
         """Copy device pages `src` onto `dst` (whole pages, K and V)."""
         src_idx, dst_idx = _padded_page_ids(src), _padded_page_ids(dst)
-        self.k_pool, self.v_pool = self._page["copy"](
-            self.k_pool, self.v_pool, jnp.asarray(src_idx), jnp.asarray(dst_idx)
-        )
+        with self._routed("copy_pages", src, dst):
+            self.k_pool, self.v_pool = self._page["copy"](self.k_pool, self.v_pool, src_idx, dst_idx)
 
 
 class DevicePageRead:

@@ -153,7 +153,7 @@ def load_model(
     get_forward(config.architecture)
     # committed to the default device, as params restored from the cache are: jit keys its executables
     # (and the persistent compilation cache) on that, so both starts then share compiled programs
-    params = jax.device_put(_assemble(config, tensors, jdtype), jax.devices()[0])
+    params = jax.device_put(_assemble(config, tensors, jdtype), jax.local_devices()[0])
     if cache_dir is not None:
         try:
             _save(cache_dir, config, params)

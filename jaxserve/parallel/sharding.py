@@ -54,9 +54,19 @@ def _align(axes, params):
     return tuple(axes)
 
 
+def put(x, sharding: NamedSharding) -> jax.Array:
+    """`jax.device_put(x, sharding)`, also when the mesh spans several processes (issue 18): each
+    process then places only its own devices' slices of `x`, which every process holds whole (same
+    weights, same zero pool), since device_put refuses devices of other processes."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def shard_params(params, axes, mesh: Mesh):
     """Place `params` on the mesh by the rules table (`param_shardings`)."""
-    return jax.tree.map(jax.device_put, params, param_shardings(params, axes, mesh))
+    return jax.tree.map(put, params, param_shardings(params, axes, mesh))
 
 
 def num_shards(axes: tuple[str | None, ...], shape: tuple[int, ...], tp: int) -> int:

@@ -12,6 +12,11 @@ Stopping:
 - Ctrl-C (SIGINT) stops uvicorn at once (its graceful close of the connections), then the engine loop.
 - Engine death (see engine_loop.py): the process exits with status 1 once the failed requests have
   been answered, unless `--keep-alive-on-engine-error` (then it stays up answering 503).
+
+Several processes (`--nnodes N`, jaxserve/parallel/distributed.py): every rank joins jax.distributed
+first and checks its flags against rank 0's; rank 0 then runs everything above, its runner sending
+each device program to the others, and a lost rank is an engine death. Ranks 1..N-1 build the same
+engine, bind no port and replay rank 0's programs (`run_follower`) until it sends shutdown.
 """
 
 from __future__ import annotations
@@ -115,8 +120,9 @@ class _Server(uvicorn.Server):
             threading.Timer(ENGINE_DEATH_EXIT_DELAY_S, lambda: setattr(self, "should_exit", True)).start()
 
 
-def launch_server(server_args: ServerArgs) -> None:
-    """Load the model and serve it over HTTP until interrupted (blocks).
+def launch_server(server_args: ServerArgs, cluster=None) -> None:
+    """Load the model and serve it over HTTP until interrupted (blocks). `cluster`: rank 0's
+    `jaxserve.parallel.distributed.Cluster` when it runs over several processes (`join_cluster`).
 
     Raises:
         SystemExit: the port cannot be bound or the model cannot be loaded (with the reason).
@@ -138,6 +144,9 @@ def launch_server(server_args: ServerArgs) -> None:
         logger.debug("engine start-up failed", exc_info=True)
         sock.close()
         raise SystemExit(f"jaxserve: cannot start: {e}") from None
+    if cluster is not None:
+        _check_engine_config(cluster, engine)
+        engine.runner.channel = cluster.channel
     _return_freed_memory()
     engine_loop = EngineLoop(
         engine, max_queued_requests=server_args.max_queued_requests, queue_timeout_s=server_args.queue_timeout
@@ -147,6 +156,8 @@ def launch_server(server_args: ServerArgs) -> None:
         engine_loop.max_queued_requests, "" if server_args.max_queued_requests else ": from the pool size",
         f"{server_args.queue_timeout:g} s" if server_args.queue_timeout else "off",
     )
+    if cluster is not None:
+        cluster.watch(on_lost=engine_loop.die)
     app = create_app(engine_loop, server_args)
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
@@ -169,9 +180,74 @@ def launch_server(server_args: ServerArgs) -> None:
         pass
     finally:
         engine_loop.shutdown()
+        if cluster is not None:
+            cluster.close()  # the followers exit
         logger.info("jaxserve stopped")
     if server.engine_died:
         raise SystemExit(1)
+
+
+def join_cluster(server_args: ServerArgs):
+    """`--nnodes > 1`: join jax.distributed, then refuse a rank whose flags differ from rank 0's or a
+    `--tp-size` other than the devices of all ranks. Returns the `Cluster`.
+
+    Raises:
+        SystemExit: any of those, with the reason (a missing rank exits inside `initialize`).
+    """
+    from jaxserve.parallel import distributed
+
+    configure_logging(server_args.log_level)
+    cluster = distributed.initialize(distributed.Topology.from_server_args(server_args))
+    if server_args.node_rank > 0:
+        cluster.start_heartbeat()
+    try:
+        cluster.check_same_config("flags", distributed.args_fingerprint(server_args))
+        cluster.check_devices(server_args.tp_size)
+    except distributed.DistributedStartError as e:
+        raise SystemExit(f"jaxserve: cannot start: {e}") from None
+    return cluster
+
+
+def _check_engine_config(cluster, engine) -> None:
+    """What the flags alone do not fix must match too: the model's shape and the KV pool size (sized
+    from each host's memory unless --max-total-tokens is given)."""
+    from jaxserve.parallel.distributed import DistributedStartError
+
+    fields = {"model config": engine.model_config, "KV pool pages": engine.pool_shape.num_pages,
+              "context length": engine.context_length}
+    try:
+        cluster.check_same_config("engine", fields)
+    except DistributedStartError as e:
+        raise SystemExit(f"jaxserve: cannot start: {e}") from None
+
+
+def run_follower(server_args: ServerArgs, cluster) -> None:
+    """Ranks 1..N-1 of `--nnodes N`: build the engine as rank 0 does, then replay rank 0's device
+    programs until it sends shutdown (no HTTP server, no scheduling). Blocks.
+
+    Raises:
+        SystemExit: the model cannot be loaded, or the configuration differs from rank 0's.
+    """
+    from jaxserve.engine.engine import Engine
+    from jaxserve.parallel.distributed import follow
+
+    rank = server_args.node_rank
+    try:
+        engine = Engine(server_args)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"jaxserve: cannot start rank {rank}: {e}") from None
+    _check_engine_config(cluster, engine)
+    _return_freed_memory()
+    # SIGTERM of a follower alone would stall rank 0's next collective; rank 0's watchdog then fails it
+    print(f"jaxserve follower ready: rank {rank} of --nnodes {server_args.nnodes} runs rank 0's steps "
+          f"({server_args.dist_init_addr})", flush=True)
+    num_calls = follow(engine.runner, cluster)
+    logger.info("rank 0 sent shutdown after %d device programs: rank %d exits", num_calls, rank)
+    # not through jax.distributed.shutdown: rank 0, whose process holds the coordination service, may
+    # already be gone, and the runtime aborts a process whose shutdown call finds no coordinator
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _return_freed_memory() -> None:
@@ -193,4 +269,9 @@ def main(argv: list[str] | None = None) -> None:
         from jaxserve.server.dp_launcher import launch_data_parallel
 
         return launch_data_parallel(args)
+    if args.nnodes > 1:
+        cluster = join_cluster(args)
+        if args.node_rank > 0:
+            return run_follower(args, cluster)
+        return launch_server(args, cluster)
     launch_server(args)

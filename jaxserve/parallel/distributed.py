@@ -1,0 +1,400 @@
+"""One model over several processes (issue 18): jax.distributed start-up, the configuration check
+between ranks, the step channel from rank 0 to the other ranks, and the follower loop.
+
+Rank 0 is the only controller: it runs the HTTP server, the tokenizer, the scheduler, the radix tree
+and the release policy. Every other rank (a follower) builds the same engine (same weights, pool and
+compiled programs) but never schedules: it only replays, in order, the device programs rank 0 runs,
+so every collective of the sharded step has all its processes. The unit replayed is one method call
+of `jaxserve.engine.model_runner.ModelRunner` (`run_batch`, `sample`, `read_pages`, `write_pages`,
+`copy_pages`): rank 0's runner sends each call's host inputs through `StepChannel.step` before running
+it, and `follow` makes the same call on the follower's runner.
+
+Channel: JAX's own distributed runtime, no sockets of ours. Each call is one pickled message in the
+coordination service's key-value store under `jaxserve/op/<seq>` (`key_value_set_bytes`, read with
+`blocking_key_value_get_bytes`); page contents written to the pool (a recall from the host tier)
+travel through the collectives instead (`multihost_utils.broadcast_one_to_all`), not through the store.
+Messages are deleted once every rank has provably read them: a sampled step's result reached rank 0,
+so every rank ran the forward before it (its all-reduces need them all).
+
+Faults (nothing hangs):
+- start-up: a rank missing after `--dist-timeout` seconds ends the process with an error naming the
+  ranks it waited for (JAX itself would abort with no name: our timer exits first);
+- a rank started with another configuration is refused by rank 0 (`check_same_config`): both exit
+  with the flag and both values;
+- a rank that dies while serving: its collective fails on the other ranks (gloo: connection reset)
+  and its heartbeat counter in the store (`jaxserve/alive/<rank>`, bumped every 0.5 s by a follower
+  thread) stands still; rank 0 then raises `RankLostError` naming the rank, which the server treats
+  as engine death (500s, exit 1). An idle rank 0 notices through its watchdog within `--dist-timeout`.
+  (`get_live_nodes` is no probe: it blocks until every live task calls it.) JAX's
+  `jax_enable_recoverability` is turned on so that the coordination service does not terminate every
+  other process when one dies;
+- rank 0 stops: on SIGTERM it sends `shutdown` and the followers exit 0; if it dies, JAX's client
+  terminates the followers when their coordinator goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import threading
+import time
+from typing import Any, Callable, Iterator, Mapping
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# JAX's own initialization_timeout default (jax.distributed.initialize, 0.10.2); SGLang's --dist-timeout
+# defaults to None (torch.distributed's default) as ours does.
+DEFAULT_DIST_TIMEOUT_S = 300
+KEY_PREFIX = "jaxserve/"
+# How long a follower's read of the next message blocks before it polls again (an idle server sends none).
+FOLLOWER_POLL_MS = 2000
+# Followers bump a counter in the store this often; rank 0 counts a rank lost when its counter stands
+# still for --dist-timeout (2 s right after a failed collective, to name the rank that caused it).
+HEARTBEAT_S = 0.5
+FAILED_STEP_STALE_S = 2.0
+LOSS_REPORT_WAIT_S = 3.0
+
+
+class DistributedStartError(RuntimeError):
+    """The processes could not form the cluster (a rank missing, a refused configuration)."""
+
+
+class RankLostError(RuntimeError):
+    """A rank stopped while the cluster was serving (the message names it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where this process stands: rank `node_rank` of `nnodes` around the coordinator at `coordinator`."""
+
+    nnodes: int
+    node_rank: int
+    coordinator: str
+    timeout_s: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.node_rank == 0
+
+    @staticmethod
+    def from_server_args(args) -> "Topology":
+        """From `--nnodes`, `--node-rank`, `--dist-init-addr`, `--dist-timeout` (None: 300 s)."""
+        return Topology(args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout or DEFAULT_DIST_TIMEOUT_S)
+
+
+# ServerArgs fields that may differ between ranks: where this rank listens, logs and caches, and what
+# only rank 0 uses (HTTP, admission, seeds of requests). Every other flag shapes the programs or the pool.
+PER_RANK_FIELDS = frozenset({
+    "node_rank", "host", "port", "api_key", "served_model_name", "log_level", "decode_log_interval",
+    "disable_metrics", "enable_debug_checks", "enable_radix_cache_stats", "model_path", "tokenizer_path",
+    "compilation_cache_dir", "weights_cache_dir", "no_weights_cache", "random_seed", "max_queued_requests",
+    "queue_timeout", "keep_alive_on_engine_error", "shutdown_timeout", "tool_call_parser", "router_policy",
+})
+
+
+def args_fingerprint(args) -> dict[str, str]:
+    """What must be equal on every rank, from `ServerArgs`: each flag outside `PER_RANK_FIELDS` by
+    its name ("--page-size"), the model by its file or directory name ("model"; paths may differ
+    between hosts) and this process's device count."""
+    out = {"model": os.path.basename(str(args.model_path).rstrip("/")), "devices per process": jax.local_device_count()}
+    for f in dataclasses.fields(args):
+        if f.name not in PER_RANK_FIELDS:
+            out["--" + f.name.replace("_", "-")] = getattr(args, f.name)
+    return {k: str(v) for k, v in out.items()}
+
+
+def _key(*parts: object) -> str:
+    return KEY_PREFIX + "/".join(str(p) for p in parts)
+
+
+def _others(nnodes: int) -> str:
+    ranks = list(range(1, nnodes))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+
+
+def initialize(topology: Topology) -> "Cluster":
+    """`jax.distributed.initialize` for this rank; call it before anything touches a device.
+
+    A rank missing after `topology.timeout_s` seconds ends the process (status 1) with a message
+    naming the ranks waited for: JAX would abort it with no name at its own timeout, set a few
+    seconds later.
+    """
+    t = topology
+    waited = _others(t.nnodes) if t.is_leader else "rank 0 (the coordinator)"
+    joined = threading.Event()
+
+    def give_up() -> None:
+        if not joined.is_set():
+            print(f"jaxserve: cannot start: rank {t.node_rank} of --nnodes {t.nnodes}: {waited} did not join at "
+                  f"{t.coordinator} within --dist-timeout {t.timeout_s} s", flush=True)
+            os._exit(1)
+
+    timer = threading.Timer(t.timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    # a lost task is reported to the others (get_live_nodes, failed collectives) instead of terminating them
+    jax.config.update("jax_enable_recoverability", True)
+    # JAX's preemption notifier would catch SIGTERM (and so keep a follower alive): the server handles it
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        jax.distributed.initialize(
+            t.coordinator, t.nnodes, t.node_rank,
+            initialization_timeout=t.timeout_s + 5, heartbeat_timeout_seconds=t.timeout_s,
+            shutdown_timeout_seconds=min(t.timeout_s, 10),
+        )
+    finally:
+        joined.set()
+        timer.cancel()
+    logger.info("jax.distributed: rank %d of %d joined at %s; %d devices (%d here)",
+                t.node_rank, t.nnodes, t.coordinator, jax.device_count(), jax.local_device_count())
+    return Cluster(t, _client())
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+class Cluster:
+    """The joined processes: the config check, the step channel (rank 0) and liveness."""
+
+    def __init__(self, topology: Topology, client):
+        self.topology = topology
+        self.client = client
+        self.channel = StepChannel(self) if topology.is_leader else None
+        self._lost: RankLostError | None = None
+        self._watchdog: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._beats: dict[int, tuple[str | None, float]] = {}  # rank -> (last counter seen, when)
+        self._beats_lock = threading.Lock()
+
+    def check_devices(self, tp_size: int) -> None:
+        """`--tp-size` counts the devices of every process together (as sglang-jax does).
+
+        Raises:
+            DistributedStartError: `tp_size` is not the global device count (both numbers named).
+        """
+        num_devices, num_local = jax.device_count(), jax.local_device_count()
+        if tp_size != num_devices:
+            raise DistributedStartError(
+                f"--tp-size {tp_size} must equal the devices of all --nnodes {self.topology.nnodes} processes "
+                f"together: {num_devices} ({num_local} per process)")
+
+    def check_same_config(self, stage: str, fields: Mapping[str, object]) -> None:
+        """Compare this rank's `fields` (flag or quantity name -> value) with rank 0's; rank 0 answers
+        every follower, then both sides raise on a difference. Waits at most `--dist-timeout`.
+
+        Raises:
+            DistributedStartError: a difference, naming the field, rank 0's value and the follower's.
+        """
+        t, timeout_ms = self.topology, self.topology.timeout_s * 1000
+        mine = {k: str(v) for k, v in fields.items()}
+        if not t.is_leader:
+            self.client.key_value_set(_key("config", stage, t.node_rank), json.dumps(mine))
+            verdict = self._get(_key("verdict", stage, t.node_rank), timeout_ms, "rank 0 (the coordinator)")
+            if verdict != "ok":
+                raise DistributedStartError(verdict)
+            return
+        refusals = []
+        for rank in range(1, t.nnodes):
+            theirs = json.loads(self._get(_key("config", stage, rank), timeout_ms, f"rank {rank}"))
+            diffs = [f"{name}: rank 0 has {mine[name]}, rank {rank} has {theirs.get(name)}"
+                     for name in mine if theirs.get(name) != mine[name]]
+            verdict = f"rank {rank} was started with another configuration than rank 0: {'; '.join(diffs)}" if diffs else "ok"
+            self.client.key_value_set(_key("verdict", stage, rank), verdict)
+            if diffs:
+                refusals.append(verdict)
+        if refusals:
+            raise DistributedStartError("; ".join(refusals))
+
+    def _get(self, key: str, timeout_ms: int, who: str) -> str:
+        try:
+            return self.client.blocking_key_value_get(key, timeout_ms)
+        except Exception as e:  # the runtime raises its own status errors (DEADLINE_EXCEEDED, UNAVAILABLE)
+            raise DistributedStartError(
+                f"rank {self.topology.node_rank}: no answer from {who} within --dist-timeout "
+                f"{self.topology.timeout_s} s ({str(e).splitlines()[0]})") from None
+
+    @property
+    def lost(self) -> RankLostError | None:
+        """The `RankLostError` once a rank was found lost, else None."""
+        return self._lost
+
+    def start_heartbeat(self) -> None:
+        """A follower: bump `jaxserve/alive/<rank>` every `HEARTBEAT_S` from a daemon thread; exit the
+        process (status 1) when the coordinator no longer answers."""
+        key = _key("alive", self.topology.node_rank)
+
+        def run() -> None:
+            while not self._closed.wait(HEARTBEAT_S):
+                try:
+                    self.client.key_value_increment(key, 1)
+                except Exception as e:  # noqa: BLE001 - the coordination service is gone
+                    print(f"jaxserve: rank {self.topology.node_rank}: rank 0 (the coordinator) went away "
+                          f"({str(e).splitlines()[0]}): exiting", flush=True)
+                    os._exit(1)
+
+        self.client.key_value_increment(key, 1)
+        threading.Thread(target=run, name="jaxserve-heartbeat", daemon=True).start()
+
+    def lost_ranks(self, stale_s: float) -> list[int]:
+        """Followers whose heartbeat counter has not moved for `stale_s` seconds (rank 0's clock; a
+        rank that never beat counts from the first look)."""
+        now, lost = time.monotonic(), []
+        with self._beats_lock:
+            for rank in range(1, self.topology.nnodes):
+                try:
+                    value = self.client.key_value_try_get(_key("alive", rank))
+                except Exception:  # noqa: BLE001 - NOT_FOUND before its first beat
+                    value = None
+                seen, since = self._beats.get(rank, (None, now))
+                if value != seen or rank not in self._beats:
+                    self._beats[rank] = (value, now)
+                elif now - since > stale_s:
+                    lost.append(rank)
+        return lost
+
+    def lost_error(self, cause: BaseException | None = None, wait_s: float = 0.0,
+                   stale_s: float | None = None) -> RankLostError | None:
+        """A `RankLostError` naming the lost ranks (heartbeats still for `stale_s`, default
+        `--dist-timeout`), polling up to `wait_s` seconds; None if none is."""
+        if self._lost is not None:
+            return self._lost
+        stale_s = self.topology.timeout_s if stale_s is None else stale_s
+        deadline = time.monotonic() + wait_s
+        while not (lost := self.lost_ranks(stale_s)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not lost:
+            return None
+        names = ", ".join(str(r) for r in lost)
+        why = f" ({str(cause).splitlines()[0]})" if cause is not None else f" (no heartbeat for {stale_s:g} s)"
+        self._lost = RankLostError(
+            f"rank {names} of --nnodes {self.topology.nnodes} stopped: the model cannot run without it{why}")
+        return self._lost
+
+    def watch(self, on_lost: Callable[[RankLostError], None]) -> None:
+        """Rank 0: call `on_lost(error)` once, from a watchdog thread, when a rank leaves the cluster
+        (also while idle, when no step would notice)."""
+
+        def run() -> None:
+            while not self._closed.wait(HEARTBEAT_S):
+                error = self.lost_error()
+                if error is not None:
+                    logger.error("%s", error)
+                    on_lost(error)
+                    return
+
+        self._watchdog = threading.Thread(target=run, name="jaxserve-rank-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def close(self) -> None:
+        """Rank 0: tell the followers to exit (when they are still there); stop the watchdog."""
+        self._closed.set()
+        if self.channel is not None and self._lost is None:
+            with contextlib.suppress(Exception):
+                self.channel.publish("shutdown")
+
+
+class StepChannel:
+    """Rank 0's side of the channel: one message per device program, in order (module docstring)."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.client = cluster.client
+        self.num_messages = 0
+        self.num_bytes = 0
+        self._last_forward = -1
+        self._num_deleted = 0
+
+    def publish(self, op: str, *args: Any) -> None:
+        """Send `op(*args)` to every follower (numpy arrays and plain Python values)."""
+        data = pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL)
+        self.client.key_value_set_bytes(_key("op", self.num_messages), data)
+        if op == "run_batch":
+            self._last_forward = self.num_messages
+        self.num_messages += 1
+        self.num_bytes += len(data)
+
+    @contextlib.contextmanager
+    def step(self, op: str, *args: Any) -> Iterator[None]:
+        """Publish `op(*args)`, then run rank 0's own call in the `with` body.
+
+        Raises:
+            RankLostError: a rank was lost before, or the body failed because one was (the cause is
+                chained); any other failure propagates unchanged.
+        """
+        if self.cluster.lost is not None:
+            raise self.cluster.lost
+        self.publish(op, *args)
+        try:
+            yield
+        except Exception as e:
+            lost = self.cluster.lost_error(e, wait_s=LOSS_REPORT_WAIT_S, stale_s=FAILED_STEP_STALE_S)
+            if lost is not None:
+                raise lost from e
+            raise
+        if op == "sample":
+            self._delete_read()
+
+    def share(self, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Rank 0's arrays on every rank (a collective: each follower calls `receive_shared`)."""
+        from jax.experimental import multihost_utils
+
+        return tuple(np.asarray(a) for a in multihost_utils.broadcast_one_to_all(tuple(arrays)))
+
+    def _delete_read(self) -> None:
+        # rank 0 holds a sampled result of the last forward: every rank ran that forward, so read it
+        # and everything before it
+        for seq in range(self._num_deleted, self._last_forward + 1):
+            with contextlib.suppress(Exception):
+                self.client.key_value_delete(_key("op", seq))
+        self._num_deleted = max(self._num_deleted, self._last_forward + 1)
+
+
+def receive_shared(*templates: tuple[tuple[int, ...], str]) -> tuple[np.ndarray, ...]:
+    """A follower's side of `StepChannel.share`: arrays of the given (shape, dtype) from rank 0."""
+    from jax.experimental import multihost_utils
+
+    zeros = tuple(np.zeros(shape, np.dtype(dtype)) for shape, dtype in templates)
+    return tuple(np.asarray(a) for a in multihost_utils.broadcast_one_to_all(zeros))
+
+
+def follow(runner, cluster: Cluster) -> int:
+    """The follower loop: replay rank 0's runner calls on `runner` (a `ModelRunner` without a channel)
+    until rank 0 sends `shutdown` (returns the number of calls replayed).
+
+    Raises:
+        RankLostError: the coordinator went away between messages (JAX usually ends the process first).
+    """
+    client, seq, logits = cluster.client, 0, None
+    while True:
+        try:
+            data = client.blocking_key_value_get_bytes(_key("op", seq), FOLLOWER_POLL_MS)
+        except Exception as e:  # noqa: BLE001 - a timeout while rank 0 is idle, or the coordinator is gone
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise RankLostError(f"rank 0 (the coordinator) stopped ({str(e).splitlines()[0]})") from None
+            continue
+        op, args = pickle.loads(data)
+        seq += 1
+        if op == "shutdown":
+            return seq - 1
+        if op == "run_batch":
+            out = runner.run_batch(*args)
+            logits = out[0] if isinstance(out, tuple) else out
+        elif op == "sample":
+            runner.sample(logits, *args)
+        elif op == "write_pages":
+            pages, k_template, v_template = args
+            runner.write_pages(pages, *receive_shared(k_template, v_template))
+        elif op in ("read_pages", "copy_pages"):
+            getattr(runner, op)(*args)
+        else:
+            raise ValueError(f"unknown step message {op!r} (rank 0 runs another jaxserve version?)")

@@ -1,0 +1,146 @@
+"""Multi-host serving on loopback (issue 18), tiny random checkpoint: `--nnodes 2` processes on
+jax.distributed give rank 0's HTTP server the greedy outputs of a single tp-1 process, at tp 2 over
+two processes of one CPU device and at tp 4 over two of two, with the host tier (soft release,
+recall) and copy-on-write in play; a follower killed mid-run makes rank 0 fail the request with a 500
+naming the rank and exit 1; a follower with another --page-size, or one that never joins, is refused
+at start with the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.parallel.multihost_cluster import LoopbackCluster
+from tests.parallel.tp_worker import prompts
+from tests.server.conftest import REPO, SERVE, ServerProcess, free_port
+
+FLAGS = ["--max-total-tokens", "1024", "--context-length", "128", "--max-running-requests", "8",
+         "--chunked-prefill-size", "32", "--page-size", "8", "--disable-precompile"]
+# the release policy at its most active (tests/parallel/tp_worker.py): every idle prefix is soft-released
+# to the host tier and recalled on a match; a match ending inside a page is copied on write
+AGGRESSIVE = ["--enable-hierarchical-cache", "--radix-cache-soft-free-threshold", "0", "--radix-cache-evict-threshold", "0",
+              "--release-conservative-batch-size", "0", "--release-aggressive-batch-size", "0", "--enable-auto-merge",
+              "--merge-max-suffix-tokens", "15", "--merge-min-shared-ratio", "0"]
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+STARTUP_S = 300
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, tmp_path_factory):
+    """A single-process tp-1 reference and the two clusters, started together (they load in parallel)."""
+    log_dir = tmp_path_factory.mktemp("multihost")
+    flags = ["--model-path", tiny_model_dir, *FLAGS, *AGGRESSIVE]
+    started = []
+    try:
+        started.append(ref := ServerProcess(flags, log_dir / "tp1.log"))
+        started.append(tp2 := LoopbackCluster(2, 1, [*flags, "--tp-size", "2"], log_dir, "tp2"))
+        started.append(tp4 := LoopbackCluster(2, 2, [*flags, "--tp-size", "4"], log_dir, "tp4"))
+        for s in started:
+            s.wait_healthy(STARTUP_S)
+        yield {"ref": ref, 2: tp2, 4: tp4}
+    finally:
+        for s in started:
+            s.stop()
+
+
+def _generate(url: str, input_ids: list[list[int]]) -> list[list[int]]:
+    resp = httpx.post(url + "/generate", json={"input_ids": input_ids, "sampling_params": GREEDY}, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return [out["output_ids"] for out in resp.json()]
+
+
+def _workload(url: str) -> dict:
+    """Two mixed-length batches (the second shares a prefix with cached, soft-released requests),
+    an OpenAI completion and a streamed chat completion."""
+    ps = prompts(49152)
+    out = {"first": _generate(url, ps[:8]), "second": _generate(url, ps[8:])}
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    out["completion"] = resp.json()["choices"][0]["text"]
+    chat = {"model": model, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=chat, timeout=300) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    out["stream"] = "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, events[:-1]) if c["choices"])
+    return out
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return sum(float(v) for v in values)
+
+
+@pytest.fixture(scope="module")
+def reference(servers) -> dict:
+    out = _workload(servers["ref"].url)
+    assert all(len(ids) == 6 for ids in out["first"] + out["second"])
+    assert out["completion"] and out["stream"]
+    assert _metric(servers["ref"].url, "jaxserve_radix_cache_recalled_bytes") > 0
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_two_processes_match_one_process_tp1(servers, reference, tp):
+    cluster = servers[tp]
+    info = httpx.get(cluster.url + "/get_server_info", timeout=30).json()
+    assert info["tp_size"] == tp and len(info["devices"]) == tp
+    assert _workload(cluster.url) == reference
+    # the host tier was used (pages soft-released, then recalled: contents broadcast to the follower)
+    assert _metric(cluster.url, "jaxserve_radix_cache_recalled_bytes") > 0
+    assert all(r.proc.poll() is None for r in cluster.ranks)
+
+
+def test_follower_killed_mid_run_ends_rank0_naming_it(tiny_model_dir, tmp_path):
+    cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "kill",
+                              dist_timeout=15)
+    try:
+        cluster.wait_healthy(STARTUP_S)
+        body = {"input_ids": [5, 6, 7], "stream": True,
+                "sampling_params": {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True}}
+        with httpx.stream("POST", cluster.url + "/generate", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            cluster.ranks[1].proc.kill()  # one token streamed: the request is decoding
+            rest = "\n".join(lines)
+        assert '"output_ids"' in first
+        assert "engine error: RankLostError: rank 1 of --nnodes 2 stopped" in rest  # the stream's last event
+        assert '"type": "server_error"' in rest
+        assert cluster.wait_exit(0, 15 + 15) == 1  # within --dist-timeout (and the death path's 3 s)
+        assert "RankLostError: rank 1 of --nnodes 2 stopped" in cluster.ranks[0].log()
+    finally:
+        cluster.stop()
+
+
+def test_follower_with_another_page_size_is_refused(tiny_model_dir, tmp_path):
+    cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "mismatch",
+                              rank_flags={1: ["--page-size", "16"]})
+    try:
+        statuses = [cluster.wait_exit(rank, 120) for rank in (0, 1)]
+        assert statuses[0] not in (0, None) and statuses[1] not in (0, None)
+        expected = "rank 1 was started with another configuration than rank 0: --page-size: rank 0 has 8, rank 1 has 16"
+        for rank in cluster.ranks:
+            assert expected in rank.log()
+            assert "Traceback" not in rank.log()
+    finally:
+        cluster.stop()
+
+
+def test_rank_that_never_joins_is_named(tiny_model_dir):
+    args = ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2", "--nnodes", "2", "--node-rank", "0",
+            "--dist-init-addr", f"127.0.0.1:{free_port()}", "--dist-timeout", "3", "--port", str(free_port())]
+    proc = subprocess.run([sys.executable, str(SERVE), *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"})
+    assert proc.returncode == 1
+    assert "rank 0 of --nnodes 2: rank 1 did not join at" in proc.stdout + proc.stderr
+    assert "within --dist-timeout 3 s" in proc.stdout + proc.stderr
