@@ -403,7 +403,10 @@ class Engine:
             self._record_prompt_logprobs(batch, prompt_logprobs)
         sampling, flags = self._sampling_rows([(r, ()) for r in batch.reqs], self._grammar_bitmask(batch.reqs), logits.shape[0])
         sampled = self.runner.sample(logits, sampling, flags)  # numpy: converted in the call
-        self.scheduler.observe_step(batch, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.scheduler.observe_step(batch, seconds)
+        if self.speculator is not None and self.scheduler.is_decode_batch(batch):
+            self.speculator.observe_decode(len(batch.reqs), seconds)
         return outputs + self._postprocess(batch, sampled)
 
     def _record_prompt_logprobs(self, batch: ScheduleBatch, prompt_logprobs: np.ndarray) -> None:
@@ -542,13 +545,16 @@ class Engine:
         rows = [(r, d[:j]) for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
         sampling, flags = self._sampling_rows(rows, bitmask, logits.shape[0])
         sampled = self.runner.sample(logits, sampling, flags)
-        self.scheduler.observe_step(batch, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.scheduler.observe_step(batch, seconds)
+        self.speculator.observe_verify(drafts, seconds)
         self._count_step(True)
         now, outputs, row = time.perf_counter(), [], 0
         for req, draft in zip(reqs, drafts):
             target = [int(t) for t in sampled.next_tokens[row : row + len(draft) + 1]]
             accepted = num_accepted(draft, target)
             self._record_spec(len(draft), accepted)
+            self.speculator.record(req, len(draft), accepted)
             base, new_ids, delta = req.kv_len, [], ""
             for i, token in enumerate(target[: accepted + 1]):
                 req.kv_len = base + 1 + i  # the KV of every token before this one is in the pool

@@ -252,6 +252,7 @@ class Req:
     seed: int = 0
     grammar: Any = None
     num_forced_tokens: int = 0
+    draft_state: Any = None  # speculative decoding's acceptance history (speculative.policy.DraftState)
 
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -73,3 +73,19 @@ def _logits_and_sampling(eng, batch):
     logits = eng.runner.forward(batch.entries())
     sampling, flags = eng._sampling_rows([(r, ()) for r in batch.reqs], None, logits.shape[0])
     return logits, sampling, flags
+
+
+def test_enable_mixed_chunk_is_tri_state():
+    """SGLang's `--enable-mixed-chunk` still turns mixed chunks on; `--no-enable-mixed-chunk` turns the
+    CPU default off; unset is the platform default (on for CPU, off elsewhere as in SGLang)."""
+    import pytest
+
+    from jaxserve.config import ServerArgs
+
+    assert ServerArgs.from_cli([]).enable_mixed_chunk is None
+    assert ServerArgs.from_cli([]).resolved("cpu").enable_mixed_chunk is True
+    assert ServerArgs.from_cli([]).resolved("gpu").enable_mixed_chunk is False
+    assert ServerArgs.from_cli(["--enable-mixed-chunk"]).resolved("gpu").enable_mixed_chunk is True
+    assert ServerArgs.from_cli(["--no-enable-mixed-chunk"]).resolved("cpu").enable_mixed_chunk is False
+    with pytest.raises(SystemExit):
+        ServerArgs.from_cli(["--disable-mixed-chunk"])  # the old switch is gone, not silently ignored
