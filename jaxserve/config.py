@@ -7,6 +7,7 @@ fields, so the model code never looks at where the weights came from.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Any, Mapping
 
@@ -213,7 +214,7 @@ class ServerArgs:
     max_running_requests: int | None = _flag(None, "max concurrently decoding requests (default 64 on CPU, 256 elsewhere)", group="scheduling")
     max_prefill_tokens: int = _flag(16384, "max new tokens in one prefill batch", group="scheduling")
     chunked_prefill_size: int | None = _flag(None, "max tokens of a prompt prefilled per step; -1 disables (default 512 on CPU, 8192 elsewhere)", group="scheduling")
-    enable_mixed_chunk: bool = _flag(False, "run prefill chunks and decodes in one forward", group="scheduling")
+    enable_mixed_chunk: bool | None = _flag(None, "run prefill chunks and decodes in one forward; --no-enable-mixed-chunk runs them in separate forwards (default: on for CPU, where it measured better; off elsewhere, as SGLang)", group="scheduling")
     page_size: int = _flag(16, "tokens per KV page", group="memory")
     schedule_policy: str = _flag("lpm", "lpm | fcfs | lof | random | dfs-weight",
                                  choices=("lpm", "fcfs", "lof", "random", "dfs-weight"), group="scheduling")
@@ -278,11 +279,11 @@ class ServerArgs:
         group="scheduling",
     )
     min_prefill_budget: int = _flag(32, "fewest prefill tokens a step with running decodes may take (so prompts always progress)", group="scheduling")
-    disable_mixed_chunk: bool = _flag(False, "run prefill chunks and decodes in separate forwards (mixed chunks are the default on CPU, where they measured better)", group="scheduling")
     speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request and the radix cache) (default: none, one token per decode step)", choices=("NGRAM",), group="speculative")
     speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 12 for NGRAM, as SGLang)", group="speculative")
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
-    speculative_max_batch_size: int = _flag(4, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks; 8 measured better on copy-heavy and worse on random prompts at 8 concurrent, docs/benchmarks.md)", group="speculative")
+    speculative_max_batch_size: int = _flag(8, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks). With the adaptive draft policy, 8 gained on both copy-heavy (1.36x output tok/s) and random prompts (1.11x) at 8 concurrent (docs/benchmarks.md)", group="speculative")
+    disable_speculative_adaptive: bool = _flag(False, "verify every draft; by default a request's draft is verified only where its measured acceptance pays for the measured cost of verifying it, so speculation turns itself off on text it cannot predict (jaxserve/engine/speculative/policy.py)", group="speculative")
     # scale out (issue 18): data-parallel replicas behind sglang-router (jaxserve/server/dp_launcher.py)
     dp_size: int = _flag(
         1, "data parallelism: run this many worker processes, each with its share of the devices (CPU: of the cores) "
@@ -326,7 +327,7 @@ class ServerArgs:
             attention_backend=self.attention_backend or ("xla" if on_cpu else "pallas"),
             layer_loop=self.layer_loop or ("host" if on_cpu else "scan"),
             page_size=self.radix_cache_block_size or self.page_size,
-            enable_mixed_chunk=self.enable_mixed_chunk or (on_cpu and not self.disable_mixed_chunk),
+            enable_mixed_chunk=on_cpu if self.enable_mixed_chunk is None else self.enable_mixed_chunk,
             speculative_num_draft_tokens=self.speculative_num_draft_tokens or (12 if self.speculative_algorithm else None),
         )
         args.validate()
@@ -421,8 +422,9 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser) -> None:
-        """Add one `--flag` per field to an argparse parser (booleans become store_true switches),
-        each in the argument group of its `group` metadata (FLAG_GROUPS; "other" when unknown)."""
+        """Add one `--flag` per field to an argparse parser (booleans become store_true switches, `bool | None`
+        fields --flag / --no-flag), each in the argument group of its `group` metadata (FLAG_GROUPS;
+        "other" when unknown)."""
         groups = {key: parser.add_argument_group(title) for key, title in FLAG_GROUPS.items()}
         for f in dataclasses.fields(ServerArgs):
             group = groups.get(f.metadata.get("group"), groups["other"])
@@ -432,6 +434,9 @@ class ServerArgs:
                 help_ += f" (default: {f.default})"
             if f.type in (bool, "bool"):
                 group.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=help_)
+                continue
+            if f.type == "bool | None":  # tri-state: unset is the platform's default (`resolved`)
+                group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
                 continue
             base = str(f.type).replace(" | None", "")
             kind = {"int": int, "float": float}.get(base, str)
@@ -443,8 +448,6 @@ class ServerArgs:
     @staticmethod
     def from_cli(argv=None) -> "ServerArgs":
         """Parse command-line flags (exits with a message on an unknown flag or a bad value)."""
-        import argparse
-
         parser = argparse.ArgumentParser(
             prog="serve.py", usage="%(prog)s [--model-path PATH] [--port PORT] [FLAG ...]  (flags by group below)",
             description="Serve an LLM with jaxserve: SGLang's native API and the OpenAI API over HTTP.",

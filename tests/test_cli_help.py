@@ -25,7 +25,7 @@ def _sections(text: str) -> dict[str, list[str]]:
             current = line[:-1]
             sections[current] = []
         elif current and line.startswith("  --"):
-            sections[current].append(line.split()[0])
+            sections[current].append(line.split()[0].rstrip(","))  # "--flag, --no-flag"
     return sections
 
 

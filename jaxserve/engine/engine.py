@@ -25,15 +25,17 @@ from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, available_memo
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
 from jaxserve.config import ServerArgs
-from jaxserve.constrained import GrammarCompiler, GrammarQueue, GrammarSpec, get_grammar_backend
+from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_backend
 from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, BatchEntry, ModelRunner
-from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, new_rid
+from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, ModelRunner
+from jaxserve.engine.outputs import EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta
+from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, grammar_spec, new_rid
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
-from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts, num_accepted
+from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats
+from jaxserve.engine.speculative.verify_step import verify_step
 from jaxserve.model import llama
 from jaxserve.model.loader import load_model, replicate_kv_heads
 from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
@@ -43,87 +45,6 @@ from jaxserve.pallas import get_attention_backend
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_CONTEXT = 8192
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (too long, empty, ...); `field` names the offending input."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-@dataclasses.dataclass
-class RequestMeta:
-    """SGLang's `meta_info` of one sequence. Times in seconds; logprobs as (logprob, token_id) pairs."""
-
-    id: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    finish_reason: dict | None
-    e2e_latency: float
-    num_forced_tokens: int = 0
-    ttft: float | None = None
-    output_token_logprobs: list | None = None
-    output_top_logprobs: list | None = None
-    input_token_logprobs: list | None = None
-    output_token_ids_logprobs: list | None = None  # per output token: (logprob, token_id) of each token_ids_logprob id
-
-
-@dataclasses.dataclass
-class StepOutput:
-    """What one request produced in one step: new tokens, the text they added, and its meta info."""
-
-    rid: str
-    new_token_ids: list[int]
-    output_ids: list[int]
-    text: str
-    text_delta: str
-    finished: bool
-    meta: RequestMeta
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Cumulative counters over the engine's lifetime (tokens, requests, steps)."""
-
-    num_requests: int = 0
-    num_finished_requests: int = 0
-    num_aborted_requests: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    cached_tokens: int = 0
-    num_steps: int = 0
-    num_decode_steps: int = 0
-    num_spec_verifications: int = 0  # sequences verified with drafts, one per sequence per forward
-    num_spec_draft_tokens: int = 0
-    num_spec_accepted_tokens: int = 0
-    release_mode: str = "off"  # gauge: the KV release policy's adaptive mode (jaxserve/cache/adaptive.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSnapshot:
-    """Counters plus current gauges, read at one moment (for /metrics, /get_server_info and logs).
-
-    token_usage: share of the KV pool's tokens in use (0..1). cache_hit_rate: cached / prompt tokens
-    over the lifetime. gen_throughput: generated tokens per second over the last log interval.
-    """
-
-    counters: EngineStats
-    num_retracted_requests: int
-    num_jit_compiles: int
-    num_running_reqs: int
-    num_queue_reqs: int
-    num_grammar_queue_reqs: int
-    kv_used_tokens: int
-    kv_evictable_tokens: int
-    kv_total_tokens: int
-    token_usage: float
-    cache_hit_rate: float
-    gen_throughput: float
-    spec_accept_length: float = 0.0  # mean tokens per verifying sequence-forward (SGLang's name); 0: none yet
-    spec_accept_rate: float = 0.0  # accepted / proposed draft tokens
 
 
 class Engine:
@@ -399,7 +320,7 @@ class Engine:
             rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
             drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
             if any(drafts):
-                return outputs + self._speculative_step(batch, drafts, t0)
+                return outputs + verify_step(self, batch, drafts, t0)
         want_prompt_logprobs = any(r.wants_input_logprobs and r.kv_len < len(r.input_ids) for r in batch.reqs)
         logits = self.runner.forward(batch.entries(want_prompt_logprobs), input_logprobs=want_prompt_logprobs)
         if want_prompt_logprobs:
@@ -407,7 +328,10 @@ class Engine:
             self._record_prompt_logprobs(batch, prompt_logprobs)
         sampling, flags = self._sampling_rows([(r, ()) for r in batch.reqs], self._grammar_bitmask(batch.reqs), logits.shape[0])
         sampled = self.runner.sample(logits, sampling, flags)  # numpy: converted in the call
-        self.scheduler.observe_step(batch, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.scheduler.observe_step(batch, seconds)
+        if self.speculator is not None and self.scheduler.is_decode_batch(batch):
+            self.speculator.observe_decode(len(batch.reqs), seconds)
         return outputs + self._postprocess(batch, sampled)
 
     def _record_prompt_logprobs(self, batch: ScheduleBatch, prompt_logprobs: np.ndarray) -> None:
@@ -530,49 +454,6 @@ class Engine:
         req.num_forced_tokens += len(forced)
         return self._append_tokens(req, forced)
 
-    # ---- speculative decoding (jaxserve/engine/speculative/) ------------------------------------
-    def _speculative_step(self, batch: ScheduleBatch, drafts: list[list[int]], t0: float) -> list[StepOutput]:
-        """Verify every request's draft in one forward (its last token + K drafts, logits at each),
-        sample each position as plain decoding would, keep the agreeing prefix, roll back the rest."""
-        reqs = batch.reqs
-        bitmask = None
-        if any(r.grammar is not None for r in reqs):
-            drafts, bitmask = constrain_drafts(reqs, drafts, self.model_config.vocab_size)
-        entries = [
-            BatchEntry([r.fill_ids[r.kv_len]] + d, r.kv_len, r.page_table, num_logits=1 + len(d))
-            for r, d in zip(reqs, drafts)
-        ]
-        logits = self.runner.forward(entries)
-        rows = [(r, d[:j]) for r, d in zip(reqs, drafts) for j in range(len(d) + 1)]
-        sampling, flags = self._sampling_rows(rows, bitmask, logits.shape[0])
-        sampled = self.runner.sample(logits, sampling, flags)
-        self.scheduler.observe_step(batch, time.perf_counter() - t0)
-        self._count_step(True)
-        now, outputs, row = time.perf_counter(), [], 0
-        for req, draft in zip(reqs, drafts):
-            target = [int(t) for t in sampled.next_tokens[row : row + len(draft) + 1]]
-            accepted = num_accepted(draft, target)
-            self._record_spec(len(draft), accepted)
-            base, new_ids, delta = req.kv_len, [], ""
-            for i, token in enumerate(target[: accepted + 1]):
-                req.kv_len = base + 1 + i  # the KV of every token before this one is in the pool
-                ids, text = self._emit_sampled(req, token, sampled, row + i, now)
-                new_ids, delta = new_ids + ids, delta + text
-                if req.is_finished:
-                    break
-            if not req.is_finished:
-                self.cache.truncate(req)  # pages that held only rejected drafts
-                more_ids, more_text = self._jump_forward(req)
-                new_ids, delta = new_ids + more_ids, delta + more_text
-            outputs.append(self._output(req, new_ids, delta))
-            row += len(draft) + 1
-        return outputs
-
-    def _record_spec(self, num_draft: int, accepted: int) -> None:
-        self.stats.num_spec_verifications += 1
-        self.stats.num_spec_draft_tokens += num_draft
-        self.stats.num_spec_accepted_tokens += accepted
-
     def _append_tokens(self, req: Req, tokens: Sequence[int]) -> tuple[list[int], str]:
         """Append sampled or grammar-forced tokens: detokenize, advance the grammar, detect the finish."""
         detok = self._detok[req.rid]
@@ -609,28 +490,7 @@ class Engine:
         return StepOutput(req.rid, new_ids, list(req.output_ids), detok.text, delta, finished, self.meta(req))
 
     def meta(self, req: Req) -> RequestMeta:
-        end = req.finished_time or time.perf_counter()
-        logprobs = req.return_logprob
-        return RequestMeta(
-            id=req.rid,
-            prompt_tokens=len(req.input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            finish_reason=req.finish_reason,
-            e2e_latency=end - req.arrival_time,
-            num_forced_tokens=req.num_forced_tokens,
-            ttft=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
-            output_token_logprobs=[(lp, t) for lp, t in zip(req.output_token_logprobs, req.output_ids)] if logprobs else None,
-            output_top_logprobs=list(req.output_top_logprobs) if logprobs else None,
-            input_token_logprobs=(
-                [(lp, t) for lp, t in zip(req.input_token_logprobs, req.input_ids)][req.logprob_start_len :]
-                if req.wants_input_logprobs and req.input_token_logprobs is not None else None
-            ),
-            output_token_ids_logprobs=(
-                [list(zip(lps, req.token_ids_logprob)) for lps in req.output_token_ids_logprobs]
-                if logprobs and req.token_ids_logprob else None
-            ),
-        )
+        return request_meta(req)
 
     def snapshot(self) -> EngineSnapshot:
         """Counters and gauges now. Safe to call from another thread (reads only)."""
@@ -730,19 +590,6 @@ MAX_TOKEN_IDS_LOGPROB = 128  # a bound of ours: the sampler gathers a padded [S,
 def _top_logprobs_bucket(n: int) -> int:
     """Round the batch's top-logprobs count up to 0, 5 or 20 so each value does not compile a sampler."""
     return 0 if n == 0 else (5 if n <= 5 else 20)
-
-
-def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
-    """The constraint of a request as a GrammarSpec, or None when it is unconstrained."""
-    if params.regex is not None:
-        return GrammarSpec.regex(params.regex)
-    if params.json_schema is not None:
-        return GrammarSpec.json_schema(params.json_schema)
-    if params.ebnf is not None:
-        return GrammarSpec.ebnf(params.ebnf)
-    if params.choices is not None:
-        return GrammarSpec.from_choices(list(params.choices))
-    return None
 
 
 def _enable_compilation_cache(cache_dir: str | None) -> None:

@@ -17,6 +17,7 @@ run, the longer a decode step and the larger the chunk they can absorb. Issue 20
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 # weight of the newest step in the moving averages: about the last ten steps count
 EMA_WEIGHT = 0.1
@@ -37,18 +38,24 @@ class PrefillBudget:
         self.max_tokens = max_tokens
         self._decode_seconds: dict[int, float] = {}  # decode bucket -> EMA seconds of a decode-only step
         self._seconds_per_token: float | None = None
+        # (decode bucket, extend bucket of the whole step) -> EMA seconds of a step with a chunk
+        self._mixed_seconds: dict[tuple[int, int], float] = {}
 
     @property
     def enabled(self) -> bool:
         return self.itl_ratio > 0
 
-    def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
-        """Record one step: `num_decodes` decoding requests, `num_prefill_tokens` prompt tokens, wall seconds."""
+    def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float, step_bucket: int | None = None) -> None:
+        """Record one step: `num_decodes` decoding requests, `num_prefill_tokens` prompt tokens, wall
+        seconds; `step_bucket`: the extend bucket (tokens) the step ran in, when it had a chunk."""
         if num_prefill_tokens == 0:
             if num_decodes > 0:
                 key = _bucket(num_decodes)
                 self._decode_seconds[key] = _ema(self._decode_seconds.get(key), seconds)
             return
+        if num_decodes and step_bucket is not None:
+            key = (_bucket(num_decodes), step_bucket)
+            self._mixed_seconds[key] = _ema(self._mixed_seconds.get(key), seconds)
         base = self.decode_seconds(num_decodes) if num_decodes else 0.0
         per_token = max(seconds - (base or 0.0), 0.0) / num_prefill_tokens
         self._seconds_per_token = _ema(self._seconds_per_token, per_token)
@@ -80,6 +87,26 @@ class PrefillBudget:
             return self.max_tokens
         tokens = math.floor((self.itl_ratio - 1) * decode / self._seconds_per_token)
         return max(self.min_tokens, min(self.max_tokens, tokens))
+
+
+    def step_tokens(self, num_decodes: int, cap: int, buckets: Sequence[int]) -> int:
+        """Tokens of a step that runs `num_decodes` decodes beside up to `cap` prefill tokens (`budget`),
+        filled up to an extend bucket of `buckets` (ascending): a step costs its bucket, padding
+        included. The bucket of num_decodes + cap, unless steps in it measured over the bound; then
+        the largest smaller bucket that holds a prefill token and did not measure over it. Measured at
+        8 concurrent requests: the linear per-token estimate and the 32-token minimum put 7 decodes +
+        57 prefill tokens into the 64-token bucket, 3.5x a decode step (docs/benchmarks.md)."""
+        up = next((t for t in buckets if t >= num_decodes + cap), num_decodes + cap)
+        decode = self.decode_seconds(num_decodes)
+        if not self.enabled or decode is None:
+            return up
+        limit, key = self.itl_ratio * decode, _bucket(num_decodes)
+        candidates = [t for t in buckets if num_decodes < t <= up] or [up]
+        for t in reversed(candidates):
+            measured = self._mixed_seconds.get((key, t))
+            if measured is None or measured <= limit:
+                return t
+        return candidates[0]  # every bucket is over the bound: the smallest, so that prompts progress
 
 
 def _bucket(n: int) -> int:

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import regex
 
+from jaxserve.constrained import GrammarSpec
+
 _INT_MAX = 2**31 - 1
 # OpenAI's limits for logit_bias: at most 300 token ids, each biased by a value in [-100, 100].
 MAX_LOGIT_BIAS_ENTRIES = 300
@@ -217,6 +219,19 @@ def _check_type(name: str, value: Any, types) -> None:
         raise SamplingParamsError(name, f"is out of range: {value}")
 
 
+def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
+    """The constraint of a request as a GrammarSpec, or None when it is unconstrained."""
+    if params.regex is not None:
+        return GrammarSpec.regex(params.regex)
+    if params.json_schema is not None:
+        return GrammarSpec.json_schema(params.json_schema)
+    if params.ebnf is not None:
+        return GrammarSpec.ebnf(params.ebnf)
+    if params.choices is not None:
+        return GrammarSpec.from_choices(list(params.choices))
+    return None
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -252,6 +267,7 @@ class Req:
     seed: int = 0
     grammar: Any = None
     num_forced_tokens: int = 0
+    draft_state: Any = None  # speculative decoding's acceptance history (speculative.policy.DraftState)
 
     first_token_time: float | None = None
     last_token_time: float | None = None

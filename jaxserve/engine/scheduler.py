@@ -144,7 +144,8 @@ class Scheduler:
     def observe_step(self, batch: ScheduleBatch, seconds: float) -> None:
         """Record how long `batch` took (wall seconds of its forward and sampling), for the prefill budget."""
         num_decodes = sum(1 for r in batch.reqs if r in self.running)
-        self.prefill_budget.observe(num_decodes, sum(batch.extend_lens) - num_decodes, seconds)
+        num_tokens = sum(batch.extend_lens)
+        self.prefill_budget.observe(num_decodes, num_tokens - num_decodes, seconds, self._fill_bucket(num_tokens))
 
     def _fill_bucket(self, num_tokens: int) -> int:
         """The step's token count rounded up to its extend bucket (unchanged past the largest)."""
@@ -155,7 +156,9 @@ class Scheduler:
         budget = self._token_budget()
         if self.running:
             cap = self.prefill_budget.budget(len(self.running))  # 0: measure a decode-only step first
-            budget = min(budget, self._fill_bucket(num_decodes + cap) if cap else num_decodes)
+            buckets = self.config.extend_token_buckets
+            step = self.prefill_budget.step_tokens(num_decodes, cap, buckets) if buckets else self._fill_bucket(num_decodes + cap)
+            budget = min(budget, step if cap else num_decodes)
         reserved = sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running)
         adder = PrefillAdder(
             cache=self.cache,

@@ -97,6 +97,33 @@ def apply_rope(
     return (x * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
+def _logits_x_wt(hidden: Float[Array, "N E"], head: Float[Array, "V E"]) -> Float[Array, "N V"]:
+    return jnp.einsum("ne,ve->nv", hidden, head, preferred_element_type=jnp.float32)
+
+
+def _logits_w_x(hidden: Float[Array, "N E"], head: Float[Array, "V E"]) -> Float[Array, "N V"]:
+    # [V, N] first, as the layers' W @ x; without the barrier XLA:CPU folds the transpose into the dot,
+    # which is then the x @ W^T kernel again (scripts/bench_verify.py)
+    logits_vn = jnp.einsum("ve,ne->vn", head, hidden, preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(logits_vn).T
+
+
+def _logits_w_x_fused(hidden: Float[Array, "N E"], head: Float[Array, "V E"]) -> Float[Array, "N V"]:
+    return jnp.einsum("ve,ne->vn", head, hidden, preferred_element_type=jnp.float32).T
+
+
+# Output projection layouts over the checkpoint's [V, E] head, by name (`compute_logits(layout=...)`):
+# "x_wt" the token-major x @ W^T, "w_x" the feature-major W @ x then a transpose of the small
+# [V, N] result, "w_x_fused" the same with the transpose left to XLA. Measured in
+# docs/benchmarks.md, "Verification against a decode step".
+LOGITS_LAYOUTS: dict[str, Callable[..., jax.Array]] = {
+    "x_wt": _logits_x_wt,
+    "w_x": _logits_w_x,
+    "w_x_fused": _logits_w_x_fused,
+}
+DEFAULT_LOGITS_LAYOUT = "w_x"  # verification steps 5-9% faster, decode the same (docs/benchmarks.md)
+
+
 class Attention(nnx.Module):
     """Self-attention over the paged KV pool: fused QKV projection (+ bias, + q/k norm), RoPE, the K/V
     write and ragged paged attention (`attn_fn`), output projection.
@@ -228,10 +255,11 @@ class Llama(nnx.Module):
         """The final RMSNorm, back in the token-major layout [T, E]."""
         return rms_norm(h.T, self.final_norm[...], self.config.rms_norm_eps)
 
-    def logits(self, hidden: Float[Array, "N E"]) -> Float[Array, "N V"]:
-        """Output projection in float32 (tied to the embedding when `lm_head` is None)."""
+    def logits(self, hidden: Float[Array, "N E"], layout: str = DEFAULT_LOGITS_LAYOUT) -> Float[Array, "N V"]:
+        """Output projection in float32 (tied to the embedding when `lm_head` is None); `layout` is one
+        of `LOGITS_LAYOUTS`."""
         head = self.embed[...] if self.lm_head is None else self.lm_head[...]
-        return jnp.einsum("ne,ve->nv", hidden, head, preferred_element_type=jnp.float32)
+        return LOGITS_LAYOUTS[layout](hidden, head)
 
     def __call__(self, k_pool, v_pool, batch: ForwardBatch, attn_fn: AttentionFn):
         """All layers unrolled: final hidden states [T, E] and the updated pools."""
@@ -339,9 +367,12 @@ def final_hidden(params: Params, h: Float[Array, "E T"], *, config: ModelConfig)
     return nnx.merge(model_defs(config).outer, outer_params(params)).final_hidden(h)
 
 
-def compute_logits(params: Params, hidden: Float[Array, "N E"], *, config: ModelConfig) -> Float[Array, "N V"]:
-    """Output projection [N, V] in float32 (tied to the embedding when the head is absent)."""
-    return nnx.merge(model_defs(config).outer, outer_params(params)).logits(hidden)
+def compute_logits(
+    params: Params, hidden: Float[Array, "N E"], *, config: ModelConfig, layout: str = DEFAULT_LOGITS_LAYOUT
+) -> Float[Array, "N V"]:
+    """Output projection [N, V] in float32 (tied to the embedding when the head is absent). `layout`
+    (static): one of `LOGITS_LAYOUTS`; the default is the one measured fastest on XLA:CPU."""
+    return nnx.merge(model_defs(config).outer, outer_params(params)).logits(hidden, layout)
 
 
 def forward(

@@ -45,7 +45,7 @@ def solo_outputs(engine):
     "chunk,mixed", [(32, False), (64, True), (-1, False), (32, True)], ids=["chunk32", "chunk64-mixed", "nochunk", "chunk32-mixed"]
 )
 def test_batch_invariance(tiny_model_dir, solo_outputs, chunk, mixed):
-    eng = make_engine(tiny_model_dir, chunked_prefill_size=chunk, enable_mixed_chunk=mixed, disable_mixed_chunk=not mixed,
+    eng = make_engine(tiny_model_dir, chunked_prefill_size=chunk, enable_mixed_chunk=mixed,
                       max_prefill_tokens=256)
     outs = eng.generate(mixed_prompts(16), GREEDY)
     assert [o["output_ids"] for o in outs] == solo_outputs

@@ -40,6 +40,26 @@ def test_mixed_step_marginal_cost():
     assert b.budget(4) == 10
 
 
+def test_step_bucket_steps_down_from_buckets_measured_over_the_bound():
+    """A step costs its whole extend bucket: a bucket whose steps measured over itl_ratio x decode is
+    not filled again; the next smaller one that holds a prefill token is tried instead."""
+    buckets = (16, 32, 64, 128)
+    b = PrefillBudget(itl_ratio=2.0, min_tokens=8, max_tokens=512)
+    assert b.step_tokens(7, 32, buckets) == 64  # no decode step measured: the bucket of 7 + 32
+    b.observe(num_decodes=7, num_prefill_tokens=0, seconds=0.050)
+    assert b.step_tokens(7, 32, buckets) == 64  # 64 not measured yet: try it
+    b.observe(7, 57, 0.180, step_bucket=64)  # 3.6x a decode step
+    assert b.step_tokens(7, 32, buckets) == 32
+    b.observe(7, 25, 0.095, step_bucket=32)  # 1.9x: within the bound
+    assert b.step_tokens(7, 32, buckets) == 32
+    assert b.step_tokens(7, 100, buckets) == 128  # 128 unmeasured
+    b.observe(7, 25, 0.160, step_bucket=32)  # the moving average of 32 goes over 0.100
+    b.observe(7, 9, 0.150, step_bucket=16)
+    assert b.step_tokens(7, 32, buckets) == 16  # all over: the smallest that still prefills
+    assert b.step_tokens(15, 8, buckets) == 32  # 16 holds no prefill token beside 15 decodes
+    assert PrefillBudget(0.0, 8, 512).step_tokens(7, 32, buckets) == 64  # bound off: plain fill
+
+
 def test_scheduler_caps_prefill_beside_decodes(tiny_model_dir):
     """A prompt that arrives while requests decode is prefilled in budget-sized chunks, mixed with
     the decodes; its chunks grow when the measured decode step gets longer."""
@@ -73,3 +93,19 @@ def _logits_and_sampling(eng, batch):
     logits = eng.runner.forward(batch.entries())
     sampling, flags = eng._sampling_rows([(r, ()) for r in batch.reqs], None, logits.shape[0])
     return logits, sampling, flags
+
+
+def test_enable_mixed_chunk_is_tri_state():
+    """SGLang's `--enable-mixed-chunk` still turns mixed chunks on; `--no-enable-mixed-chunk` turns the
+    CPU default off; unset is the platform default (on for CPU, off elsewhere as in SGLang)."""
+    import pytest
+
+    from jaxserve.config import ServerArgs
+
+    assert ServerArgs.from_cli([]).enable_mixed_chunk is None
+    assert ServerArgs.from_cli([]).resolved("cpu").enable_mixed_chunk is True
+    assert ServerArgs.from_cli([]).resolved("gpu").enable_mixed_chunk is False
+    assert ServerArgs.from_cli(["--enable-mixed-chunk"]).resolved("gpu").enable_mixed_chunk is True
+    assert ServerArgs.from_cli(["--no-enable-mixed-chunk"]).resolved("cpu").enable_mixed_chunk is False
+    with pytest.raises(SystemExit):
+        ServerArgs.from_cli(["--disable-mixed-chunk"])  # the old switch is gone, not silently ignored

@@ -28,6 +28,9 @@ def make_engine(model_dir, **kwargs) -> Engine:
 
 
 def spec_engine(model_dir, **kwargs) -> Engine:
+    """Every draft verified (the adaptive policy off), so each test's drafts run whatever the timing;
+    tests/engine/test_spec_policy.py covers the policy."""
+    kwargs.setdefault("disable_speculative_adaptive", True)
     return make_engine(model_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
                        speculative_max_batch_size=16, **kwargs)
 

@@ -21,7 +21,8 @@ GREEDY = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def engine():
     return Engine(max_total_tokens=4096, chunked_prefill_size=64, context_length=1024, disable_precompile=True,
-                  max_running_requests=16, speculative_algorithm="NGRAM", speculative_max_batch_size=16)
+                  max_running_requests=16, speculative_algorithm="NGRAM", speculative_max_batch_size=16,
+                  disable_speculative_adaptive=True)
 
 
 def test_default_model_greedy_identical(engine):

@@ -10,6 +10,8 @@ The engine owns the step itself (`Engine._speculative_step`); this module owns t
 - `should_speculate`: decode-only steps of at most `--speculative-max-batch-size` requests.
   Verification multiplies the tokens of a step by up to K + 1: on a batch-1 decode, which reads every
   weight for one token, the extra tokens are nearly free; a full batch is already compute-bound.
+  Within such a step, `policy.DraftPolicy` keeps a request's draft only where its measured
+  acceptance pays for the measured cost of verifying it.
 - `propose`: the radix tree's continuation of the request's exact prefix (another request's output
   after the same prompt) when there is one, else `ngram_draft` over the request's own tokens.
 - `constrain_draft`: a grammar-constrained request's draft is cut at the first token its grammar
@@ -28,6 +30,7 @@ from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine.request import Req
 from jaxserve.engine.speculative.ngram import ngram_draft
+from jaxserve.engine.speculative.policy import DraftPolicy, DraftState
 
 ALGORITHMS = ("NGRAM",)
 
@@ -35,11 +38,13 @@ ALGORITHMS = ("NGRAM",)
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """`num_draft_tokens`: K per sequence and step; `max_match_len`: the longest suffix matched;
-    `max_batch_size`: the largest decode batch that speculates."""
+    `max_batch_size`: the largest decode batch that speculates; `adaptive`: drafts only where the
+    measured costs and acceptance say they pay (`policy.DraftPolicy`)."""
 
     num_draft_tokens: int
     max_match_len: int
     max_batch_size: int
+    adaptive: bool = True
 
     @staticmethod
     def from_server_args(args) -> "SpeculativeConfig | None":
@@ -52,6 +57,7 @@ class SpeculativeConfig:
             num_draft_tokens=args.speculative_num_draft_tokens or 12,
             max_match_len=args.speculative_ngram_max_trie_depth,
             max_batch_size=args.speculative_max_batch_size,
+            adaptive=not args.disable_speculative_adaptive,
         )
 
 
@@ -83,9 +89,23 @@ class NgramSpeculator:
     def __init__(self, config: SpeculativeConfig, tree: RadixCache):
         self.config = config
         self.tree = tree
+        self.policy = DraftPolicy(config.adaptive)
 
     def should_speculate(self, reqs: Sequence[Req], is_decode_only: bool) -> bool:
-        return is_decode_only and 0 < len(reqs) <= self.config.max_batch_size
+        return (is_decode_only and 0 < len(reqs) <= self.config.max_batch_size
+                and self.policy.can_speculate(len(reqs)))
+
+    def observe_decode(self, num_reqs: int, seconds: float) -> None:
+        """A plain decode-only step took `seconds` (wall, forward + sampling)."""
+        self.policy.costs.observe_decode(num_reqs, seconds)
+
+    def observe_verify(self, drafts: Sequence[Sequence[int]], seconds: float) -> None:
+        """A verification step over `drafts` (one per request) took `seconds`."""
+        self.policy.costs.observe_verify(len(drafts), sum(len(d) for d in drafts), seconds)
+
+    def record(self, req: Req, num_draft: int, num_accepted: int) -> None:
+        """`req`'s draft of `num_draft` tokens had `num_accepted` accepted."""
+        self.policy.record(_draft_state(req), num_draft, num_accepted)
 
     def propose_batch(
         self, reqs: Sequence[Req], max_rows: int, context_length: int, grow: Callable[[Req, int], bool]
@@ -99,6 +119,8 @@ class NgramSpeculator:
         for req in reqs:
             room = min(rows_left, req.remaining_new_tokens() - 1, context_length - req.fill_len)
             draft = self.propose(req, room) if room > 0 else []
+            if draft and not self.policy.wants_draft(_draft_state(req), len(reqs), len(draft)):
+                draft = []
             if draft and not grow(req, req.kv_len + 1 + len(draft)):
                 draft = []
             rows_left -= len(draft)
@@ -115,6 +137,12 @@ class NgramSpeculator:
         if not draft:
             draft = ngram_draft(tokens, k, self.config.max_match_len)
         return draft[:k]
+
+
+def _draft_state(req: Req) -> DraftState:
+    if req.draft_state is None:
+        req.draft_state = DraftState()
+    return req.draft_state
 
 
 def constrain_draft(grammar, draft: Sequence[int], rows: Int32[np.ndarray, "K1 W"]) -> list[int]:

@@ -1,0 +1,115 @@
+"""What the engine hands back: a step's output per request, SGLang's meta_info, counters and gauges."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jaxserve.engine.request import Req
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (too long, empty, ...); `field` names the offending input."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass
+class RequestMeta:
+    """SGLang's `meta_info` of one sequence. Times in seconds; logprobs as (logprob, token_id) pairs."""
+
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: dict | None
+    e2e_latency: float
+    num_forced_tokens: int = 0
+    ttft: float | None = None
+    output_token_logprobs: list | None = None
+    output_top_logprobs: list | None = None
+    input_token_logprobs: list | None = None
+    output_token_ids_logprobs: list | None = None  # per output token: (logprob, token_id) of each token_ids_logprob id
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one request produced in one step: new tokens, the text they added, and its meta info."""
+
+    rid: str
+    new_token_ids: list[int]
+    output_ids: list[int]
+    text: str
+    text_delta: str
+    finished: bool
+    meta: RequestMeta
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Cumulative counters over the engine's lifetime (tokens, requests, steps)."""
+
+    num_requests: int = 0
+    num_finished_requests: int = 0
+    num_aborted_requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+    num_steps: int = 0
+    num_decode_steps: int = 0
+    num_spec_verifications: int = 0  # sequences verified with drafts, one per sequence per forward
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    release_mode: str = "off"  # gauge: the KV release policy's adaptive mode (jaxserve/cache/adaptive.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """Counters plus current gauges, read at one moment (for /metrics, /get_server_info and logs).
+
+    token_usage: share of the KV pool's tokens in use (0..1). cache_hit_rate: cached / prompt tokens
+    over the lifetime. gen_throughput: generated tokens per second over the last log interval.
+    """
+
+    counters: EngineStats
+    num_retracted_requests: int
+    num_jit_compiles: int
+    num_running_reqs: int
+    num_queue_reqs: int
+    num_grammar_queue_reqs: int
+    kv_used_tokens: int
+    kv_evictable_tokens: int
+    kv_total_tokens: int
+    token_usage: float
+    cache_hit_rate: float
+    gen_throughput: float
+    spec_accept_length: float = 0.0  # mean tokens per verifying sequence-forward (SGLang's name); 0: none yet
+    spec_accept_rate: float = 0.0  # accepted / proposed draft tokens
+
+
+def request_meta(req: Req) -> RequestMeta:
+    """SGLang's meta_info of `req` now (latency up to its finish, or up to now while it runs)."""
+    end = req.finished_time or time.perf_counter()
+    logprobs = req.return_logprob
+    return RequestMeta(
+        id=req.rid,
+        prompt_tokens=len(req.input_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+        finish_reason=req.finish_reason,
+        e2e_latency=end - req.arrival_time,
+        num_forced_tokens=req.num_forced_tokens,
+        ttft=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
+        output_token_logprobs=[(lp, t) for lp, t in zip(req.output_token_logprobs, req.output_ids)] if logprobs else None,
+        output_top_logprobs=list(req.output_top_logprobs) if logprobs else None,
+        input_token_logprobs=(
+            [(lp, t) for lp, t in zip(req.input_token_logprobs, req.input_ids)][req.logprob_start_len :]
+            if req.wants_input_logprobs and req.input_token_logprobs is not None else None
+        ),
+        output_token_ids_logprobs=(
+            [list(zip(lps, req.token_ids_logprob)) for lps in req.output_token_ids_logprobs]
+            if logprobs and req.token_ids_logprob else None
+        ),
+    )

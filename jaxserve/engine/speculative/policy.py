@@ -1,0 +1,117 @@
+"""When speculation pays: a per-request draft decision from measured step costs and acceptance.
+
+Verifying a draft costs the step more tokens; it pays when the tokens it is expected to add are worth
+more than that. With, from the steps the engine has run (exponential moving averages):
+
+    decode(B)  seconds of a decode-only step of B requests (per power-of-two bucket of B),
+    c          marginal seconds per verified draft token: (verify step - decode(B)) / draft tokens,
+    a_i        request i's accepted draft tokens per verification,
+
+a decode-only step of B requests produces one token per request in decode(B) seconds, so a token is
+worth decode(B) / B seconds of the batch's time, and request i's draft of k_i tokens is verified only if
+
+    a_i x decode(B) / B  >=  k_i x c.
+
+The rule is the break-even of a verification measured on the running hardware: on the default model
+at batch 1 on 2 CPU cores, a 12-token draft is verified when it is expected to be accepted for more
+than about one token (docs/benchmarks.md, "Verification against a decode step"); at 8 concurrent
+random prompts (accept ~1.4 tokens per verification) drafts stop, on copy-heavy ones (~4.6) they do
+not. A request whose drafts are off is probed again (its draft verified anyway) after `probe_steps`
+decode steps, doubling after each failed probe up to `MAX_PROBE_STEPS` and reset by an accepted one,
+so that a request whose text turns repetitive gets its drafts back. Unmeasured costs favour trying:
+no decode-only step of the batch size yet -> plain decoding (it measures decode(B)); no verification
+yet -> verify. Outputs are exact either way: this changes only which steps verify drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# weight of the newest observation in the moving averages of step costs and of acceptance
+COST_EMA_WEIGHT = 0.2
+ACCEPT_EMA_WEIGHT = 0.5
+MIN_PROBE_STEPS = 8
+MAX_PROBE_STEPS = 128
+
+
+@dataclasses.dataclass
+class DraftState:
+    """One request's acceptance history: `accept_ema` accepted tokens per verification (None before its
+    first); `num_skipped` decode steps since its last verification; `probe_steps` the current back-off."""
+
+    accept_ema: float | None = None
+    num_skipped: int = 0
+    probe_steps: int = MIN_PROBE_STEPS
+
+
+class StepCosts:
+    """Moving averages of decode-only step seconds per batch bucket and of the marginal seconds per
+    verified draft token (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._decode: dict[int, float] = {}
+        self.seconds_per_draft_token: float | None = None
+
+    def observe_decode(self, num_reqs: int, seconds: float) -> None:
+        key = _bucket(num_reqs)
+        self._decode[key] = _ema(self._decode.get(key), seconds, COST_EMA_WEIGHT)
+
+    def observe_verify(self, num_reqs: int, num_draft_tokens: int, seconds: float) -> None:
+        """A verification step of `num_reqs` requests with `num_draft_tokens` drafts in all."""
+        decode = self.decode_seconds(num_reqs)
+        if decode is None or num_draft_tokens == 0:
+            return
+        per_token = max(seconds - decode, 0.0) / num_draft_tokens
+        self.seconds_per_draft_token = _ema(self.seconds_per_draft_token, per_token, COST_EMA_WEIGHT)
+
+    def decode_seconds(self, num_reqs: int) -> float | None:
+        return self._decode.get(_bucket(num_reqs))
+
+
+class DraftPolicy:
+    """Decides per request and step whether its draft is verified (see the module docstring).
+
+    Args:
+        adaptive: False verifies every draft (`--disable-speculative-adaptive`).
+    """
+
+    def __init__(self, adaptive: bool = True):
+        self.adaptive = adaptive
+        self.costs = StepCosts()
+
+    def can_speculate(self, num_reqs: int) -> bool:
+        """False while no decode-only step of this batch bucket was measured (run one first)."""
+        return not self.adaptive or self.costs.decode_seconds(num_reqs) is not None
+
+    def wants_draft(self, state: DraftState, num_reqs: int, draft_len: int) -> bool:
+        """Whether a request with `state` verifies a `draft_len`-token draft in a step of `num_reqs`
+        decodes. A refused request counts the step toward its next probe."""
+        if not self.adaptive or state.accept_ema is None or draft_len == 0:
+            return True
+        decode, per_token = self.costs.decode_seconds(num_reqs), self.costs.seconds_per_draft_token
+        if decode is None or per_token is None:
+            return True
+        if state.accept_ema * decode / num_reqs >= draft_len * per_token:
+            return True
+        if state.num_skipped >= state.probe_steps:
+            return True
+        state.num_skipped += 1
+        return False
+
+    def record(self, state: DraftState, num_draft: int, num_accepted: int) -> None:
+        """A verification of a `num_draft`-token draft accepted `num_accepted`."""
+        if num_draft == 0:
+            return
+        was_probe = state.num_skipped >= state.probe_steps
+        state.accept_ema = _ema(state.accept_ema, float(num_accepted), ACCEPT_EMA_WEIGHT)
+        state.num_skipped = 0
+        if was_probe:  # back off further after a failed probe; start over after an accepted one
+            state.probe_steps = MIN_PROBE_STEPS if num_accepted else min(2 * state.probe_steps, MAX_PROBE_STEPS)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new

@@ -1,0 +1,145 @@
+"""Where the ITL tail comes from: every engine step of a closed-loop run, timed and classified.
+
+Runs `Engine` in-process (no HTTP) with the given server flags and keeps --concurrency requests of
+the random workload in flight (a new one is added as soon as one finishes, as bench_serving's
+--max-concurrency does). Each step is recorded with its wall time, its batch (decodes, prefill
+tokens, whether it verified drafts), the Python GC pauses inside it and whether it compiled. Each
+request's ITLs are the gaps between the steps that gave it tokens (spread over the tokens of a
+step, as bench_serving does). Printed: median and P99 ITL, and the P99 tail's steps by kind.
+
+    python scripts/bench_step_trace.py --flags "--max-total-tokens 16384" --concurrency 8 --num-prompts 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_datasets import PromptSampler, sample_random_requests  # noqa: E402
+
+
+def step_kind(num_decodes: int, prefill_tokens: int, verified: bool) -> str:
+    if verified:
+        return "verify"
+    if prefill_tokens and num_decodes:
+        return "prefill chunk + decodes"
+    if prefill_tokens:
+        return "prefill only"
+    return "decode only"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flags", default="--max-total-tokens 16384", help="ServerArgs flags")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+
+    from jaxserve.config import ServerArgs
+    from jaxserve.engine.engine import Engine
+
+    engine = Engine(ServerArgs.from_cli(shlex.split(args.flags)))
+    rows = sample_random_requests(PromptSampler(engine.tokenizer, np.random.default_rng(args.seed)), args.num_prompts,
+                                  args.input_len, args.output_len, 0.0)
+    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    engine.generate(rows[0].prompt, {**params, "max_new_tokens": 8})  # warm-up
+
+    gc_pauses: list[tuple[float, float]] = []
+    gc_start = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_pauses.append((gc_start[0], time.perf_counter()))
+
+    gc.callbacks.append(on_gc)
+    last_batch = [None]
+    schedule = engine.scheduler.schedule
+
+    def traced_schedule():
+        last_batch[0] = schedule()
+        return last_batch[0]
+
+    engine.scheduler.schedule = traced_schedule
+    pending = list(rows)
+    arrivals: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
+    steps = []
+    in_flight = 0
+    while pending or engine.has_unfinished():
+        while pending and in_flight < args.concurrency:
+            engine.add_request(pending.pop(0).prompt, params)
+            in_flight += 1
+        compiles = engine.runner.num_compiles_after_warmup
+        verifications = engine.stats.num_spec_verifications
+        last_batch[0] = None
+        t0 = time.perf_counter()
+        outs = engine.step()
+        t1 = time.perf_counter()
+        batch = last_batch[0]
+        if batch is not None:
+            running = {id(r) for r in engine.scheduler.running}
+            decodes = sum(1 for r, n in zip(batch.reqs, batch.extend_lens) if n == 1 and r.kv_len >= len(r.input_ids))
+            prefill = sum(batch.extend_lens) - decodes
+            gc_s = sum(min(b, t1) - max(a, t0) for a, b in gc_pauses if b > t0 and a < t1)
+            steps.append({"t0": t0, "seconds": t1 - t0, "decodes": decodes, "prefill_tokens": prefill,
+                          "verified": engine.stats.num_spec_verifications > verifications,
+                          "compiled": engine.runner.num_compiles_after_warmup > compiles, "gc_seconds": gc_s,
+                          "num_running": len(running)})
+        for o in outs:
+            if o.new_token_ids:
+                arrivals[o.rid].append((t1, len(o.new_token_ids)))
+            if o.finished:
+                in_flight -= 1
+    gc.callbacks.remove(on_gc)
+
+    itls, itl_step = [], []
+    step_ends = [s["t0"] + s["seconds"] for s in steps]
+    for events in arrivals.values():
+        for (ta, _), (tb, n) in zip(events, events[1:]):
+            idx = int(np.searchsorted(step_ends, tb - 1e-9))
+            itls += [(tb - ta) / n] * n
+            itl_step += [idx] * n
+    itls_ms = np.array(itls) * 1e3
+    med, p99 = float(np.median(itls_ms)), float(np.percentile(itls_ms, 99))
+    decode_s = [s["seconds"] for s in steps if step_kind(s["decodes"], s["prefill_tokens"], s["verified"]) == "decode only"]
+    print(f"\n{len(steps)} steps, {len(itls)} ITLs: median {med:.1f} ms, P99 {p99:.1f} ms, P99 / median {p99 / med:.2f}; "
+          f"median decode-only step {statistics.median(decode_s) * 1e3:.1f} ms" if decode_s else "")
+    tail = collections.Counter()
+    for v, idx in zip(itls_ms, itl_step):
+        if v >= p99 and idx < len(steps):
+            s = steps[idx]
+            kind = step_kind(s["decodes"], s["prefill_tokens"], s["verified"])
+            extra = (" +compile" if s["compiled"] else "") + (" +gc" if s["gc_seconds"] > 0.005 else "")
+            tail[f"{kind}{extra}"] += 1
+    print("ITLs at or above P99, by the step that ended them:", dict(tail))
+    print("\n| step kind | steps | median (ms) | max (ms) | median prefill tokens |")
+    print("|---|---|---|---|---|")
+    by_kind = collections.defaultdict(list)
+    for s in steps:
+        by_kind[step_kind(s["decodes"], s["prefill_tokens"], s["verified"])].append(s)
+    for kind, ss in by_kind.items():
+        secs = [s["seconds"] * 1e3 for s in ss]
+        print(f"| {kind} | {len(ss)} | {statistics.median(secs):.1f} | {max(secs):.1f} | "
+              f"{statistics.median([s['prefill_tokens'] for s in ss]):.0f} |")
+    slow = sorted(steps, key=lambda s: -s["seconds"])[:8]
+    print("\nslowest steps:")
+    for s in slow:
+        print(f"  {s['seconds'] * 1e3:.1f} ms: {s['decodes']} decodes, {s['prefill_tokens']} prefill tokens, "
+              f"verified={s['verified']}, compiled={s['compiled']}, gc {s['gc_seconds'] * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""jaxserve against llama.cpp's llama-server on the same machine, model and prompts (issue 20).
+
+One invocation, servers one after the other: llama-server (the default model's own Q4_1 GGUF, 2
+threads, 8 parallel slots with continuous batching) and jaxserve (float32, with the flags given),
+each measured by bench_serving.py's OpenAI completions backend on the same workloads and seeds
+(prompts from the same tokenizer, so both servers get the same text).
+
+    python scripts/bench_vs_llama_server.py \
+        --llama-server /tmp/llama/.../build/bin/llama-server \
+        --jaxserve-flags "--speculative-algorithm NGRAM" \
+        --workloads copy-heavy:1:6 random:1:6 copy-heavy:8:16 random:8:24 --output-file docs/bench/vs_llama.jsonl
+
+A workload is DATASET:CONCURRENCY:NUM_PROMPTS as in bench_decode_latency.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("bench_decode_latency", HERE / "bench_decode_latency.py")
+latency = importlib.util.module_from_spec(_spec)
+sys.modules["bench_decode_latency"] = latency
+_spec.loader.exec_module(latency)
+bench_serving = latency.bench_serving
+
+
+def default_gguf() -> str:
+    from jaxserve.model.tokenizer import default_model_path
+
+    return default_model_path()
+
+
+def start_llama_server(binary: str, gguf: str, port: int, threads: int, parallel: int, ctx: int, log: Path):
+    """llama-server with continuous batching; returns the process once /health answers 200."""
+    argv = [binary, "-m", gguf, "-t", str(threads), "-np", str(parallel), "-cb", "-c", str(ctx),
+            "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise TimeoutError("llama-server did not start")
+
+
+def run_workloads(server: str, port: int, workloads: list[str], tokenizer: str, seed: int) -> list[dict]:
+    rows = []
+    for w in workloads:
+        dataset, concurrency, num = w.split(":")
+        argv = ["--backend", "openai", "--port", str(port), "--tokenizer", tokenizer, *latency.DATASET_ARGS[dataset],
+                "--num-prompts", num, "--max-concurrency", concurrency, "--seed", str(seed), "--disable-tqdm"]
+        rec = bench_serving.main(argv)
+        rows.append({"server": server, "workload": w, **{k: rec[k] for k in (
+            "output_throughput", "median_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_ttft_ms", "completed")}})
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-server", required=True, help="path of the llama-server binary")
+    p.add_argument("--gguf", default=None, help="default: the default model's GGUF (Q4_1)")
+    p.add_argument("--jaxserve-flags", default="--speculative-algorithm NGRAM")
+    p.add_argument("--server-flags", default="--max-total-tokens 16384 --log-level warning")
+    p.add_argument("--workloads", nargs="+", required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--parallel", type=int, default=8)
+    p.add_argument("--ctx", type=int, default=16384, help="llama-server's -c (shared by its slots)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--output-file", default=None)
+    args = p.parse_args(argv)
+    gguf = args.gguf or default_gguf()
+    results = []
+    port = latency.free_port()
+    proc = start_llama_server(args.llama_server, gguf, port, args.threads, args.parallel, args.ctx,
+                              Path(args.log_dir) / "llama_server.log")
+    try:
+        results += run_workloads("llama-server", port, args.workloads, gguf, args.seed)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    port = latency.free_port()
+    flags = shlex.split(args.server_flags) + shlex.split(args.jaxserve_flags)
+    proc = latency.start_server(flags, port, Path(args.log_dir) / "jaxserve_vs_llama.log")
+    try:
+        results += run_workloads("jaxserve", port, args.workloads, gguf, args.seed)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    print("\n| server | workload | output tok/s | median TPOT (ms) | median ITL (ms) | P99 ITL (ms) | median TTFT (ms) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['server']} | {r['workload']} | {r['output_throughput']:.1f} | {r['median_tpot_ms']:.1f} | "
+              f"{r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | {r['median_ttft_ms']:.1f} |")
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            for r in results:
+                f.write(json.dumps({**r, "jaxserve_flags": args.jaxserve_flags}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
