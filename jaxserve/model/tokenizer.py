@@ -61,6 +61,21 @@ def source_fingerprint(path: str, extra: str = "") -> str:
     return h.hexdigest()[:16]
 
 
+def _converted_dir(gguf_path: str) -> Path:
+    return cache_root() / "tokenizers" / source_fingerprint(gguf_path)
+
+
+def tokenizer_files_path(model_path: str, tokenizer_path: str | None = None) -> str:
+    """Where a Hugging Face-style tokenizer loader (transformers, sglang-router) finds this model's
+    tokenizer: an HF directory as given; for a `.gguf` file (and `"default"`), the directory of the
+    converted copy `load_tokenizer` caches (tokenizer.json, tokenizer_config.json), or the `.gguf` file
+    itself while no converted copy exists."""
+    path = resolve_model_path(tokenizer_path or model_path)
+    if path.endswith(".gguf") and (_converted_dir(path) / "tokenizer_config.json").is_file():
+        return str(_converted_dir(path))
+    return path
+
+
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None, use_cache: bool = True):
     """Load a transformers tokenizer for a model directory or `.gguf` file.
 
@@ -79,7 +94,7 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None, use_cache
         raise FileNotFoundError(f"tokenizer path does not exist: {path}")
     if not path.endswith(".gguf"):
         return AutoTokenizer.from_pretrained(path)
-    cached = cache_root() / "tokenizers" / source_fingerprint(path)
+    cached = _converted_dir(path)
     if use_cache and (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     logger.info("building the tokenizer from GGUF metadata (once; cached afterwards)")

@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import jaxserve
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.model.tokenizer import tokenizer_files_path
 from jaxserve.server import native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
@@ -146,7 +147,9 @@ async def health_generate(request: Request) -> Response:
 async def get_model_info(request: Request) -> Response:
     engine_loop: EngineLoop = request.app.state.engine_loop
     args = engine_loop.server_args
-    tokenizer_path = args.tokenizer_path if args.tokenizer_path not in (None, "default") else engine_loop.model_path
+    # a path HF-style loaders read (sglang-router loads the tokenizer from it): for a GGUF model, the
+    # directory of its converted tokenizer, since neither "default" nor a .gguf file is one
+    tokenizer_path = tokenizer_files_path(args.model_path, args.tokenizer_path)
     architecture = engine_loop.engine.model_config.architecture
     return JSONResponse({
         "model_path": engine_loop.model_path,
@@ -167,6 +170,13 @@ async def get_server_info(request: Request) -> Response:
     if args.get("api_key") or request.app.state.server_args.api_key:
         args["api_key"] = "***"
     args.setdefault("tp_size", 1)  # sglang-router reads tp_size and dp_size when it registers a worker
+    # sglang-router 0.3.2 loads a worker's tokenizer from this model_path (HF directory or hub name):
+    # for a GGUF model ("default" included) report the directory of its converted tokenizer, which it
+    # can read, instead of a name it would try to download; resolved_model_path names the file served
+    tokenizer_files = tokenizer_files_path(engine_loop.server_args.model_path, engine_loop.server_args.tokenizer_path)
+    args["tokenizer_path"] = tokenizer_files
+    if engine_loop.model_path.endswith(".gguf") and not tokenizer_files.endswith(".gguf"):
+        args["model_path"] = tokenizer_files
     load = engine_loop.load()
     info: dict[str, Any] = {
         **args,

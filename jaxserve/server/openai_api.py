@@ -113,6 +113,50 @@ def _json_schema_of(req: _OpenAISampling) -> str | None:
     return json.dumps(inner)
 
 
+def check_openai_request(req: _OpenAISampling) -> None:
+    """Checks OpenAI makes on both endpoints: `stream_options` only with `stream: true`.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options",
+                       code="invalid_value")
+
+
+def check_best_of(req: CompletionRequest) -> None:
+    """`best_of` on /v1/completions: OpenAI's rule best_of >= n (default n); generating best_of
+    candidates and returning the n best (best_of > n) is not implemented, so only best_of == n passes.
+
+    Raises:
+        APIError: 400 naming best_of.
+    """
+    if req.best_of is None or req.best_of == req.n:
+        return
+    if req.best_of < req.n:
+        raise APIError(f"best_of must be >= n, got best_of={req.best_of} and n={req.n}", 400, param="best_of",
+                       code="invalid_value")
+    raise APIError(f"best_of > n is not supported (got best_of={req.best_of}, n={req.n}); use n", 400,
+                   param="best_of", code="unsupported_parameter")
+
+
+def check_chat_messages(req: ChatCompletionRequest) -> None:
+    """Every message has `content`, except an assistant message that carries `tool_calls` (OpenAI's rule);
+    `best_of` is not a chat field.
+
+    Raises:
+        APIError: 400 naming `messages[i].content` or best_of.
+    """
+    if req.best_of is not None:
+        raise APIError("best_of is not a parameter of chat completions (it is one of /v1/completions); use n",
+                       400, param="best_of", code="unknown_parameter")
+    for i, msg in enumerate(req.messages):
+        if msg.content is None and not (msg.role == "assistant" and msg.tool_calls):
+            raise APIError(f"messages[{i}].content: field required for a {msg.role} message"
+                           + (" (an assistant message may leave it out only with tool_calls)" if msg.role == "assistant" else ""),
+                           400, param=f"messages[{i}].content", code="missing_required_parameter")
+
+
 def max_tokens_of(req: _OpenAISampling) -> tuple[int | None, str]:
     """(the requested output length or None, the field that set it): max_completion_tokens replaces
     max_tokens; given both, the smaller applies (as OpenAI documents)."""
@@ -269,6 +313,8 @@ async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     engine_loop = request.app.state.engine_loop
     req = CompletionRequest.model_validate(parse_json_body(await request.body()))
+    check_openai_request(req)
+    check_best_of(req)
     if req.suffix:
         raise APIError("suffix is not supported", 400, param="suffix", code="unsupported_parameter")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
@@ -428,6 +474,8 @@ async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     engine_loop = request.app.state.engine_loop
     req = ChatCompletionRequest.model_validate(parse_json_body(await request.body()))
+    check_openai_request(req)
+    check_chat_messages(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", 400, param="top_logprobs", code="invalid_value")

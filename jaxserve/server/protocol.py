@@ -136,6 +136,7 @@ class CompletionRequest(_OpenAISampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None  # accepted only equal to n (`openai_api.check_best_of`)
 
 
 class ContentPart(_Request):
@@ -203,6 +204,8 @@ class ChatCompletionRequest(_OpenAISampling):
     parallel_tool_calls: bool = True
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
+    # not a chat field (OpenAI refuses it); kept only to answer with a 400 that names it
+    best_of: Any = None
 
 
 # ---- OpenAI: responses --------------------------------------------------------------------------

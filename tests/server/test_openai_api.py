@@ -122,3 +122,62 @@ def test_sglang_extra_fields_and_response_format(http, model):
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
+
+
+# ---- OpenAI's validation rules: 400s naming the field ----------------------------------------------
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": None}], "messages[1].content"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant"}, {"role": "user", "content": "Hi"}], "messages[1].content"),
+])
+def test_chat_message_without_content_is_refused(http, messages, param):
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "missing_required_parameter" and param in err["message"]
+
+
+def test_assistant_message_with_tool_calls_may_leave_out_content(http):
+    call = {"id": "call_0", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "What time is it?"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "12:00"}]
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream": False}),
+    ("/v1/completions", {"prompt": "Hi"}),
+])
+def test_stream_options_needs_stream(http, route, body):
+    r = http.post(route, json={**body, "max_tokens": 2, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stream_options"
+
+
+@pytest.mark.parametrize("fields, code", [
+    ({"best_of": 1, "n": 2}, "invalid_value"),  # OpenAI: best_of must be >= n
+    ({"best_of": 3}, "unsupported_parameter"),  # returning the best n of best_of is not implemented
+    ({"best_of": 4, "n": 2}, "unsupported_parameter"),
+])
+def test_completions_best_of_refusals(http, fields, code):
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "best_of" and err["code"] == code
+
+
+def test_completions_best_of_equal_to_n_is_plain_n(http):
+    body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0}
+    plain = http.post("/v1/completions", json={**body, "n": 2})
+    same = http.post("/v1/completions", json={**body, "n": 2, "best_of": 2})
+    assert plain.status_code == same.status_code == 200, same.text
+    assert [c["text"] for c in same.json()["choices"]] == [c["text"] for c in plain.json()["choices"]]
+    assert http.post("/v1/completions", json={**body, "best_of": 1}).status_code == 200
+
+
+def test_chat_refuses_best_of(http):
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "best_of": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "best_of"

@@ -372,3 +372,24 @@ def test_idle_after_everything(http):
                                                  "tool_choice": "required", "max_tokens": 3, "stream": True})
     assert r.status_code == 200  # a forced call cut short by max_tokens, streamed
     wait_idle(http, timeout=60)
+
+
+# ---- the default model behind the real sglang-router: a tokenizer path it can load ------------------
+def test_server_info_names_a_tokenizer_dir_the_router_loads(server, http, tmp_path):
+    from transformers import AutoTokenizer
+
+    from jaxserve.model.tokenizer import load_tokenizer
+    from tests.server.conftest import real_router
+
+    info, model_info = http.get("/get_server_info").json(), http.get("/get_model_info").json()
+    assert info["resolved_model_path"].endswith(".gguf")
+    assert info["model_path"] == info["tokenizer_path"] == model_info["tokenizer_path"]
+    text = "Hello, world! <|im_start|>user\nwhat?"
+    ours = load_tokenizer("default")  # the tokenizer the server encodes with
+    assert AutoTokenizer.from_pretrained(info["model_path"]).encode(text) == ours.encode(text)
+    log = tmp_path / "router.log"
+    with real_router([server.url], "round_robin", log) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 2, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+    assert "Failed to load tokenizer" not in log.read_text()
