@@ -271,11 +271,11 @@ class ServerArgs:
     )
     # Decode latency (issue 20): the prefill budget of steps with running decodes, and n-gram speculation
     prefill_decode_itl_ratio: float = _flag(
-        2.0,
+        2.5,
         "bound a step that runs a prefill chunk beside running decodes to this multiple of a decode-only step "
-        "of the same batch: the scheduler sizes each such step's prefill tokens from the step times it measures; "
-        "0 turns the bound off (every step may take a whole --chunked-prefill-size chunk); 2.0 measured better than 2.5 on both "
-        "P99 ITL and throughput at 8 concurrent requests (docs/benchmarks.md)",
+        "of the same batch: the scheduler sizes each such step's prefill tokens (and its extend bucket) from the step times it measures; "
+        "0 turns the bound off (every step may take a whole --chunked-prefill-size chunk); at 8 concurrent requests 2.5 kept "
+        "P99 ITL under 2.5x the median with more output tok/s than 2.0 on both random and copy-heavy prompts (docs/benchmarks.md)",
         group="scheduling",
     )
     min_prefill_budget: int = _flag(32, "fewest prefill tokens a step with running decodes may take (so prompts always progress)", group="scheduling")
