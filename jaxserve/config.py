@@ -271,16 +271,16 @@ class ServerArgs:
     )
     # Decode latency (issue 20): the prefill budget of steps with running decodes, and n-gram speculation
     prefill_decode_itl_ratio: float = _flag(
-        2.0,
+        2.5,
         "bound a step that runs a prefill chunk beside running decodes to this multiple of a decode-only step "
-        "of the same batch: the scheduler sizes each such step's prefill tokens from the step times it measures; "
-        "0 turns the bound off (every step may take a whole --chunked-prefill-size chunk); 2.0 measured better than 2.5 on both "
-        "P99 ITL and throughput at 8 concurrent requests (docs/benchmarks.md)",
+        "of the same batch: the scheduler sizes each such step's prefill tokens (and its extend bucket) from the step times it measures; "
+        "0 turns the bound off (every step may take a whole --chunked-prefill-size chunk); at 8 concurrent requests 2.5 kept "
+        "P99 ITL under 2.5x the median with more output tok/s than 2.0 on both random and copy-heavy prompts (docs/benchmarks.md)",
         group="scheduling",
     )
     min_prefill_budget: int = _flag(32, "fewest prefill tokens a step with running decodes may take (so prompts always progress)", group="scheduling")
     speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request and the radix cache) (default: none, one token per decode step)", choices=("NGRAM",), group="speculative")
-    speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 12 for NGRAM, as SGLang)", group="speculative")
+    speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 12 for NGRAM: SGLang's default, kept because a batch-1 verification measured ~2.2x a decode step for any K from 2 to 15, docs/benchmarks.md)", group="speculative")
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
     speculative_max_batch_size: int = _flag(8, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks). With the adaptive draft policy, 8 gained on both copy-heavy (1.36x output tok/s) and random prompts (1.11x) at 8 concurrent (docs/benchmarks.md)", group="speculative")
     disable_speculative_adaptive: bool = _flag(False, "verify every draft; by default a request's draft is verified only where its measured acceptance pays for the measured cost of verifying it, so speculation turns itself off on text it cannot predict (jaxserve/engine/speculative/policy.py)", group="speculative")

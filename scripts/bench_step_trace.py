@@ -134,6 +134,10 @@ def main(argv=None) -> None:
         secs = [s["seconds"] * 1e3 for s in ss]
         print(f"| {kind} | {len(ss)} | {statistics.median(secs):.1f} | {max(secs):.1f} | "
               f"{statistics.median([s['prefill_tokens'] for s in ss]):.0f} |")
+    mixed = collections.Counter(s["decodes"] + s["prefill_tokens"] for s in steps if s["decodes"] and s["prefill_tokens"])
+    print("\nsteps with a chunk beside decodes, by their tokens:", dict(sorted(mixed.items())))
+    out_tokens = sum(len(v) and sum(n for _, n in v) for v in arrivals.values())
+    print(f"output tok/s {out_tokens / (steps[-1]['t0'] + steps[-1]['seconds'] - steps[0]['t0']):.1f}")
     slow = sorted(steps, key=lambda s: -s["seconds"])[:8]
     print("\nslowest steps:")
     for s in slow:
