@@ -238,7 +238,7 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: `req in running` must not compare every field (nor equate two requests)
 class Req:
     """One sequence being served (host side).
 
