@@ -21,6 +21,7 @@ engine, bind no port and replay rank 0's programs (`run_follower`) until it send
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -270,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
 
         return launch_data_parallel(args)
     if args.nnodes > 1:
+        # the converted-weights cache is an orbax checkpoint, whose reads and writes under jax.distributed
+        # wait for every process (sync_global_devices) while each rank loads on its own: they stalled
+        args = dataclasses.replace(args, no_weights_cache=True)
         cluster = join_cluster(args)
         if args.node_rank > 0:
             return run_follower(args, cluster)
