@@ -57,7 +57,7 @@ def run_leader(args) -> dict:
     server_args = dataclasses.replace(server_args, no_weights_cache=True)  # as launch.main does
     cluster = launch.join_cluster(server_args)
     engine = Engine(server_args)
-    launch._check_engine_config(cluster, engine)
+    launch.check_engine_config(cluster, engine)
     channel = cluster.channel
     engine.runner.channel = channel
     publish, spent = channel.publish, [0.0]
