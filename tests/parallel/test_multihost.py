@@ -122,6 +122,19 @@ def test_follower_killed_mid_run_ends_rank0_naming_it(tiny_model_dir, tmp_path):
         cluster.stop()
 
 
+def test_follower_killed_while_idle_ends_rank0_within_dist_timeout(tiny_model_dir, tmp_path):
+    cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "idle_kill",
+                              dist_timeout=4)
+    try:
+        cluster.wait_healthy(STARTUP_S)
+        cluster.ranks[1].proc.kill()  # no step runs: only rank 0's watchdog can notice
+        assert cluster.wait_exit(0, 4 + 3 + 10) == 1  # --dist-timeout, the death path's 3 s, slack
+        assert "RankLostError: rank 1 of --nnodes 2 stopped: the model cannot run without it (no heartbeat for 4 s)" \
+            in cluster.ranks[0].log()
+    finally:
+        cluster.stop()
+
+
 def test_follower_with_another_page_size_is_refused(tiny_model_dir, tmp_path):
     cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "mismatch",
                               rank_flags={1: ["--page-size", "16"]})
