@@ -296,8 +296,9 @@ class ModelRunner:
         if layer_loop == "host":
             self.layers_per_call = layers_per_call(config.num_layers, max_layers_per_call)
             self._first_layer_ids = [jnp.int32(i) for i in range(0, config.num_layers, self.layers_per_call)]
-            if jax.process_count() > 1 and self.mesh is not None:  # a scalar of one process's device is no global input
-                self._first_layer_ids = [parallel.sharding.put(np.int32(i), self._replicated) for i in range(0, config.num_layers, self.layers_per_call)]
+            if jax.process_count() > 1 and self.mesh is not None:  # one process's scalar is no global input
+                self._first_layer_ids = [parallel.sharding.put(np.int32(i), self._replicated)
+                                         for i in range(0, config.num_layers, self.layers_per_call)]
         # several processes: rank 0 reads the sampled ids, so they must be whole on its devices
         multi = {"out_shardings": self._replicated} if jax.process_count() > 1 and self.mesh is not None else {}
         self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,), **multi)

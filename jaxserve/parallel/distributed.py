@@ -208,7 +208,9 @@ class Cluster:
             theirs = json.loads(self._get(_key("config", stage, rank), timeout_ms, f"rank {rank}"))
             diffs = [f"{name}: rank 0 has {mine[name]}, rank {rank} has {theirs.get(name)}"
                      for name in mine if theirs.get(name) != mine[name]]
-            verdict = f"rank {rank} was started with another configuration than rank 0: {'; '.join(diffs)}" if diffs else "ok"
+            verdict = "ok"
+            if diffs:
+                verdict = f"rank {rank} was started with another configuration than rank 0: {'; '.join(diffs)}"
             self.client.key_value_set(_key("verdict", stage, rank), verdict)
             if diffs:
                 refusals.append(verdict)

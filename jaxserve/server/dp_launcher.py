@@ -7,8 +7,10 @@ module only starts, watches and stops the processes:
 - Ports: the router listens on `--host:--port` (what clients use); worker i listens on 127.0.0.1 at
   `--port + 1 + i`; the router's Prometheus metrics are on `--port + N + 1`.
 - Devices: each worker gets its share. CPU: the launcher's cores split into N contiguous sets (CPU
-  affinity), when there are at least N; GPU: `CUDA_VISIBLE_DEVICES` split into N equal slices. TPU
-  chips are not split here (docs/scaling.md: one server per host, the router in front).
+  affinity), when there are at least N, and with `--tp-size T > 1` T host devices each
+  (`JAX_NUM_CPU_DEVICES=T`); GPU: exactly T of `CUDA_VISIBLE_DEVICES` per worker (the first N x T; more
+  than the visible GPUs is refused with both numbers). TPU chips are not split here (docs/scaling.md:
+  one server per host, the router in front).
 - Flags: every worker gets the launcher's flags as given (so `--max-total-tokens` is per worker),
   without `--dp-size`, `--router-policy`, `--host` and `--port`.
 - Start-up: the workers start together; the router starts once every worker answers /health, and
@@ -104,28 +106,32 @@ def router_argv(args: ServerArgs, worker_urls: list[str]) -> list[str]:
     return argv
 
 
-def device_shares(platform: Platform, dp_size: int, cpus: list[int], visible_gpus: list[str] | None) -> list[DeviceShare]:
-    """Split the devices of `platform` over `dp_size` workers (see the module docstring).
+def device_shares(platform: Platform, dp_size: int, cpus: list[int], visible_gpus: list[str] | None,
+                  tp_size: int = 1) -> list[DeviceShare]:
+    """Split the devices of `platform` over `dp_size` workers of `tp_size` devices each (see the module
+    docstring).
 
     `cpus`: the launcher's CPU affinity; `visible_gpus`: CUDA_VISIBLE_DEVICES as a list, None if unset.
     Raises:
-        ValueError: fewer accelerators than workers, or a TPU.
+        ValueError: fewer GPUs than dp_size x tp_size (both numbers named), or a TPU.
     """
     if platform.name == "cpu":
+        host_devices = (("JAX_NUM_CPU_DEVICES", str(tp_size)),) if tp_size > 1 else ()
         if len(cpus) < dp_size:
-            return [DeviceShare() for _ in range(dp_size)]
+            return [DeviceShare(env=host_devices) for _ in range(dp_size)]
         per, extra = divmod(len(cpus), dp_size)
         shares, start = [], 0
         for i in range(dp_size):
             end = start + per + (i < extra)
-            shares.append(DeviceShare(cpus=tuple(cpus[start:end])))
+            shares.append(DeviceShare(cpus=tuple(cpus[start:end]), env=host_devices))
             start = end
         return shares
     if platform.name == "gpu":
         ids = visible_gpus if visible_gpus is not None else [str(i) for i in range(platform.num_devices)]
-        per = len(ids) // dp_size
-        if per == 0:
-            raise ValueError(f"--dp-size {dp_size} needs at least {dp_size} GPUs; {len(ids)} visible")
+        if dp_size * tp_size > len(ids):
+            raise ValueError(f"--dp-size {dp_size} x --tp-size {tp_size} needs {dp_size * tp_size} GPUs; "
+                             f"{len(ids)} visible")
+        per = tp_size
         return [DeviceShare(env=(("CUDA_VISIBLE_DEVICES", ",".join(ids[i * per:(i + 1) * per])),)) for i in range(dp_size)]
     raise ValueError(f"--dp-size > 1 does not split {platform.name} devices; start one server per host and "
                      "sglang-router in front of them (docs/scaling.md)")
@@ -186,7 +192,7 @@ class DataParallelLauncher:
 
     def __init__(self, args: ServerArgs, platform: Platform):
         self.args = args
-        self.shares = device_shares(platform, args.dp_size, sorted(os.sched_getaffinity(0)), _visible_gpus())
+        self.shares = device_shares(platform, args.dp_size, sorted(os.sched_getaffinity(0)), _visible_gpus(), args.tp_size)
         self.urls = [f"http://{WORKER_HOST}:{p}" for p in worker_ports(args)]
         self.children: list[_Child] = []
         self._stop = threading.Event()

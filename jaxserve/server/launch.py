@@ -21,6 +21,7 @@ engine, bind no port and replay rank 0's programs (`run_follower`) until it send
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -41,6 +42,7 @@ GRACEFUL_SHUTDOWN_S = 5
 # Seconds between the engine's death and the exit: the failed requests' answers go out, and a health
 # probe in that window reads the 503 instead of a refused connection.
 ENGINE_DEATH_EXIT_DELAY_S = 3.0
+REFUSAL_LINGER_S = 3.0
 
 
 def configure_logging(level: str) -> None:
@@ -145,7 +147,7 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
         sock.close()
         raise SystemExit(f"jaxserve: cannot start: {e}") from None
     if cluster is not None:
-        _check_engine_config(cluster, engine)
+        check_engine_config(cluster, engine)
         engine.runner.channel = cluster.channel
     _return_freed_memory()
     engine_loop = EngineLoop(
@@ -204,11 +206,23 @@ def join_cluster(server_args: ServerArgs):
         cluster.check_same_config("flags", distributed.args_fingerprint(server_args))
         cluster.check_devices(server_args.tp_size)
     except distributed.DistributedStartError as e:
-        raise SystemExit(f"jaxserve: cannot start: {e}") from None
+        _refuse_start(f"jaxserve: cannot start: {e}", server_args.node_rank)
     return cluster
 
 
-def _check_engine_config(cluster, engine) -> None:
+def _refuse_start(message: str, rank: int) -> None:
+    """Exit 1 with `message` on stderr, as SystemExit would, but past jax.distributed's shutdown
+    handshake (the runtime aborts a process whose shutdown finds its coordinator gone). Rank 0, whose
+    process holds the coordination service, leaves `REFUSAL_LINGER_S` later, so that the followers
+    read its verdict and exit with their own message first (JAX terminates them once it is gone)."""
+    print(message, file=sys.stderr, flush=True)
+    logging.shutdown()
+    if rank == 0:
+        time.sleep(REFUSAL_LINGER_S)
+    os._exit(1)
+
+
+def check_engine_config(cluster, engine) -> None:
     """What the flags alone do not fix must match too: the model's shape and the KV pool size (sized
     from each host's memory unless --max-total-tokens is given)."""
     from jaxserve.parallel.distributed import DistributedStartError
@@ -218,7 +232,7 @@ def _check_engine_config(cluster, engine) -> None:
     try:
         cluster.check_same_config("engine", fields)
     except DistributedStartError as e:
-        raise SystemExit(f"jaxserve: cannot start: {e}") from None
+        _refuse_start(f"jaxserve: cannot start: {e}", cluster.topology.node_rank)
 
 
 def run_follower(server_args: ServerArgs, cluster) -> None:
@@ -235,8 +249,8 @@ def run_follower(server_args: ServerArgs, cluster) -> None:
     try:
         engine = Engine(server_args)
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"jaxserve: cannot start rank {rank}: {e}") from None
-    _check_engine_config(cluster, engine)
+        _refuse_start(f"jaxserve: cannot start rank {rank}: {e}", rank)
+    check_engine_config(cluster, engine)
     _return_freed_memory()
     # SIGTERM of a follower alone would stall rank 0's next collective; rank 0's watchdog then fails it
     print(f"jaxserve follower ready: rank {rank} of --nnodes {server_args.nnodes} runs rank 0's steps "
@@ -270,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
 
         return launch_data_parallel(args)
     if args.nnodes > 1:
+        # the converted-weights cache is an orbax checkpoint, whose reads and writes under jax.distributed
+        # wait for every process (sync_global_devices) while each rank loads on its own: they stalled
+        args = dataclasses.replace(args, no_weights_cache=True)
         cluster = join_cluster(args)
         if args.node_rank > 0:
             return run_follower(args, cluster)

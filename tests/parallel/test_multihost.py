@@ -122,12 +122,24 @@ def test_follower_killed_mid_run_ends_rank0_naming_it(tiny_model_dir, tmp_path):
         cluster.stop()
 
 
+def test_follower_killed_while_idle_ends_rank0_within_dist_timeout(tiny_model_dir, tmp_path):
+    cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "idle_kill",
+                              dist_timeout=4)
+    try:
+        cluster.wait_healthy(STARTUP_S)
+        cluster.ranks[1].proc.kill()  # no step runs: only rank 0's watchdog can notice
+        assert cluster.wait_exit(0, 4 + 3 + 10) == 1  # --dist-timeout, the death path's 3 s, slack
+        assert "RankLostError: rank 1 of --nnodes 2 stopped: the model cannot run without it (no heartbeat for 4 s)" \
+            in cluster.ranks[0].log()
+    finally:
+        cluster.stop()
+
+
 def test_follower_with_another_page_size_is_refused(tiny_model_dir, tmp_path):
     cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "mismatch",
                               rank_flags={1: ["--page-size", "16"]})
     try:
-        statuses = [cluster.wait_exit(rank, 120) for rank in (0, 1)]
-        assert statuses[0] not in (0, None) and statuses[1] not in (0, None)
+        assert [cluster.wait_exit(rank, 120) for rank in (0, 1)] == [1, 1]
         expected = "rank 1 was started with another configuration than rank 0: --page-size: rank 0 has 8, rank 1 has 16"
         for rank in cluster.ranks:
             assert expected in rank.log()
@@ -144,3 +156,38 @@ def test_rank_that_never_joins_is_named(tiny_model_dir):
     assert proc.returncode == 1
     assert "rank 0 of --nnodes 2: rank 1 did not join at" in proc.stdout + proc.stderr
     assert "within --dist-timeout 3 s" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"], "--node-rank must be in 0..1 (--nnodes 2), got 2"),
+    (["--nnodes", "2"], "--nnodes 2 needs --dist-init-addr HOST:PORT (rank 0's coordinator), none given"),
+    (["--nnodes", "2", "--nccl-init-addr", "nohost"], "needs --dist-init-addr HOST:PORT (rank 0's coordinator), got 'nohost'"),
+    (["--nnodes", "2", "--dist-init-addr", "h:1", "--dp-size", "2"], "--dp-size 2 with --nnodes 2 is not supported"),
+    (["--nnodes", "2", "--dist-init-addr", "h:1", "--tp-size", "3"], "--tp-size 3 must be a multiple of --nnodes 2"),
+    (["--dist-timeout", "0"], "--dist-timeout must be >= 1 second, got 0"),
+])
+def test_bad_multihost_flags_are_refused(argv, message, capsys):
+    from jaxserve.config import ServerArgs
+
+    with pytest.raises(SystemExit):
+        ServerArgs.from_cli(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_flags_keep_sglang_names_and_alias():
+    from jaxserve.config import ServerArgs
+
+    args = ServerArgs.from_cli(["--nnodes", "3", "--node-rank", "1", "--nccl-init-addr", "10.0.0.1:5000", "--dist-timeout", "60",
+                                "--tp-size", "3"])
+    assert (args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout) == (3, 1, "10.0.0.1:5000", 60)
+    assert ServerArgs().dist_timeout is None  # SGLang 0.5.23's default; resolved to 300 s at start
+
+
+def test_tp_size_other_than_all_devices_is_refused(tiny_model_dir, tmp_path):
+    cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "4"], tmp_path, "tp_devices")
+    try:
+        assert [cluster.wait_exit(rank, 120) for rank in (0, 1)] == [1, 1]
+        for rank in cluster.ranks:
+            assert "--tp-size 4 must equal the devices of all --nnodes 2 processes together: 2 (1 per process)" in rank.log()
+    finally:
+        cluster.stop()

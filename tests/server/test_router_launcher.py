@@ -54,14 +54,31 @@ def test_cpu_cores_are_split_into_contiguous_sets():
 
 
 def test_gpus_are_split_through_cuda_visible_devices():
+    # each worker gets exactly --tp-size GPUs (a tp-1 worker would use only the first of several)
     shares = device_shares(Platform("gpu", 4), 2, [0], None)
+    assert [dict(s.env) for s in shares] == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+    shares = device_shares(Platform("gpu", 4), 2, [0], None, tp_size=2)
     assert [dict(s.env) for s in shares] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    shares = device_shares(Platform("gpu", 8), 3, [0], ["1", "2", "3", "4", "5", "6", "7"], tp_size=2)
+    assert [dict(s.env)["CUDA_VISIBLE_DEVICES"] for s in shares] == ["1,2", "3,4", "5,6"]
     shares = device_shares(Platform("gpu", 3), 3, [0], ["5", "6", "7"])
     assert [dict(s.env)["CUDA_VISIBLE_DEVICES"] for s in shares] == ["5", "6", "7"]
-    with pytest.raises(ValueError, match="needs at least 2 GPUs; 1 visible"):
+    with pytest.raises(ValueError, match="--dp-size 2 x --tp-size 1 needs 2 GPUs; 1 visible"):
         device_shares(Platform("gpu", 1), 2, [0], None)
+    with pytest.raises(ValueError, match="--dp-size 2 x --tp-size 3 needs 6 GPUs; 4 visible"):
+        device_shares(Platform("gpu", 4), 2, [0], None, tp_size=3)
     with pytest.raises(ValueError, match="tpu"):
         device_shares(Platform("tpu", 8), 2, [0], None)
+
+
+def test_cpu_workers_with_tp_get_that_many_host_devices():
+    shares = device_shares(Platform("cpu", 4), 2, [0, 1, 2, 3], None, tp_size=3)
+    assert [s.cpus for s in shares] == [(0, 1), (2, 3)]
+    assert [dict(s.env) for s in shares] == [{"JAX_NUM_CPU_DEVICES": "3"}] * 2
+    assert device_shares(Platform("cpu", 1), 2, [0], None, tp_size=2) == [DeviceShare(env=(("JAX_NUM_CPU_DEVICES", "2"),))] * 2
+    # the worker's flags keep --tp-size: each worker runs its own tp-3 mesh over those devices
+    args = ServerArgs.from_cli(["--dp-size", "2", "--tp-size", "3", "--port", "8000"])
+    assert worker_argv(args, 8001) == ["--tp-size", "3", "--host", "127.0.0.1", "--port", "8001"]
 
 
 def test_bad_dp_flags_are_refused():

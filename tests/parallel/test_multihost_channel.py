@@ -1,0 +1,196 @@
+"""The multi-host step channel and fault logic in one process, over an in-memory stand-in for JAX's
+coordination-service client (jaxserve/parallel/distributed.py): followers replay rank 0's runner calls
+in order, read messages are deleted, a rank whose heartbeat stands still is named, and a flag that
+differs is refused on both sides with both values."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxserve.parallel import distributed
+from jaxserve.parallel.distributed import Cluster, DistributedStartError, RankLostError, Topology
+
+
+class FakeClient:
+    """The key-value calls of `jax._src.lib._jax.DistributedRuntimeClient` that distributed.py uses."""
+
+    def __init__(self):
+        self.store: dict[str, object] = {}
+        self._cond = threading.Condition()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self._cond:
+            self.store[key] = value
+            self._cond.notify_all()
+
+    key_value_set_bytes = key_value_set
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self.store, timeout_in_ms / 1000):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+            return self.store[key]
+
+    blocking_key_value_get_bytes = blocking_key_value_get
+
+    def key_value_try_get(self, key):
+        with self._cond:
+            if key not in self.store:
+                raise RuntimeError(f"NOT_FOUND: Config key {key} not found.")
+            return str(self.store[key])
+
+    def key_value_increment(self, key, increment):
+        with self._cond:
+            self.store[key] = int(self.store.get(key, 0)) + increment
+            return self.store[key]
+
+    def key_value_delete(self, key):
+        with self._cond:
+            self.store.pop(key, None)
+
+
+def _cluster(client, rank: int, nnodes: int = 2, timeout_s: int = 5) -> Cluster:
+    return Cluster(Topology(nnodes, rank, "127.0.0.1:1", timeout_s), client)
+
+
+class RecordingRunner:
+    def __init__(self):
+        self.calls = []
+
+    def run_batch(self, batch, key, input_logprobs):
+        self.calls.append(("run_batch", batch["ids"].tolist(), key, input_logprobs))
+        logits = f"logits of step {len(self.calls)}"
+        return (logits, np.zeros(2)) if input_logprobs else logits
+
+    def sample(self, logits, sampling, flags):
+        self.calls.append(("sample", logits, sampling, flags))
+
+    def read_pages(self, pages):
+        self.calls.append(("read_pages", list(pages)))
+
+    def copy_pages(self, src, dst):
+        self.calls.append(("copy_pages", list(src), list(dst)))
+
+    def write_pages(self, pages, k, v):
+        self.calls.append(("write_pages", list(pages), k.shape, v.dtype.str))
+
+
+def test_follower_replays_rank0_calls_in_order(monkeypatch):
+    client = FakeClient()
+    leader = _cluster(client, 0)
+    ch = leader.channel
+    # published, not run through step(): a sample's step deletes what the (here absent) followers read
+    ch.publish("run_batch", {"ids": np.array([1, 2, 3])}, "bucket-a", False)
+    ch.publish("sample", "sampling-1", "greedy")
+    ch.publish("run_batch", {"ids": np.array([4])}, "bucket-b", True)
+    ch.publish("sample", "sampling-2", "top-p")
+    ch.publish("read_pages", [3, 4])
+    ch.publish("copy_pages", [3], [7])
+    ch.publish("write_pages", [5, 6], ((2, 2, 4), "<f4"), ((2, 2, 4), "<f4"))
+    leader.close()  # publishes shutdown
+    # the page contents would come through a collective; here rank 0's share is zeros of the template
+    monkeypatch.setattr(distributed, "receive_shared", lambda *t: tuple(np.zeros(s, np.dtype(d)) for s, d in t))
+    runner = RecordingRunner()
+    assert distributed.follow(runner, _cluster(client, 1)) == 7
+    assert runner.calls == [
+        ("run_batch", [1, 2, 3], "bucket-a", False),
+        ("sample", "logits of step 1", "sampling-1", "greedy"),
+        ("run_batch", [4], "bucket-b", True),
+        ("sample", "logits of step 3", "sampling-2", "top-p"),  # the logits of the follower's own forward
+        ("read_pages", [3, 4]),
+        ("copy_pages", [3], [7]),
+        ("write_pages", [5, 6], (2, 2, 4), "<f4"),
+    ]
+
+
+def test_messages_are_deleted_once_a_sample_proves_every_rank_read_them():
+    client = FakeClient()
+    ch = _cluster(client, 0).channel
+    with ch.step("run_batch", {"ids": np.array([1])}, "b", False):
+        pass
+    with ch.step("copy_pages", [1], [2]):
+        pass
+    with ch.step("run_batch", {"ids": np.array([2])}, "b", False):
+        pass
+    assert sorted(k for k in client.store if k.startswith("jaxserve/op/")) == [f"jaxserve/op/{i}" for i in range(3)]
+    with ch.step("sample", "s", "f"):
+        pass
+    # up to the last forward (message 2) every rank has read; the sample itself may still be unread
+    assert [k for k in client.store if k.startswith("jaxserve/op/")] == ["jaxserve/op/3"]
+
+
+def test_a_rank_whose_heartbeat_stands_still_is_named(monkeypatch):
+    client = FakeClient()
+    leader = _cluster(client, 0, nnodes=3)
+    client.key_value_increment("jaxserve/alive/1", 1)
+    client.key_value_increment("jaxserve/alive/2", 1)
+    assert leader.lost_ranks(stale_s=0.2) == []  # first look
+    for _ in range(4):
+        time.sleep(0.1)
+        client.key_value_increment("jaxserve/alive/2", 1)  # rank 2 beats, rank 1 is silent
+        lost = leader.lost_ranks(stale_s=0.2)
+    assert lost == [1]
+
+    monkeypatch.setattr(distributed, "FAILED_STEP_STALE_S", 0.2)
+    with pytest.raises(RankLostError, match=r"rank 1 of --nnodes 3 stopped: .*\(Gloo all-reduce failed\)") as e:
+        with leader.channel.step("run_batch", {"ids": np.array([1])}, "b", False):
+            raise ValueError("Gloo all-reduce failed")
+    assert isinstance(e.value.__cause__, ValueError)
+    with pytest.raises(RankLostError):  # every later call fails at once
+        with leader.channel.step("sample", "s", "f"):
+            pass
+
+
+def test_a_failure_with_every_rank_alive_propagates_unchanged(monkeypatch):
+    client = FakeClient()
+    leader = _cluster(client, 0)
+    monkeypatch.setattr(distributed, "LOSS_REPORT_WAIT_S", 0.3)
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.05):
+            client.key_value_increment("jaxserve/alive/1", 1)
+
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        with pytest.raises(ValueError, match="a bug"):
+            with leader.channel.step("run_batch", {"ids": np.array([1])}, "b", False):
+                raise ValueError("a bug")
+    finally:
+        stop.set()
+        t.join()
+    assert leader.lost is None
+
+
+def test_a_different_flag_is_refused_on_both_ranks_with_both_values():
+    client = FakeClient()
+    follower_error = []
+
+    def follower():
+        try:
+            _cluster(client, 1).check_same_config("flags", {"--page-size": 16, "--tp-size": 2})
+        except DistributedStartError as e:
+            follower_error.append(str(e))
+
+    t = threading.Thread(target=follower)
+    t.start()
+    with pytest.raises(DistributedStartError) as e:
+        _cluster(client, 0).check_same_config("flags", {"--page-size": 8, "--tp-size": 2})
+    t.join(10)
+    expected = "rank 1 was started with another configuration than rank 0: --page-size: rank 0 has 8, rank 1 has 16"
+    assert str(e.value) == expected and follower_error == [expected]
+
+
+def test_same_config_passes_and_a_silent_rank_times_out_naming_it():
+    client = FakeClient()
+    t = threading.Thread(target=lambda: _cluster(client, 1).check_same_config("flags", {"--page-size": 8}))
+    t.start()
+    _cluster(client, 0).check_same_config("flags", {"--page-size": 8})
+    t.join(10)
+    with pytest.raises(DistributedStartError, match="rank 0: no answer from rank 1 within --dist-timeout 1 s"):
+        _cluster(client, 0, timeout_s=1).check_same_config("engine", {"KV pool pages": 129})
