@@ -57,9 +57,12 @@ class PoolShape:
 
 def available_memory_bytes(devices=None) -> int:
     """Free memory in bytes of the least free of `devices` (default: the first device), each of which
-    holds one share of the pool; on CPU (no device memory stats), MemAvailable from /proc/meminfo."""
+    holds one share of the pool; on CPU (no device memory stats), MemAvailable from /proc/meminfo. Only
+    this process's devices are read (PjRt has no memory stats for another process's devices)."""
     free = []
     for dev in list(devices) if devices is not None else jax.devices()[:1]:
+        if dev.process_index != jax.process_index():
+            continue
         stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
         if stats and "bytes_limit" in stats:
             free.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
