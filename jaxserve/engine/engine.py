@@ -240,9 +240,16 @@ class Engine:
             RequestError: a text so long that it cannot fit the context whatever its tokens (field
                 "prompt"): no token covers more than `max_token_chars` characters, so such a text is
                 refused before tokenizing it (a 20 MB prompt took ~16 s of the one preprocessing
-                thread, stalling every other request's submit).
+                thread, stalling every other request's submit); a text that is not valid Unicode (a lone
+                UTF-16 surrogate, which JSON's \\uXXXX escapes can carry; the tokenizer cannot take it).
         """
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(
+                    "prompt", f"the text is not valid Unicode: a lone surrogate U+{ord(prompt[e.start]):04X} at character {e.start}"
+                ) from None
             at_least = len(prompt) // self.max_token_chars
             if at_least >= self.context_length:
                 raise RequestError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -12,6 +13,12 @@ HUGE_TEXT = "x" * 3_000_000  # too long for any tokenization: refused before the
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
+
+
+def _ascii_json(body) -> bytes:
+    """The body as JSON with \\uXXXX escapes (httpx's json= writes UTF-8, which cannot carry a lone surrogate)."""
+    return json.dumps(body).encode()
+
 
 # (endpoint, body (dict, or raw bytes), expected param or None, text expected in the message)
 BAD_INPUTS = [
@@ -63,6 +70,11 @@ BAD_INPUTS = [
     ("/generate", {"text": LONG_TEXT}, "text", "256"),
     ("/generate", {"text": HUGE_TEXT}, "text", "3000000 characters"),
     (COMPLETIONS, {"prompt": HUGE_TEXT}, "prompt", "3000000 characters"),
+    # a lone UTF-16 surrogate is legal JSON (a \udcff escape) but no text: the tokenizer raised a TypeError (a 500)
+    ("/generate", _ascii_json({"text": "a\udcffb"}), "text", "surrogate"),
+    ("/generate", _ascii_json({"text": ["ok", "a\ud800"]}), "text", "surrogate"),
+    (COMPLETIONS, _ascii_json({"prompt": "a\udcffb", "max_tokens": 2}), "prompt", "surrogate"),
+    (CHAT, _ascii_json({"messages": [{"role": "user", "content": "a\udcffb"}]}), "messages", "surrogate"),
     ("/abort_request", {}, "rid", "rid"),
 ]
 
