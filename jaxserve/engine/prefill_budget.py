@@ -84,13 +84,16 @@ class PrefillBudget:
         cap = self.stall_fraction * STALL_CREDIT_WINDOW
         self.stall_credit = min(cap, self.stall_credit + self.stall_fraction * num_decodes)
         decode = self.decode_seconds(num_decodes)
-        if num_prefill_tokens and decode is not None and seconds > self.itl_ratio * decode:
+        # an unmeasured decode step counts the chunk step as long: the credit never pays less than it lost
+        if num_prefill_tokens and (decode is None or seconds > self.itl_ratio * decode):
             self.stall_credit -= num_decodes  # each running decode waited one long ITL
 
     def can_stall(self, num_decodes: int) -> bool:
         """Whether a step beside `num_decodes` running decodes may take a whole chunk, over the bound:
-        the stall credit pays one long ITL for each of them (see the module docstring)."""
-        return self.enabled and self.stall_fraction > 0 and num_decodes > 0 and self.stall_credit >= num_decodes
+        the stall credit pays one long ITL for each of them (see the module docstring), and their
+        decode step was measured (else the bound itself is unknown, and `budget` measures it first)."""
+        return (self.enabled and self.stall_fraction > 0 and num_decodes > 0 and self.stall_credit >= num_decodes
+                and self.decode_seconds(num_decodes) is not None)
 
     def decode_seconds(self, num_decodes: int) -> float | None:
         """Estimated seconds of a decode-only step of `num_decodes` requests (None before any was seen):

@@ -96,6 +96,10 @@ def test_stall_credit_pays_for_few_long_steps():
         for _ in range(1000):
             budget.observe(4, 0, 0.05)
         assert not budget.can_stall(1)
+    b.stall_credit = 16.0
+    assert not b.can_stall(2)  # no decode step of 2 (or fewer) measured: no bound known yet
+    b.observe(2, 128, 0.50)  # a chunk step beside it is charged as long
+    assert b.stall_credit == pytest.approx(16.0 - 2)  # (the credit was at its cap)
     with pytest.raises(ValueError, match="stall_fraction"):
         PrefillBudget(2.0, 8, 512, stall_fraction=1.0)
 
