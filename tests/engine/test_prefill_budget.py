@@ -178,3 +178,21 @@ def test_enable_mixed_chunk_is_tri_state():
     assert ServerArgs.from_cli(["--no-enable-mixed-chunk"]).resolved("cpu").enable_mixed_chunk is False
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--disable-mixed-chunk"])  # the old switch is gone, not silently ignored
+
+
+def test_stall_fraction_flag_is_validated():
+    """`--prefill-decode-stall-fraction` is a share in [0, 1): anything else is refused by name."""
+    import pytest
+
+    from jaxserve.config import ServerArgs
+
+    import dataclasses
+
+    args = ServerArgs.from_cli([])
+    assert args.prefill_decode_stall_fraction == 0.01
+    assert ServerArgs.from_cli(["--prefill-decode-stall-fraction", "0"]).prefill_decode_stall_fraction == 0
+    for bad in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="--prefill-decode-stall-fraction"):
+            dataclasses.replace(args, prefill_decode_stall_fraction=bad).validate()
+    with pytest.raises(SystemExit):  # the CLI refuses it too, before anything starts
+        ServerArgs.from_cli(["--prefill-decode-stall-fraction", "1"])
