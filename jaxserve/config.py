@@ -279,6 +279,13 @@ class ServerArgs:
         group="scheduling",
     )
     min_prefill_budget: int = _flag(32, "fewest prefill tokens a step with running decodes may take (so prompts always progress)", group="scheduling")
+    prefill_decode_stall_fraction: float = _flag(
+        0.01,
+        "share of decode tokens (0 to 1) that steps over --prefill-decode-itl-ratio may delay: a step takes a whole chunk "
+        "while the steps measured over the bound have delayed at most this share of decode tokens (a P99 bound leaves 1 percent); "
+        "0 keeps the bound on every step",
+        group="scheduling",
+    )
     speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request and the radix cache) (default: none, one token per decode step)", choices=("NGRAM",), group="speculative")
     speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 12 for NGRAM: SGLang's default, kept because a batch-1 verification measured ~2.2x a decode step for any K from 2 to 15, docs/benchmarks.md)", group="speculative")
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
@@ -390,6 +397,8 @@ class ServerArgs:
     def _validate_decode_latency(self) -> None:
         if self.prefill_decode_itl_ratio != 0 and self.prefill_decode_itl_ratio <= 1:
             raise ValueError(f"--prefill-decode-itl-ratio must be > 1, or 0 to turn it off; got {self.prefill_decode_itl_ratio}")
+        if not 0 <= self.prefill_decode_stall_fraction < 1:
+            raise ValueError(f"--prefill-decode-stall-fraction must be in [0, 1), got {self.prefill_decode_stall_fraction}")
         if self.min_prefill_budget < 1:
             raise ValueError(f"--min-prefill-budget must be >= 1, got {self.min_prefill_budget}")
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:

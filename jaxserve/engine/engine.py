@@ -128,6 +128,7 @@ class Engine:
                 seed=args.random_seed,
                 prefill_decode_itl_ratio=args.prefill_decode_itl_ratio,
                 min_prefill_budget=args.min_prefill_budget,
+                prefill_decode_stall_fraction=args.prefill_decode_stall_fraction,
                 extend_token_buckets=tuple(self.runner.extend_tokens),
             ),
             self.cache,

@@ -9,7 +9,8 @@ Batch choice: a prefill batch when requests wait, except that when both prefills
 pending they alternate, so a long chunked prompt never stalls running streams. With mixed chunks
 (`--enable-mixed-chunk`, the CPU default) the decodes ride in the same forward as the prefill chunk.
 While decodes run, a step's prefill tokens are capped by `PrefillBudget` (measured step times), so a
-chunk delays the running streams' next token by a bounded factor (`--prefill-decode-itl-ratio`).
+chunk delays the running streams' next token by a bounded factor (`--prefill-decode-itl-ratio`),
+except for the few steps the stall allowance pays for (`--prefill-decode-stall-fraction`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class SchedulerConfig:
     seed: int = 0
     prefill_decode_itl_ratio: float = 0.0  # 0: no bound on the prefill tokens beside decodes
     min_prefill_budget: int = 32
+    prefill_decode_stall_fraction: float = 0.0  # share of decode tokens that steps over the bound may delay
     # the model runner's extend token buckets: a capped step is filled up to its bucket, whose padding
     # rows cost the same compute as real tokens
     extend_token_buckets: tuple[int, ...] = ()
@@ -90,6 +92,7 @@ class Scheduler:
             config.prefill_decode_itl_ratio if config.chunked_prefill_size > 0 else 0.0,
             config.min_prefill_budget,
             self._token_budget(),
+            config.prefill_decode_stall_fraction,
         )
 
     # ---- queues ---------------------------------------------------------------------------------
@@ -154,7 +157,7 @@ class Scheduler:
     def _schedule_prefill(self, num_decodes: int) -> ScheduleBatch | None:
         chunking = self.config.chunked_prefill_size > 0
         budget = self._token_budget()
-        if self.running:
+        if self.running and not self.prefill_budget.can_stall(len(self.running)):
             cap = self.prefill_budget.budget(len(self.running))  # 0: measure a decode-only step first
             buckets = self.config.extend_token_buckets
             step = self.prefill_budget.step_tokens(num_decodes, cap, buckets) if buckets else self._fill_bucket(num_decodes + cap)

@@ -60,6 +60,75 @@ def test_step_bucket_steps_down_from_buckets_measured_over_the_bound():
     assert PrefillBudget(0.0, 8, 512).step_tokens(7, 32, buckets) == 64  # bound off: plain fill
 
 
+def test_stall_credit_pays_for_few_long_steps():
+    """The stall allowance: each decode token earns stall_fraction of a credit, each decode token of a
+    step measured over itl_ratio x its decode step spends one; a whole chunk is allowed only while the
+    credit covers every running decode, so at most ~stall_fraction of the decode tokens wait long."""
+    import pytest
+
+    b = PrefillBudget(itl_ratio=2.0, min_tokens=8, max_tokens=512, stall_fraction=0.01)
+    assert not b.can_stall(4)  # nothing earned yet
+    for _ in range(99):
+        b.observe(4, 0, 0.05)  # 4 decode tokens per step
+    assert b.stall_credit == pytest.approx(3.96)
+    assert not b.can_stall(4) and b.can_stall(3)
+    b.observe(4, 0, 0.05)
+    assert b.can_stall(4)  # 400 decode tokens: 4 may wait one long ITL each
+    assert not b.can_stall(0)  # no decode runs: nothing to allow (the budget is the chunk anyway)
+    b.observe(4, 128, 0.50)  # a whole chunk, 10x the decode step: 4 long ITLs spent
+    assert b.stall_credit == pytest.approx(0.04)
+    assert not b.can_stall(1)
+    b.observe(4, 30, 0.09)  # a bounded chunk step (1.8x) earns like a decode step
+    assert b.stall_credit == pytest.approx(0.08)
+    for _ in range(10_000):
+        b.observe(4, 0, 0.05)
+    assert b.stall_credit == pytest.approx(16.0)  # capped: a quiet spell banks no burst of stalls
+    # ten long steps in a row: only the first four were allowed, and the credit shows the debt
+    allowed = 0
+    for _ in range(10):
+        if b.can_stall(4):
+            allowed += 1
+            b.observe(4, 128, 0.50)
+    assert allowed == 4
+    off = PrefillBudget(itl_ratio=2.0, min_tokens=8, max_tokens=512)
+    unbounded = PrefillBudget(itl_ratio=0.0, min_tokens=8, max_tokens=512, stall_fraction=0.01)
+    for budget in (off, unbounded):
+        for _ in range(1000):
+            budget.observe(4, 0, 0.05)
+        assert not budget.can_stall(1)
+    b.stall_credit = 16.0
+    assert not b.can_stall(2)  # no decode step of 2 (or fewer) measured: no bound known yet
+    b.observe(2, 128, 0.50)  # a chunk step beside it is charged as long
+    assert b.stall_credit == pytest.approx(16.0 - 2)  # (the credit was at its cap)
+    with pytest.raises(ValueError, match="stall_fraction"):
+        PrefillBudget(2.0, 8, 512, stall_fraction=1.0)
+
+
+def test_scheduler_takes_a_whole_chunk_on_stall_credit(tiny_model_dir):
+    """With credit for every running decode, the step prefills the whole waiting prompt beside the
+    decodes instead of a budget-sized chunk; without it, the budget holds."""
+    from jaxserve.engine.engine import Engine
+
+    eng = Engine(model_path=tiny_model_dir, max_total_tokens=4096, max_running_requests=16, chunked_prefill_size=128,
+                 context_length=512, disable_precompile=True, prefill_decode_itl_ratio=3.0, min_prefill_budget=4)
+    for i in range(3):
+        eng.add_request(list(range(10 + i, 40 + i)), {"max_new_tokens": 50})
+    while len(eng.scheduler.running) < 3:
+        eng.step()
+    eng.add_request(list(range(100, 190)), {"max_new_tokens": 4})  # 90 prompt tokens
+    sched = eng.scheduler
+    budget = sched.prefill_budget = PrefillBudget(3.0, 4, 128, stall_fraction=0.01)
+    budget.observe(3, 0, 0.05)
+    budget.observe(0, 100, 0.5)  # 5 ms per prompt token: (3 - 1) x 50 / 5 = 20 tokens
+    budget.stall_credit = 2.9  # short of the 3 running decodes
+    batch = sched.schedule()
+    assert sorted(batch.extend_lens) == [1, 1, 1, 29]
+    eng._postprocess(batch, eng.runner.sample(*_logits_and_sampling(eng, batch)))
+    budget.stall_credit = 3.0
+    batch = sched.schedule()
+    assert sorted(batch.extend_lens) == [1, 1, 1, 90 - 29]  # the rest of the prompt in one step
+
+
 def test_scheduler_caps_prefill_beside_decodes(tiny_model_dir):
     """A prompt that arrives while requests decode is prefilled in budget-sized chunks, mixed with
     the decodes; its chunks grow when the measured decode step gets longer."""
@@ -109,3 +178,21 @@ def test_enable_mixed_chunk_is_tri_state():
     assert ServerArgs.from_cli(["--no-enable-mixed-chunk"]).resolved("cpu").enable_mixed_chunk is False
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--disable-mixed-chunk"])  # the old switch is gone, not silently ignored
+
+
+def test_stall_fraction_flag_is_validated():
+    """`--prefill-decode-stall-fraction` is a share in [0, 1): anything else is refused by name."""
+    import pytest
+
+    from jaxserve.config import ServerArgs
+
+    import dataclasses
+
+    args = ServerArgs.from_cli([])
+    assert args.prefill_decode_stall_fraction == 0.01
+    assert ServerArgs.from_cli(["--prefill-decode-stall-fraction", "0"]).prefill_decode_stall_fraction == 0
+    for bad in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="--prefill-decode-stall-fraction"):
+            dataclasses.replace(args, prefill_decode_stall_fraction=bad).validate()
+    with pytest.raises(SystemExit):  # the CLI refuses it too, before anything starts
+        ServerArgs.from_cli(["--prefill-decode-stall-fraction", "1"])
