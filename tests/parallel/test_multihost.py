@@ -90,6 +90,7 @@ def reference(servers) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_two_processes_match_one_process_tp1(servers, reference, tp):
     cluster = servers[tp]
@@ -101,6 +102,7 @@ def test_two_processes_match_one_process_tp1(servers, reference, tp):
     assert all(r.proc.poll() is None for r in cluster.ranks)
 
 
+@pytest.mark.slow
 def test_follower_killed_mid_run_ends_rank0_naming_it(tiny_model_dir, tmp_path):
     cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "kill",
                               dist_timeout=15)
@@ -122,6 +124,7 @@ def test_follower_killed_mid_run_ends_rank0_naming_it(tiny_model_dir, tmp_path):
         cluster.stop()
 
 
+@pytest.mark.slow
 def test_follower_killed_while_idle_ends_rank0_within_dist_timeout(tiny_model_dir, tmp_path):
     cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "idle_kill",
                               dist_timeout=4)
@@ -135,6 +138,7 @@ def test_follower_killed_while_idle_ends_rank0_within_dist_timeout(tiny_model_di
         cluster.stop()
 
 
+@pytest.mark.slow
 def test_follower_with_another_page_size_is_refused(tiny_model_dir, tmp_path):
     cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "mismatch",
                               rank_flags={1: ["--page-size", "16"]})
@@ -148,6 +152,7 @@ def test_follower_with_another_page_size_is_refused(tiny_model_dir, tmp_path):
         cluster.stop()
 
 
+@pytest.mark.slow
 def test_rank_that_never_joins_is_named(tiny_model_dir):
     args = ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2", "--nnodes", "2", "--node-rank", "0",
             "--dist-init-addr", f"127.0.0.1:{free_port()}", "--dist-timeout", "3", "--port", str(free_port())]
@@ -183,6 +188,7 @@ def test_flags_keep_sglang_names_and_alias():
     assert ServerArgs().dist_timeout is None  # SGLang 0.5.23's default; resolved to 300 s at start
 
 
+@pytest.mark.slow
 def test_tp_size_other_than_all_devices_is_refused(tiny_model_dir, tmp_path):
     cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "4"], tmp_path, "tp_devices")
     try:
