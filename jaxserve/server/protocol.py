@@ -17,6 +17,7 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 
 class _Request(BaseModel):
@@ -140,7 +141,10 @@ class CompletionRequest(_OpenAISampling):
 
 
 class ContentPart(_Request):
-    type: str
+    # the schema says what is served (text parts); validation stays in chat_prompt, which names the field
+    model_config = ConfigDict(json_schema_extra={"required": ["type", "text"]})
+
+    type: str = Field(json_schema_extra={"enum": ["text"]})
     text: str | None = None
 
 
@@ -158,8 +162,16 @@ class ToolCallIn(_Request):
 
 
 class ChatMessage(_Request):
+    # /openapi.json: content is required except on an assistant message with tool_calls (what
+    # openai_api checks, naming messages[i].content); a null content is not documented
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["content"]},
+        {"required": ["tool_calls"],
+         "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}},
+    ]})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | SkipJsonSchema[None] = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call they answer
@@ -196,7 +208,7 @@ class ChatCompletionRequest(_OpenAISampling):
     of closing it; `add_generation_prompt` (default true) opens a new assistant turn.
     """
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
@@ -204,8 +216,9 @@ class ChatCompletionRequest(_OpenAISampling):
     parallel_tool_calls: bool = True
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
-    # not a chat field (OpenAI refuses it); kept only to answer with a 400 that names it
-    best_of: Any = None
+    # not a chat field (OpenAI refuses it); kept only to answer with a 400 that names it, and out of
+    # /openapi.json, which documents what the route accepts
+    best_of: SkipJsonSchema[Any] = None
 
 
 # ---- OpenAI: responses --------------------------------------------------------------------------
