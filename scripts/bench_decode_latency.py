@@ -54,10 +54,16 @@ def start_server(flags: list[str], port: int, log_path: Path) -> subprocess.Pope
         [sys.executable, str(HERE / "serve.py"), "--port", str(port), *flags],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    deadline = time.monotonic() + 900
+    return wait_healthy(proc, port, log_path, timeout_s=900, what="server")
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout_s: float, what: str) -> subprocess.Popen:
+    """Returns `proc` once GET /health on 127.0.0.1:`port` answers 200. Raises RuntimeError (with the log's
+    tail) if it exits first, TimeoutError (after killing it) if `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
+            raise RuntimeError(f"{what} exited: {Path(log_path).read_text()[-3000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
                 return proc
@@ -65,7 +71,7 @@ def start_server(flags: list[str], port: int, log_path: Path) -> subprocess.Pope
             pass
         time.sleep(1)
     proc.kill()
-    raise TimeoutError("server did not start")
+    raise TimeoutError(f"{what} did not start")
 
 
 def spec_counters(port: int) -> dict[str, float]:

@@ -21,10 +21,8 @@ import json
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("bench_decode_latency", HERE / "bench_decode_latency.py")
@@ -54,18 +52,7 @@ def start_llama_server(binary: str, gguf: str, port: int, threads: int, parallel
     argv = [binary, "-m", gguf, "-t", str(threads), "-np", str(parallel), "-cb", "-c", str(ctx),
             "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise TimeoutError("llama-server did not start")
+    return latency.wait_healthy(proc, port, log, timeout_s=300, what="llama-server")
 
 
 def run_workloads(server: str, port: int, workloads: list[str], tokenizer: str, seed: int) -> list[dict]:
