@@ -28,6 +28,7 @@ from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, pre
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
+from jaxserve.server.request_checks import check_logprob_start_len, check_seed
 from jaxserve.server.sglang_fields import check_request, check_sampling_params
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
@@ -94,6 +95,10 @@ def _parse(body: dict[str, Any]) -> GenerateRequest:
         body["sampling_params"] = check_sampling_params(sp)
     elif isinstance(sp, list):
         body["sampling_params"] = [check_sampling_params(x) if isinstance(x, dict) else x for x in sp]
+    for params in sp if isinstance(sp, list) else [sp]:
+        if isinstance(params, dict):
+            for name in ("seed", "sampling_seed"):
+                check_seed(params.get(name), name)
     return GenerateRequest.model_validate(body)
 
 
@@ -113,7 +118,11 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], f
     sequences = {}
     try:
         for p in prompts:
-            prompt = tokenize(p.prompt) if req.return_prompt_token_ids else p.prompt  # tokenized once
+            checks_start = (p.return_logprob or p.top_logprobs_num > 0) and p.logprob_start_len != -1
+            # tokenized once, here when its length or ids are needed
+            prompt = tokenize(p.prompt) if req.return_prompt_token_ids or checks_start else p.prompt
+            if checks_start:
+                check_logprob_start_len(p.logprob_start_len, len(prompt))
             rids = group.submit(
                 prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
                 top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,

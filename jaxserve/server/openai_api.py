@@ -59,6 +59,7 @@ from jaxserve.server.protocol import (
     _OpenAISampling,
 )
 from jaxserve.server.metrics import mark_streaming
+from jaxserve.server.request_checks import check_seed
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
 MAX_TOP_LOGPROBS = 20
@@ -114,11 +115,13 @@ def _json_schema_of(req: _OpenAISampling) -> str | None:
 
 
 def check_openai_request(req: _OpenAISampling) -> None:
-    """Checks OpenAI makes on both endpoints: `stream_options` only with `stream: true`.
+    """Checks made on both endpoints: `stream_options` only with `stream: true` (OpenAI's rule); a
+    `seed` in the signed 64-bit range (`request_checks.check_seed`).
 
     Raises:
         APIError: 400 naming the field.
     """
+    check_seed(req.seed)
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options",
                        code="invalid_value")

@@ -19,6 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from jaxserve.server.request_checks import SEED_MAX, SEED_MIN
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -113,7 +115,8 @@ class _OpenAISampling(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    # the range is checked by request_checks.check_seed (a 400 naming seed); the schema says it
+    seed: int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
     user: str | None = None
     logit_bias: dict[str, float | int] | None = None
     response_format: ResponseFormat | None = None

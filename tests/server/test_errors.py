@@ -76,6 +76,19 @@ BAD_INPUTS = [
     (COMPLETIONS, _ascii_json({"prompt": "a\udcffb", "max_tokens": 2}), "prompt", "surrogate"),
     (CHAT, _ascii_json({"messages": [{"role": "user", "content": "a\udcffb"}]}), "messages", "surrogate"),
     ("/abort_request", {}, "rid", "rid"),
+    # logprob_start_len past the prompt was a 200 with empty prompt logprobs; SGLang's scheduler refuses it
+    ("/generate", {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len",
+     "prompt, which has 3 tokens"),
+    ("/generate", {"input_ids": [[1, 2], [1, 2, 3, 4]], "return_logprob": True, "logprob_start_len": [0, 5]},
+     "logprob_start_len", "has 4 tokens"),
+    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 10**6}, "logprob_start_len", "past the end"),
+    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len", "-1"),
+    # seeds outside the signed 64-bit range of OpenAI's schema were accepted (and silently reduced mod 2**32)
+    (COMPLETIONS, {"prompt": "hi", "seed": 2**70}, "seed", "64-bit"),
+    (COMPLETIONS, {"prompt": "hi", "seed": 2**63}, "seed", "64-bit"),
+    (CHAT, {"messages": MSG, "seed": -(2**63) - 1}, "seed", "64-bit"),
+    ("/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, "seed", "64-bit"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"sampling_seed": -(2**70)}]}, "sampling_seed", "64-bit"),
 ]
 
 
@@ -122,3 +135,32 @@ def test_server_still_serves_after_bad_input(http):
     assert http.get("/health").status_code == 200
     r = http.post(CHAT, json={"messages": MSG, "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_logprob_start_len_at_the_prompt_length_means_no_prompt_positions(http):
+    """SGLang accepts logprob_start_len == the prompt's length: no prompt positions, only output logprobs."""
+    def meta(start: int) -> dict:
+        r = http.post("/generate", json={"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": start,
+                                         "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]
+
+    at_end = meta(3)
+    assert at_end["input_token_logprobs"] == [] and len(at_end["output_token_logprobs"]) == 1
+    assert [t for _, t, _ in meta(1)["input_token_logprobs"]] == [2, 3]
+    # without return_logprob the field is ignored, as in SGLang
+    r = http.post("/generate", json={"input_ids": [1, 2, 3], "logprob_start_len": 99, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200, r.text
+
+
+def test_seed_is_taken_mod_2_32_over_the_64_bit_range(http):
+    """docs/api.md: a seed in [-2**63, 2**63 - 1] is honoured mod 2**32 (the sampler's uint32 key)."""
+    def tokens(path: str, seed: int) -> list:
+        body = {"prompt": "Once upon", "max_tokens": 6, "temperature": 1.0, "seed": seed, "logprobs": 0}
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    assert tokens(COMPLETIONS, -1) == tokens(COMPLETIONS, 2**32 - 1)
+    assert tokens(COMPLETIONS, 2**63 - 1) == tokens(COMPLETIONS, 2**32 - 1)  # 2**63 - 1 = 2**32 - 1 (mod 2**32)
+    assert tokens(COMPLETIONS, -(2**63)) == tokens(COMPLETIONS, 0)
