@@ -49,6 +49,7 @@ from typing import Any, Callable, Hashable, Sequence
 from jaxserve.constrained import InvalidGrammarError
 from jaxserve.engine.engine import Engine, EngineStats, RequestError, RequestMeta, StepOutput
 from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
+from jaxserve.parallel.distributed import RankLostError
 
 logger = logging.getLogger(__name__)
 
@@ -467,7 +468,9 @@ class EngineLoop:
         """The loop thread ends: fail every pending request with a 500 naming `e`, then tell the observers."""
         self._num_step_failures += 1
         message = f"{type(e).__name__}: {e}"
-        logger.error("the engine died; failing every pending request", exc_info=e)
+        # a lost rank is no bug of this process: its message names the rank, a traceback adds nothing
+        logger.error("the engine died (%s); failing every pending request", message,
+                     exc_info=None if isinstance(e, RankLostError) else e)
         with self._cond:
             self._error = message
             self._inbox.clear()  # queued adds never reach the engine; their rids are pending and failed below

@@ -20,11 +20,17 @@ Faults (nothing hangs):
 - start-up: a rank missing after `--dist-timeout` seconds ends the process with an error naming the
   ranks it waited for (JAX itself would abort with no name: our timer exits first);
 - a rank started with another configuration is refused by rank 0 (`check_same_config`): both exit
-  with the flag and both values;
+  with the flag and both values; a follower that gave up waiting for rank 0's verdict (rank 0 loaded
+  for longer than `--dist-timeout`) reports it, and rank 0 refuses to start instead of printing its
+  ready line (every follower acknowledges the verdict);
 - a rank that dies while serving: its collective fails on the other ranks (gloo: connection reset)
   and its heartbeat counter in the store (`jaxserve/alive/<rank>`, bumped every 0.5 s by a follower
   thread) stands still; rank 0 then raises `RankLostError` naming the rank, which the server treats
   as engine death (500s, exit 1). An idle rank 0 notices through its watchdog within `--dist-timeout`.
+  A surviving follower whose own collective failed writes `jaxserve/failed/<rank>` and exits with one
+  line (`report_failure`); rank 0 then names only the rank that stopped on its own, not the followers
+  that exited because of it. The loss is reported once: by the failed step or, when none ran, by the
+  watchdog; a cause is shortened to one line without XLA's repeated prefixes (`short_cause`).
   (`get_live_nodes` is no probe: it blocks until every live task calls it.) JAX's
   `jax_enable_recoverability` is turned on so that the coordination service does not terminate every
   other process when one dies;
@@ -40,6 +46,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
@@ -114,9 +121,27 @@ def _key(*parts: object) -> str:
     return KEY_PREFIX + "/".join(str(p) for p in parts)
 
 
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|h|cpp):\d+\] ")
+
+
+def short_cause(e: BaseException | str) -> str:
+    """The first line of an error's message without source locations and repeated prefixes: XLA
+    nests a failed collective once per device ("INTERNAL: Error dispatching computation: Error
+    dispatching computation: ... Gloo all-reduce failed: [external/gloo/...pair.cc:547] Connection
+    closed by peer") and this keeps each part once."""
+    lines = str(e).splitlines()
+    parts = _SOURCE_LOCATION.sub("", lines[0] if lines else "").split(": ")
+    kept = [p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]]
+    return ": ".join(kept)
+
+
 def _others(nnodes: int) -> str:
     ranks = list(range(1, nnodes))
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+
+
+def _others_of(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def initialize(topology: Topology) -> "Cluster":
@@ -171,6 +196,7 @@ class Cluster:
         self.client = client
         self.channel = StepChannel(self) if topology.is_leader else None
         self._lost: RankLostError | None = None
+        self._lost_lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
         self._closed = threading.Event()
         self._beats: dict[int, tuple[str | None, float]] = {}  # rank -> (last counter seen, when)
@@ -199,9 +225,14 @@ class Cluster:
         mine = {k: str(v) for k, v in fields.items()}
         if not t.is_leader:
             self.client.key_value_set(_key("config", stage, t.node_rank), json.dumps(mine))
-            verdict = self._get(_key("verdict", stage, t.node_rank), timeout_ms, "rank 0 (the coordinator)")
+            try:
+                verdict = self._get(_key("verdict", stage, t.node_rank), timeout_ms, "rank 0 (the coordinator)")
+            except DistributedStartError as e:
+                self.report_failure(str(e))  # so that a rank 0 still loading does not report ready
+                raise
             if verdict != "ok":
                 raise DistributedStartError(verdict)
+            self.client.key_value_set(_key("ack", stage, t.node_rank), "ok")
             return
         refusals = []
         for rank in range(1, t.nnodes):
@@ -216,6 +247,37 @@ class Cluster:
                 refusals.append(verdict)
         if refusals:
             raise DistributedStartError("; ".join(refusals))
+        self._wait_acks(stage)
+
+    def _wait_acks(self, stage: str) -> None:
+        """Rank 0: every follower read its "ok" verdict of `stage`, none gave up waiting for it."""
+        t = self.topology
+        deadline = time.monotonic() + t.timeout_s
+        waiting = set(range(1, t.nnodes))
+        while waiting:
+            for rank in sorted(waiting):
+                if (reason := self._try_get(_key("failed", rank))) is not None:
+                    raise DistributedStartError(f"rank {rank} of --nnodes {t.nnodes} gave up before rank 0 was ready: {reason}")
+                if self._try_get(_key("ack", stage, rank)) is not None:
+                    waiting.discard(rank)
+            if waiting and time.monotonic() > deadline:
+                raise DistributedStartError(
+                    f"rank 0: {_others_of(sorted(waiting))} did not confirm rank 0's configuration check within "
+                    f"--dist-timeout {t.timeout_s} s")
+            if waiting:
+                time.sleep(0.05)
+
+    def _try_get(self, key: str) -> str | None:
+        try:
+            return self.client.key_value_try_get(key)
+        except Exception:  # noqa: BLE001 - NOT_FOUND
+            return None
+
+    def report_failure(self, reason: str) -> None:
+        """A follower: say why it stops (before it exits), so that rank 0 neither names it as the rank
+        that was lost nor reports ready while it is gone. Best effort: the coordinator may be gone."""
+        with contextlib.suppress(Exception):
+            self.client.key_value_set(_key("failed", self.topology.node_rank), reason)
 
     def _get(self, key: str, timeout_ms: int, who: str) -> str:
         try:
@@ -267,31 +329,46 @@ class Cluster:
     def lost_error(self, cause: BaseException | None = None, wait_s: float = 0.0,
                    stale_s: float | None = None) -> RankLostError | None:
         """A `RankLostError` naming the lost ranks (heartbeats still for `stale_s`, default
-        `--dist-timeout`), polling up to `wait_s` seconds; None if none is."""
+        `--dist-timeout`), polling up to `wait_s` seconds; None if none is. A follower that reported
+        its own failed step (`report_failure`) is named only when no other rank stopped."""
+        return self._find_lost(cause, wait_s, stale_s)[0]
+
+    def _find_lost(self, cause: BaseException | None = None, wait_s: float = 0.0,
+                   stale_s: float | None = None) -> tuple[RankLostError | None, bool]:
+        """(`lost_error`'s result, whether this call is the one that found the loss)."""
         if self._lost is not None:
-            return self._lost
+            return self._lost, False
         stale_s = self.topology.timeout_s if stale_s is None else stale_s
         deadline = time.monotonic() + wait_s
-        while not (lost := self.lost_ranks(stale_s)) and time.monotonic() < deadline:
+        while True:
+            stale = self.lost_ranks(stale_s)
+            lost = [r for r in stale if self._try_get(_key("failed", r)) is None]
+            if lost or time.monotonic() >= deadline:
+                break
             time.sleep(0.1)
+        lost = lost or stale  # every silent rank failed a step itself: name them all
         if not lost:
-            return None
-        names = ", ".join(str(r) for r in lost)
-        why = f" ({str(cause).splitlines()[0]})" if cause is not None else f" (no heartbeat for {stale_s:g} s)"
-        self._lost = RankLostError(
-            f"rank {names} of --nnodes {self.topology.nnodes} stopped: the model cannot run without it{why}")
-        return self._lost
+            return None, False
+        why = f" ({short_cause(cause)})" if cause is not None else f" (no heartbeat for {stale_s:g} s)"
+        error = RankLostError(f"rank {', '.join(map(str, lost))} of --nnodes {self.topology.nnodes} stopped: "
+                              f"the model cannot run without it{why}")
+        with self._lost_lock:
+            if self._lost is not None:
+                return self._lost, False
+            self._lost = error
+        return error, True
 
     def watch(self, on_lost: Callable[[RankLostError], None]) -> None:
-        """Rank 0: call `on_lost(error)` once, from a watchdog thread, when a rank leaves the cluster
-        (also while idle, when no step would notice)."""
+        """Rank 0: call `on_lost(error)` once, from a watchdog thread, when the watchdog is first to
+        find that a rank left the cluster (while idle, when no step would notice); a loss a failed
+        step found is that step's to report (the engine loop's death path logs it, once)."""
 
         def run() -> None:
             while not self._closed.wait(HEARTBEAT_S):
-                error = self.lost_error()
+                error, is_first = self._find_lost()
                 if error is not None:
-                    logger.error("%s", error)
-                    on_lost(error)
+                    if is_first:
+                        on_lost(error)
                     return
 
         self._watchdog = threading.Thread(target=run, name="jaxserve-rank-watchdog", daemon=True)
@@ -382,7 +459,7 @@ def follow(runner, cluster: Cluster) -> int:
             data = client.blocking_key_value_get_bytes(_key("op", seq), FOLLOWER_POLL_MS)
         except Exception as e:  # noqa: BLE001 - a timeout while rank 0 is idle, or the coordinator is gone
             if "DEADLINE_EXCEEDED" not in str(e):
-                raise RankLostError(f"rank 0 (the coordinator) stopped ({str(e).splitlines()[0]})") from None
+                raise RankLostError(f"rank 0 (the coordinator) stopped ({short_cause(e)})") from None
             continue
         op, args = pickle.loads(data)
         seq += 1

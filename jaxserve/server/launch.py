@@ -115,10 +115,11 @@ class _Server(uvicorn.Server):
 
     def _on_engine_death(self, message: str) -> None:  # the engine loop's thread, after the failures went out
         self.engine_died = True
+        # the engine loop has logged why (once); this line only says what happens next
         if self._keep_alive:
-            logger.error("the engine died (%s); staying up (--keep-alive-on-engine-error): every request gets 503", message)
+            logger.error("staying up after the engine died (--keep-alive-on-engine-error): every request gets 503")
         else:
-            logger.error("the engine died (%s); exiting with status 1 in %g s", message, ENGINE_DEATH_EXIT_DELAY_S)
+            logger.error("exiting with status 1 in %g s: the engine died", ENGINE_DEATH_EXIT_DELAY_S)
             threading.Timer(ENGINE_DEATH_EXIT_DELAY_S, lambda: setattr(self, "should_exit", True)).start()
 
 
@@ -243,7 +244,7 @@ def run_follower(server_args: ServerArgs, cluster) -> None:
         SystemExit: the model cannot be loaded, or the configuration differs from rank 0's.
     """
     from jaxserve.engine.engine import Engine
-    from jaxserve.parallel.distributed import follow
+    from jaxserve.parallel.distributed import RankLostError, follow, short_cause
 
     rank = server_args.node_rank
     try:
@@ -255,7 +256,18 @@ def run_follower(server_args: ServerArgs, cluster) -> None:
     # SIGTERM of a follower alone would stall rank 0's next collective; rank 0's watchdog then fails it
     print(f"jaxserve follower ready: rank {rank} of --nnodes {server_args.nnodes} runs rank 0's steps "
           f"({server_args.dist_init_addr})", flush=True)
-    num_calls = follow(engine.runner, cluster)
+    try:
+        num_calls = follow(engine.runner, cluster)
+    except Exception as e:  # noqa: BLE001 - the cluster is broken: one line, not a gloo traceback
+        logger.debug("rank %d: the follower loop failed", rank, exc_info=True)
+        if isinstance(e, RankLostError):
+            why = str(e)
+        else:
+            why = f"a step failed, so another rank (or the link to it) is gone ({short_cause(e)})"
+            cluster.report_failure(why)  # rank 0 then names the rank that stopped, not this one
+        print(f"jaxserve: rank {rank} of --nnodes {server_args.nnodes}: {why}: exiting with status 1", flush=True)
+        logging.shutdown()
+        os._exit(1)
     logger.info("rank 0 sent shutdown after %d device programs: rank %d exits", num_calls, rank)
     # not through jax.distributed.shutdown: rank 0, whose process holds the coordination service, may
     # already be gone, and the runtime aborts a process whose shutdown call finds no coordinator

@@ -1,9 +1,9 @@
 """Multi-host serving on loopback (issue 18), tiny random checkpoint: `--nnodes 2` processes on
 jax.distributed give rank 0's HTTP server the greedy outputs of a single tp-1 process, at tp 2 over
 two processes of one CPU device and at tp 4 over two of two, with the host tier (soft release,
-recall) and copy-on-write in play; a follower killed mid-run makes rank 0 fail the request with a 500
-naming the rank and exit 1; a follower with another --page-size, or one that never joins, is refused
-at start with the numbers.
+recall) and copy-on-write in play; a follower killed mid-run (of three ranks) makes rank 0 fail the
+request with a 500 naming the rank, once, and exit 1, and the other follower exit 1 with one line; a
+follower with another --page-size, or one that never joins, is refused at start with the numbers.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import httpx
 import pytest
 
+from tests.conftest import TINY_LLAMA, make_hf_checkpoint
 from tests.parallel.multihost_cluster import LoopbackCluster
 from tests.parallel.tp_worker import prompts
 from tests.server.conftest import REPO, SERVE, ServerProcess, free_port
@@ -102,9 +103,19 @@ def test_two_processes_match_one_process_tp1(servers, reference, tp):
     assert all(r.proc.poll() is None for r in cluster.ranks)
 
 
+@pytest.fixture(scope="module")
+def tiny3_model_dir(tmp_path_factory, default_tokenizer) -> str:
+    """The tiny checkpoint with 6 query and 3 kv heads: tp 3 over three processes."""
+    config = dict(TINY_LLAMA, num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    return make_hf_checkpoint(tmp_path_factory.mktemp("tiny3"), "LlamaForCausalLM", config, tokenizer=default_tokenizer)
+
+
 @pytest.mark.slow
-def test_follower_killed_mid_run_ends_rank0_naming_it(tiny_model_dir, tmp_path):
-    cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "kill",
+def test_follower_killed_mid_run_ends_rank0_naming_it(tiny3_model_dir, tmp_path):
+    """Three ranks, rank 2 killed while a stream decodes: the stream ends with the error naming rank 2
+    (once), rank 0 logs it once without a traceback and exits 1, and rank 1, whose collective failed
+    too, exits 1 with one line (it printed a gloo traceback, and rank 0 named "rank 1, 2")."""
+    cluster = LoopbackCluster(3, 1, ["--model-path", tiny3_model_dir, *FLAGS, "--tp-size", "3"], tmp_path, "kill",
                               dist_timeout=15)
     try:
         cluster.wait_healthy(STARTUP_S)
@@ -113,13 +124,21 @@ def test_follower_killed_mid_run_ends_rank0_naming_it(tiny_model_dir, tmp_path):
         with httpx.stream("POST", cluster.url + "/generate", json=body, timeout=120) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
-            cluster.ranks[1].proc.kill()  # one token streamed: the request is decoding
+            cluster.ranks[2].proc.kill()  # one token streamed: the request is decoding
             rest = "\n".join(lines)
         assert '"output_ids"' in first
-        assert "engine error: RankLostError: rank 1 of --nnodes 2 stopped" in rest  # the stream's last event
-        assert '"type": "server_error"' in rest
+        lost = "rank 2 of --nnodes 3 stopped"
+        (error,) = [json.loads(line[len("data: "):])["error"] for line in rest.splitlines() if line.startswith('data: {"error"')]
+        assert error["message"].startswith(f"engine error: RankLostError: {lost}") and error["message"].count("rank ") == 1, error
+        assert error["type"] == "server_error"
         assert cluster.wait_exit(0, 15 + 15) == 1  # within --dist-timeout (and the death path's 3 s)
-        assert "RankLostError: rank 1 of --nnodes 2 stopped" in cluster.ranks[0].log()
+        assert cluster.wait_exit(1, 15) == 1
+        log0, log1 = cluster.ranks[0].log(), cluster.ranks[1].log()
+        assert log0.count(lost) == 1 and "Traceback" not in log0, log0[-3000:]
+        assert "jaxserve ready" in log0
+        assert "Traceback" not in log1, log1[-3000:]
+        (exit_line,) = [line for line in log1.splitlines() if line.startswith("jaxserve: rank 1 of --nnodes 3:")]
+        assert "a step failed" in exit_line and exit_line.endswith("exiting with status 1"), exit_line
     finally:
         cluster.stop()
 
@@ -132,8 +151,9 @@ def test_follower_killed_while_idle_ends_rank0_within_dist_timeout(tiny_model_di
         cluster.wait_healthy(STARTUP_S)
         cluster.ranks[1].proc.kill()  # no step runs: only rank 0's watchdog can notice
         assert cluster.wait_exit(0, 4 + 3 + 10) == 1  # --dist-timeout, the death path's 3 s, slack
-        assert "RankLostError: rank 1 of --nnodes 2 stopped: the model cannot run without it (no heartbeat for 4 s)" \
-            in cluster.ranks[0].log()
+        log = cluster.ranks[0].log()
+        assert "RankLostError: rank 1 of --nnodes 2 stopped: the model cannot run without it (no heartbeat for 4 s)" in log
+        assert log.count("rank 1 of --nnodes 2 stopped") == 1 and "Traceback" not in log, log[-3000:]  # logged once
     finally:
         cluster.stop()
 

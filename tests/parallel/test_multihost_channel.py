@@ -194,3 +194,99 @@ def test_same_config_passes_and_a_silent_rank_times_out_naming_it():
     t.join(10)
     with pytest.raises(DistributedStartError, match="rank 0: no answer from rank 1 within --dist-timeout 1 s"):
         _cluster(client, 0, timeout_s=1).check_same_config("engine", {"KV pool pages": 129})
+
+
+def test_short_cause_keeps_each_part_of_a_nested_xla_error_once():
+    nested = ("INTERNAL: Error dispatching computation: Error dispatching computation: Error dispatching computation: "
+              "Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer "
+              "[127.0.0.1]:61146\nsecond line")
+    assert distributed.short_cause(RuntimeError(nested)) == (
+        "INTERNAL: Error dispatching computation: Gloo all-reduce failed: Connection closed by peer [127.0.0.1]:61146")
+
+
+def test_a_lost_rank_is_named_once_with_the_cause_once(monkeypatch):
+    """tp 4 over 2 processes of 2 devices: XLA repeats "Error dispatching computation" per device; the
+    500's message (the RankLostError) had it ~8 times."""
+    client = FakeClient()
+    leader = _cluster(client, 0)
+    client.key_value_increment("jaxserve/alive/1", 1)
+    monkeypatch.setattr(distributed, "FAILED_STEP_STALE_S", 0.2)
+    cause = "INTERNAL: " + "Error dispatching computation: " * 8 + "Gloo all-reduce failed: Connection closed by peer"
+    with pytest.raises(RankLostError) as e:
+        with leader.channel.step("run_batch", {"ids": np.array([1])}, "b", False):
+            raise RuntimeError(cause)
+    message = str(e.value)
+    assert message.count("Error dispatching computation") == 1 and message.count("rank 1") == 1, message
+
+
+def test_a_follower_that_failed_its_own_step_is_not_named(monkeypatch):
+    """3 ranks, rank 2 killed: rank 1's collective fails too and it exits, so both heartbeats stop;
+    rank 1 reported its failure, so rank 0 names rank 2 only (it named "rank 1, 2")."""
+    client = FakeClient()
+    leader = _cluster(client, 0, nnodes=3)
+    for rank in (1, 2):
+        client.key_value_increment(f"jaxserve/alive/{rank}", 1)
+    _cluster(client, 1, nnodes=3).report_failure("a step failed")
+    monkeypatch.setattr(distributed, "FAILED_STEP_STALE_S", 0.2)
+    with pytest.raises(RankLostError, match=r"^rank 2 of --nnodes 3 stopped"):
+        with leader.channel.step("run_batch", {"ids": np.array([1])}, "b", False):
+            raise RuntimeError("Gloo all-reduce failed")
+    # every silent rank reported a failure of its own: all of them are named
+    client2 = FakeClient()
+    leader2 = _cluster(client2, 0, nnodes=3)
+    for rank in (1, 2):
+        client2.key_value_increment(f"jaxserve/alive/{rank}", 1)
+        _cluster(client2, rank, nnodes=3).report_failure("a step failed")
+    monkeypatch.setattr(distributed, "LOSS_REPORT_WAIT_S", 0.5)
+    with pytest.raises(RankLostError, match=r"^rank 1, 2 of --nnodes 3 stopped"):
+        with leader2.channel.step("run_batch", {"ids": np.array([1])}, "b", False):
+            raise RuntimeError("Gloo all-reduce failed")
+
+
+def test_the_watchdog_reports_only_a_loss_no_step_reported(monkeypatch):
+    """A loss a failed step found is logged by the engine loop's death path; the watchdog used to log
+    it (and end the engine) a second time."""
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(distributed, "FAILED_STEP_STALE_S", 0.2)
+    client = FakeClient()
+    leader = _cluster(client, 0, timeout_s=1)
+    client.key_value_increment("jaxserve/alive/1", 1)
+    with pytest.raises(RankLostError):
+        with leader.channel.step("run_batch", {"ids": np.array([1])}, "b", False):
+            raise RuntimeError("Gloo all-reduce failed")
+    reports = []
+    leader.watch(on_lost=reports.append)
+    time.sleep(0.5)
+    assert reports == []
+    # idle: only the watchdog can notice, and it reports once
+    idle = _cluster(FakeClient(), 0, timeout_s=1)
+    idle.client.key_value_increment("jaxserve/alive/1", 1)
+    idle.watch(on_lost=reports.append)
+    deadline = time.monotonic() + 5
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert len(reports) == 1 and "rank 1 of --nnodes 2 stopped" in str(reports[0])
+    leader.close()
+    idle.close()
+
+
+def test_rank0_refuses_to_start_when_a_follower_gave_up_waiting_for_it():
+    """Rank 0 loaded for longer than --dist-timeout: the follower had given up (and exited) but rank 0
+    read its configuration from the store and printed its ready line."""
+    client = FakeClient()
+    follower_error = []
+
+    def follower():
+        try:
+            _cluster(client, 1, timeout_s=1).check_same_config("engine", {"KV pool pages": 129})
+        except DistributedStartError as e:
+            follower_error.append(str(e))
+
+    t = threading.Thread(target=follower)
+    t.start()
+    t.join(10)  # the follower gives up before rank 0 gets there
+    assert follower_error and "no answer from rank 0" in follower_error[0]
+    with pytest.raises(DistributedStartError, match=r"rank 1 of --nnodes 2 gave up before rank 0 was ready: "
+                                                    r"rank 1: no answer from rank 0"):
+        _cluster(client, 0, timeout_s=1).check_same_config("engine", {"KV pool pages": 129})
