@@ -13,6 +13,9 @@ Stopping:
 - Engine death (see engine_loop.py): the process exits with status 1 once the failed requests have
   been answered, unless `--keep-alive-on-engine-error` (then it stays up answering 503).
 
+`--help` and a bad flag answer before jax is imported: this module imports only uvicorn and the
+flags at the top, the engine and the app inside `launch_server`.
+
 Several processes (`--nnodes N`, jaxserve/parallel/distributed.py): every rank joins jax.distributed
 first and checks its flags against rank 0's; rank 0 then runs everything above, its runner sending
 each device program to the others, and a lost rank is an engine death. Ranks 1..N-1 build the same
@@ -33,7 +36,6 @@ import time
 import uvicorn
 
 from jaxserve.config import ServerArgs
-from jaxserve.server.app import create_app, served_model_name
 from jaxserve.server.model_path_check import model_path_problem
 
 logger = logging.getLogger(__name__)
@@ -137,8 +139,10 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
     if tokenizer_path not in (None, "default") and not os.path.exists(tokenizer_path):
         raise SystemExit(f"jaxserve: cannot start: --tokenizer-path {tokenizer_path}: the tokenizer path does not exist")
     sock = bind_socket(server_args.host, server_args.port)
+    # the app and the engine import jax (~1 s, more on a busy machine): not before the flags parsed
     from jaxserve.engine.engine import Engine
     from jaxserve.engine.engine_loop import EngineLoop
+    from jaxserve.server.app import create_app, served_model_name
 
     logger.info("loading %s", server_args.model_path if server_args.model_path != "default" else "the default model")
     try:

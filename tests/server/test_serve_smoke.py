@@ -43,3 +43,28 @@ def test_serve_default_model(tmp_path):
         print(f"default server RSS after start-up: {rss_gb:.2f} GB;", next(x for x in log.splitlines() if "KV pool:" in x))
     finally:
         server.stop()
+
+
+# scripts/serve.py under a flag that ends in argparse, reporting whether jax was imported by then
+_ARGPARSE_ONLY = """
+import runpy, sys
+sys.argv = ["serve.py", *sys.argv[1:]]
+try:
+    runpy.run_path("scripts/serve.py", run_name="__main__")
+except SystemExit as e:
+    print("exit", e.code, "jax imported:", "jax" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--no-such-flag"], 2), (["--dist-timeout", "0"], 2)])
+def test_help_and_flag_errors_answer_before_jax_is_imported(argv, code):
+    """--help took ~1.3 s idle (~5 s on a busy machine), nearly all of it importing jax through the app."""
+    import subprocess
+    import sys
+
+    from tests.server.conftest import REPO
+
+    out = subprocess.run([sys.executable, "-c", _ARGPARSE_ONLY, *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert f"exit {code} jax imported: False" in out.stderr, out.stderr[-2000:]
+    if code == 0:
+        assert "--model-path" in out.stdout
