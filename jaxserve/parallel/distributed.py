@@ -285,7 +285,7 @@ class Cluster:
         except Exception as e:  # the runtime raises its own status errors (DEADLINE_EXCEEDED, UNAVAILABLE)
             raise DistributedStartError(
                 f"rank {self.topology.node_rank}: no answer from {who} within --dist-timeout "
-                f"{self.topology.timeout_s} s ({str(e).splitlines()[0]})") from None
+                f"{self.topology.timeout_s} s ({short_cause(e)})") from None
 
     @property
     def lost(self) -> RankLostError | None:
@@ -303,7 +303,7 @@ class Cluster:
                     self.client.key_value_increment(key, 1)
                 except Exception as e:  # noqa: BLE001 - the coordination service is gone
                     print(f"jaxserve: rank {self.topology.node_rank}: rank 0 (the coordinator) went away "
-                          f"({str(e).splitlines()[0]}): exiting", flush=True)
+                          f"({short_cause(e)}): exiting", flush=True)
                     os._exit(1)
 
         self.client.key_value_increment(key, 1)
