@@ -159,6 +159,9 @@ def main(argv=None) -> None:
     print(f"output tok/s {out_tokens / (steps[-1]['t0'] + steps[-1]['seconds'] - steps[0]['t0']):.1f}")
     if args.breakdown:
         print_breakdown(steps, out_tokens)
+        tpots = [(ev[-1][0] - ev[0][0]) / (sum(n for _, n in ev) - ev[0][1]) * 1e3
+                 for ev in arrivals.values() if sum(n for _, n in ev) > ev[0][1]]
+        print(f"median TPOT (first token to last, per request) {statistics.median(tpots):.2f} ms")
     slow = sorted(steps, key=lambda s: -s["seconds"])[:8]
     print("\nslowest steps:")
     for s in slow:
