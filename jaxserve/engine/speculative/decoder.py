@@ -54,7 +54,7 @@ class SpeculativeConfig:
         if args.speculative_algorithm not in ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {args.speculative_algorithm!r}")
         return SpeculativeConfig(
-            num_draft_tokens=args.speculative_num_draft_tokens or 12,
+            num_draft_tokens=args.speculative_num_draft_tokens or 15,
             max_match_len=args.speculative_ngram_max_trie_depth,
             max_batch_size=args.speculative_max_batch_size,
             adaptive=not args.disable_speculative_adaptive,
