@@ -159,6 +159,13 @@ def main(argv=None) -> None:
     print(f"output tok/s {out_tokens / (steps[-1]['t0'] + steps[-1]['seconds'] - steps[0]['t0']):.1f}")
     if args.breakdown:
         print_breakdown(steps, out_tokens)
+        if probe.by_class:
+            print("\naccepted draft tokens per verification by the draft's match-length class "
+                  "(1: 1 token, 2: 2-3, 3: 4-7, 4: 8+ or a radix-tree continuation):")
+            for cls, v in sorted(probe.by_class.items()):
+                acc = [a for _, a in v]
+                print(f"  {cls}: {len(v)} verifications, drafted {np.mean([d for d, _ in v]):.1f}, accepted "
+                      f"{np.mean(acc):.2f} (none accepted in {np.mean([a == 0 for a in acc]):.0%})")
         tpots = [(ev[-1][0] - ev[0][0]) / (sum(n for _, n in ev) - ev[0][1]) * 1e3
                  for ev in arrivals.values() if sum(n for _, n in ev) > ev[0][1]]
         print(f"median TPOT (first token to last, per request) {statistics.median(tpots):.2f} ms")
@@ -190,7 +197,17 @@ class _SpecProbe:
             observe = spec.observe_verify
             spec.observe_verify = lambda drafts, seconds: (setattr(self, "num_draft", sum(map(len, drafts))),
                                                            observe(drafts, seconds))[1]
+            record = spec.record
+            spec.record = lambda req, nd, na: (self._note_class(req, nd, na), record(req, nd, na))[1]
         self._spec = spec
+        self.by_class: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+
+    def _note_class(self, req, num_draft: int, num_accepted: int) -> None:
+        from jaxserve.engine.speculative.policy import match_class
+
+        state = req.draft_state
+        if num_draft and state is not None and getattr(state, "match_len", None) is not None:
+            self.by_class[f"class {match_class(state.match_len)}"].append((num_draft, num_accepted))
 
     def _timed(self, fn):
         def wrapped(*a, **k):
