@@ -287,7 +287,7 @@ class ServerArgs:
         group="scheduling",
     )
     speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request and the radix cache) (default: none, one token per decode step)", choices=("NGRAM",), group="speculative")
-    speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 12 for NGRAM: SGLang's default, kept because a batch-1 verification measured ~2.2x a decode step for any K from 2 to 15, docs/benchmarks.md)", group="speculative")
+    speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 15 for NGRAM; SGLang's is 12: a sequence's 1 + K tokens fill the 16-token extend bucket, whose verification costs the same for any K up to 15, and 15 gave a TPOT 6-11 percent lower than 12 at one copy-heavy request, docs/benchmarks.md)", group="speculative")
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
     speculative_max_batch_size: int = _flag(8, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks). With the adaptive draft policy, 8 gained on both copy-heavy (1.36x output tok/s) and random prompts (1.11x) at 8 concurrent (docs/benchmarks.md)", group="speculative")
     disable_speculative_adaptive: bool = _flag(False, "verify every draft; by default a request's draft is verified only where its measured acceptance pays for the measured cost of verifying it, so speculation turns itself off on text it cannot predict (jaxserve/engine/speculative/policy.py)", group="speculative")
@@ -335,7 +335,7 @@ class ServerArgs:
             layer_loop=self.layer_loop or ("host" if on_cpu else "scan"),
             page_size=self.radix_cache_block_size or self.page_size,
             enable_mixed_chunk=on_cpu if self.enable_mixed_chunk is None else self.enable_mixed_chunk,
-            speculative_num_draft_tokens=self.speculative_num_draft_tokens or (12 if self.speculative_algorithm else None),
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens or (15 if self.speculative_algorithm else None),
         )
         args.validate()
         return args

@@ -24,12 +24,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_datasets import PromptSampler, sample_random_requests  # noqa: E402
+from bench_datasets import PromptSampler, sample_copy_heavy_requests, sample_random_requests  # noqa: E402
 
 
-def step_kind(num_decodes: int, prefill_tokens: int, verified: bool) -> str:
+def step_kind(num_decodes: int, prefill_tokens: int, verified: bool, why_no_draft: str = "") -> str:
     if verified:
         return "verify"
+    if why_no_draft and not prefill_tokens:
+        return f"decode only ({why_no_draft})"
     if prefill_tokens and num_decodes:
         return "prefill chunk + decodes"
     if prefill_tokens:
@@ -45,14 +47,26 @@ def main(argv=None) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dataset", choices=("random", "copy-heavy"), default="random",
+                   help="copy-heavy: bench_serving's copy-heavy prompts (--copy-num-sentences, --copy-output-len)")
+    p.add_argument("--copy-num-sentences", type=int, default=6)
+    p.add_argument("--copy-output-len", type=int, default=128)
+    p.add_argument("--breakdown", action="store_true",
+                   help="print each step kind's share of the time per output token (speculation on)")
     args = p.parse_args(argv)
 
     from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
 
     engine = Engine(ServerArgs.from_cli(shlex.split(args.flags)))
-    rows = sample_random_requests(PromptSampler(engine.tokenizer, np.random.default_rng(args.seed)), args.num_prompts,
-                                  args.input_len, args.output_len, 0.0)
+    rng = np.random.default_rng(args.seed)
+    if args.dataset == "copy-heavy":
+        rows = sample_copy_heavy_requests(engine.tokenizer, rng, args.num_prompts, args.copy_num_sentences,
+                                          args.copy_output_len)
+        args.output_len = args.copy_output_len
+    else:
+        rows = sample_random_requests(PromptSampler(engine.tokenizer, rng), args.num_prompts,
+                                      args.input_len, args.output_len, 0.0)
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     engine.generate(rows[0].prompt, {**params, "max_new_tokens": 8})  # warm-up
 
@@ -74,6 +88,7 @@ def main(argv=None) -> None:
         return last_batch[0]
 
     engine.scheduler.schedule = traced_schedule
+    probe = _SpecProbe(engine)
     pending = list(rows)
     arrivals: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
     steps = []
@@ -84,7 +99,9 @@ def main(argv=None) -> None:
             in_flight += 1
         compiles = engine.runner.num_compiles_after_warmup
         verifications = engine.stats.num_spec_verifications
+        accepted = engine.stats.num_spec_accepted_tokens
         last_batch[0] = None
+        probe.reset()
         t0 = time.perf_counter()
         outs = engine.step()
         t1 = time.perf_counter()
@@ -97,7 +114,9 @@ def main(argv=None) -> None:
             steps.append({"t0": t0, "seconds": t1 - t0, "decodes": decodes, "prefill_tokens": prefill,
                           "verified": engine.stats.num_spec_verifications > verifications,
                           "compiled": engine.runner.num_compiles_after_warmup > compiles, "gc_seconds": gc_s,
-                          "num_running": len(running)})
+                          "num_running": len(running), "runner_seconds": probe.runner_seconds,
+                          "num_draft": probe.num_draft, "num_accepted": engine.stats.num_spec_accepted_tokens - accepted,
+                          "why_no_draft": probe.why_no_draft(), "num_tokens": sum(len(o.new_token_ids) for o in outs)})
         for o in outs:
             if o.new_token_ids:
                 arrivals[o.rid].append((t1, len(o.new_token_ids)))
@@ -114,14 +133,14 @@ def main(argv=None) -> None:
             itl_step += [idx] * n
     itls_ms = np.array(itls) * 1e3
     med, p99 = float(np.median(itls_ms)), float(np.percentile(itls_ms, 99))
-    decode_s = [s["seconds"] for s in steps if step_kind(s["decodes"], s["prefill_tokens"], s["verified"]) == "decode only"]
+    decode_s = [s["seconds"] for s in steps if step_kind(s["decodes"], s["prefill_tokens"], s["verified"], s["why_no_draft"]).startswith("decode only")]
     print(f"\n{len(steps)} steps, {len(itls)} ITLs: median {med:.1f} ms, P99 {p99:.1f} ms, P99 / median {p99 / med:.2f}; "
           f"median decode-only step {statistics.median(decode_s) * 1e3:.1f} ms" if decode_s else "")
     tail = collections.Counter()
     for v, idx in zip(itls_ms, itl_step):
         if v >= p99 and idx < len(steps):
             s = steps[idx]
-            kind = step_kind(s["decodes"], s["prefill_tokens"], s["verified"])
+            kind = step_kind(s["decodes"], s["prefill_tokens"], s["verified"], s["why_no_draft"])
             extra = (" +compile" if s["compiled"] else "") + (" +gc" if s["gc_seconds"] > 0.005 else "")
             tail[f"{kind}{extra}"] += 1
     print("ITLs at or above P99, by the step that ended them:", dict(tail))
@@ -129,7 +148,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|")
     by_kind = collections.defaultdict(list)
     for s in steps:
-        by_kind[step_kind(s["decodes"], s["prefill_tokens"], s["verified"])].append(s)
+        by_kind[step_kind(s["decodes"], s["prefill_tokens"], s["verified"], s["why_no_draft"])].append(s)
     for kind, ss in by_kind.items():
         secs = [s["seconds"] * 1e3 for s in ss]
         print(f"| {kind} | {len(ss)} | {statistics.median(secs):.1f} | {max(secs):.1f} | "
@@ -138,11 +157,113 @@ def main(argv=None) -> None:
     print("\nsteps with a chunk beside decodes, by their tokens:", dict(sorted(mixed.items())))
     out_tokens = sum(len(v) and sum(n for _, n in v) for v in arrivals.values())
     print(f"output tok/s {out_tokens / (steps[-1]['t0'] + steps[-1]['seconds'] - steps[0]['t0']):.1f}")
+    if args.breakdown:
+        print_breakdown(steps, out_tokens)
+        if probe.by_class:
+            print("\naccepted draft tokens per verification by the draft's match-length class "
+                  "(1: 1 token, 2: 2-3, 3: 4-7, 4: 8+ or a radix-tree continuation):")
+            for cls, v in sorted(probe.by_class.items()):
+                acc = [a for _, a in v]
+                print(f"  {cls}: {len(v)} verifications, drafted {np.mean([d for d, _ in v]):.1f}, accepted "
+                      f"{np.mean(acc):.2f} (none accepted in {np.mean([a == 0 for a in acc]):.0%})")
+        tpots = [(ev[-1][0] - ev[0][0]) / (sum(n for _, n in ev) - ev[0][1]) * 1e3
+                 for ev in arrivals.values() if sum(n for _, n in ev) > ev[0][1]]
+        print(f"median TPOT (first token to last, per request) {statistics.median(tpots):.2f} ms")
     slow = sorted(steps, key=lambda s: -s["seconds"])[:8]
     print("\nslowest steps:")
     for s in slow:
         print(f"  {s['seconds'] * 1e3:.1f} ms: {s['decodes']} decodes, {s['prefill_tokens']} prefill tokens, "
               f"verified={s['verified']}, compiled={s['compiled']}, gc {s['gc_seconds'] * 1e3:.1f} ms")
+
+
+class _SpecProbe:
+    """Wraps the engine's runner calls and draft proposals to record, per step, the seconds spent in
+    `ModelRunner.forward` + `sample` (the device step with its dispatch; the sampled ids come back to
+    the host inside `sample`), the drafted tokens and why a decode step drafted nothing."""
+
+    def __init__(self, engine):
+        self.runner_seconds = 0.0
+        self.num_draft = 0
+        self._raw: list[int] = []  # each request's draft length before the policy and the page check
+        self._declined = 0
+        runner = engine.runner
+        for name in ("forward", "sample"):
+            setattr(runner, name, self._timed(getattr(runner, name)))
+        spec = engine.speculator
+        if spec is not None:
+            propose, wants = spec.propose, spec.policy.wants_draft
+            spec.propose = lambda req, k: self._note(self._raw, propose(req, k))
+            spec.policy.wants_draft = lambda *a: self._note_policy(wants(*a))
+            observe = spec.observe_verify
+            spec.observe_verify = lambda drafts, seconds: (setattr(self, "num_draft", sum(map(len, drafts))),
+                                                           observe(drafts, seconds))[1]
+            record = spec.record
+            spec.record = lambda req, nd, na: (self._note_class(req, nd, na), record(req, nd, na))[1]
+        self._spec = spec
+        self.by_class: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+
+    def _note_class(self, req, num_draft: int, num_accepted: int) -> None:
+        from jaxserve.engine.speculative.policy import match_class
+
+        state = req.draft_state
+        if num_draft and state is not None and getattr(state, "match_len", None) is not None:
+            self.by_class[f"class {match_class(state.match_len)}"].append((num_draft, num_accepted))
+
+    def _timed(self, fn):
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.runner_seconds += time.perf_counter() - t0
+        return wrapped
+
+    @staticmethod
+    def _note(into: list, draft):
+        into.append(len(draft))
+        return draft
+
+    def _note_policy(self, ok: bool) -> bool:
+        self._declined += not ok
+        return ok
+
+    def reset(self) -> None:
+        self.runner_seconds, self.num_draft, self._raw, self._declined = 0.0, 0, [], 0
+
+    def why_no_draft(self) -> str:
+        if self._spec is None or self.num_draft:
+            return ""
+        if self._declined:
+            return "policy declined"
+        if self._raw and not any(self._raw):
+            return "no n-gram match"
+        if not self._raw:
+            return "not drafting"
+        return "no pages"
+
+
+def print_breakdown(steps: list[dict], out_tokens: int) -> None:
+    """Each step kind's count, time and share of the run's time per output token; host = step time
+    outside the runner's forward and sample calls."""
+    total = sum(s["seconds"] for s in steps)
+    print(f"\nbreakdown: {len(steps)} steps, {out_tokens} output tokens, {total * 1e3 / max(out_tokens, 1):.2f} ms of "
+          "step time per output token")
+    print("\n| step kind | steps | tokens out | median step (ms) | median host (ms) | ms per output token of the run "
+          "| drafted / accepted per step |")
+    print("|---|---|---|---|---|---|---|")
+    by_kind = collections.defaultdict(list)
+    for s in steps:
+        by_kind[step_kind(s["decodes"], s["prefill_tokens"], s["verified"], s["why_no_draft"])].append(s)
+    for kind, ss in sorted(by_kind.items(), key=lambda kv: -sum(s["seconds"] for s in kv[1])):
+        secs = [s["seconds"] * 1e3 for s in ss]
+        host = [(s["seconds"] - s["runner_seconds"]) * 1e3 for s in ss]
+        drafted = sum(s["num_draft"] for s in ss) / len(ss)
+        acc = sum(s["num_accepted"] for s in ss) / len(ss)
+        print(f"| {kind} | {len(ss)} | {sum(s['num_tokens'] for s in ss)} | {statistics.median(secs):.1f} | "
+              f"{statistics.median(host):.2f} | {sum(secs) / max(out_tokens, 1):.2f} | "
+              f"{drafted:.2f} / {acc:.2f} |")
+    gaps = [b["t0"] - (a["t0"] + a["seconds"]) for a, b in zip(steps, steps[1:])]
+    print(f"between steps (the bench loop, add_request): {sum(gaps) * 1e3 / max(out_tokens, 1):.2f} ms per output token")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
 """Speculative verification against a decode step, on the default model (issue 20).
 
 One invocation, one process, runs alternating: the batch-1 decode step (1 token after --prompt-len
-cached ones) and verification steps of 1 + K tokens (the last token + a K-token draft) for each K of
---draft-tokens, with logits at all 1 + K rows (what a speculative step runs) and at one row only (the
-difference is the output projection's share). Each output projection layout of --logits-layouts is
-its own model runner over the same weights; their timed runs alternate, so drift in the machine's
-speed hits them alike. A layout is one of `jaxserve.model.llama.LOGITS_LAYOUTS`.
+cached ones) and verification steps of 1 + K tokens (the last token + a K-token draft, logits at all
+1 + K rows: what a speculative step runs) for each K of --draft-tokens. Each attention variant of
+--attention is its own model runner over the same weights; their timed runs alternate, so drift in
+the machine's speed hits them alike:
+
+    xla           `jaxserve.pallas.reference.ragged_paged_attention_xla`, what the engine runs: the loop
+                  over query blocks stops after the batch's real ones.
+    padded-map    the same online softmax mapped over every query block of the bucket, padding blocks
+                  included (the XLA path before issue 20's third pass; kept here as the baseline).
 
 The break-even accept length of K is verify(K) / decode: speculation pays when the mean tokens
 emitted per verification (`spec_accept_length`) exceeds it.
 
-    python scripts/bench_verify.py [--draft-tokens 2 4 6 8 12 15] [--logits-layouts x_wt w_x]
+    python scripts/bench_verify.py [--draft-tokens 2 4 8 12 15] [--attention xla padded-map]
                                    [--repeats 10] [--stat min|median] [--output-file F.json]
 """
 
@@ -19,34 +23,81 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import bench_model
-from jaxserve.engine.model_runner import BatchEntry
-from jaxserve.model import llama
+from jaxserve.engine.model_runner import BatchEntry, ModelRunner
 from jaxserve.model.loader import load_model
+from jaxserve.pallas.reference import _MASK_VALUE, KV_BLOCK_TOKENS, ragged_paged_attention_xla
 
 
-def model_with_layout(layout: str) -> types.ModuleType:
-    """`jaxserve.model.llama` with `compute_logits` bound to one output projection layout."""
-    shim = types.ModuleType(f"llama_{layout}")
-    shim.__dict__.update({k: v for k, v in vars(llama).items() if not k.startswith("__")})
+def padded_map_attention(q, k_pool, v_pool, layer, meta, sm_scale, kv_block=KV_BLOCK_TOKENS):
+    """Baseline: `ragged_paged_attention_xla`'s math under a `lax.map` over all NB query blocks, each
+    padding block paying its setup, and outputs gathered through `token_out_idx`."""
+    _, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = k_pool.shape
+    group = num_heads // num_kv_heads
+    num_blocks, block_q = meta.block_token_idx.shape
+    pages_per_seq = meta.page_table.shape[1]
+    pages_per_chunk = max(1, min(kv_block // page_size, pages_per_seq))
+    chunk = pages_per_chunk * page_size
+    page_table = jnp.pad(meta.page_table, ((0, 0), (0, -pages_per_seq % pages_per_chunk)))
+    qb = q[meta.block_token_idx].reshape(num_blocks, block_q, num_kv_heads, group, head_dim)
+    qb = qb.transpose(0, 2, 3, 1, 4).reshape(num_blocks, num_kv_heads, group * block_q, head_dim)
+    row_offset = jnp.tile(jnp.arange(block_q, dtype=jnp.int32), group)
+    rows = group * block_q
 
-    def compute_logits(params, hidden, *, config):
-        return llama.compute_logits(params, hidden, config=config, layout=layout)
+    def attend_block(args):
+        q_blk, seq, q_start, num_q = args
+        q_pos = q_start + row_offset
+        num_chunks = (jnp.where(num_q > 0, q_start + num_q, 0) + chunk - 1) // chunk
 
-    shim.compute_logits = compute_logits
-    return shim
+        def kv_step(c, carry):
+            run_max, denom, acc = carry
+            pages = jax.lax.dynamic_slice(page_table[seq], (c * pages_per_chunk,), (pages_per_chunk,))
+            k = k_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim)
+            v = v_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim)
+            s = jnp.einsum("krd,skd->krs", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
+            kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            s = jnp.where(kv_pos[None, None, :] <= q_pos[None, :, None], s, _MASK_VALUE)
+            new_max = jnp.maximum(run_max, s.max(axis=-1))
+            p = jnp.exp(s - new_max[..., None])
+            rescale = jnp.exp(run_max - new_max)
+            pv = jnp.einsum("krs,skd->krd", p, v, preferred_element_type=jnp.float32)
+            return new_max, denom * rescale + p.sum(axis=-1), acc * rescale[..., None] + pv
+
+        init = (jnp.full((num_kv_heads, rows), _MASK_VALUE, jnp.float32), jnp.zeros((num_kv_heads, rows), jnp.float32),
+                jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32))
+        _, denom, acc = jax.lax.fori_loop(0, num_chunks, kv_step, init)
+        return acc / jnp.maximum(denom, 1e-30)[..., None]
+
+    out = jax.lax.map(attend_block, (qb, meta.block_seq_id, meta.block_q_start, meta.block_num_q))
+    out = out.reshape(num_blocks, num_kv_heads, group, block_q, head_dim).transpose(0, 3, 1, 2, 4)
+    return out.reshape(num_blocks * block_q, num_heads, head_dim)[meta.token_out_idx].astype(q.dtype)
+
+
+ATTENTION = {"xla": ragged_paged_attention_xla, "padded-map": padded_map_attention}
+
+
+def runner_with(config, params, attn_fn, max_seqs: int, context: int) -> ModelRunner:
+    """`bench_model.jax_runner`'s host-loop runner with another attention function; the extend buckets
+    start at 2 tokens, as with `--speculative-algorithm`."""
+    ps = bench_model.PAGE_SIZE
+    shape = (config.num_layers, max_seqs * (context // ps + 1) + 1, ps, config.num_kv_heads, config.head_dim)
+    return ModelRunner(config, params, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+                       attn_fn=attn_fn, max_running_requests=max_seqs, max_extend_tokens=context,
+                       context_length=context + ps, layer_loop="host", min_extend_tokens=2)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4, 6, 8, 12, 15])
-    ap.add_argument("--logits-layouts", nargs="+", default=list(llama.LOGITS_LAYOUTS), choices=llama.LOGITS_LAYOUTS)
+    ap.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4, 8, 12, 15])
+    ap.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-seqs", type=int, default=64, help="sequence bucket limit (the server's CPU default)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--stat", choices=("median", "min"), default="median")
     ap.add_argument("--output-file", default=None, help="write the table as JSON rows")
@@ -56,8 +107,8 @@ def main() -> None:
     n = args.prompt_len
     prompt = [int(x) for x in np.random.default_rng(0).integers(3, config.vocab_size, size=n)]
     pages = list(range(1, n // bench_model.PAGE_SIZE + 3))
-    runners = {lay: bench_model.jax_runner(config, params, 16, n + 2 * bench_model.PAGE_SIZE, "host",
-                                           model_with_layout(lay)) for lay in args.logits_layouts}
+    runners = {name: runner_with(config, params, ATTENTION[name], args.max_seqs, n + 2 * bench_model.PAGE_SIZE)
+               for name in args.attention}
     for r in runners.values():
         r.forward([BatchEntry(prompt, 0, pages)])
     stat = min if args.stat == "min" else statistics.median
@@ -66,21 +117,24 @@ def main() -> None:
         entries = [BatchEntry(tokens, n, pages, num_logits=num_logits)]
         return lambda: runner.forward(entries).block_until_ready()
 
-    cases = [("decode", [prompt[-1]], 1)]
-    for k in args.draft_tokens:
-        cases += [(f"verify K={k}", prompt[-1 - k:], k + 1), (f"verify K={k}, 1 logits row", prompt[-1 - k:], 1)]
-    fns = {(lay, name): step(r, toks, nl) for lay, r in runners.items() for name, toks, nl in cases}
+    cases = [("decode", [prompt[-1]], 1)] + [(f"verify K={k}", prompt[-1 - k:], k + 1) for k in args.draft_tokens]
+    first = next(iter(runners.values()))
+    outs = {name: np.asarray(r.forward([BatchEntry(prompt[-13:], n, pages, num_logits=13)])) for name, r in runners.items()}
+    for name, o in outs.items():  # every variant computes the same logits
+        np.testing.assert_allclose(o[:13], outs[next(iter(outs))][:13], rtol=2e-4, atol=2e-4)
+    fns = {(att, name): step(r, toks, nl) for att, r in runners.items() for name, toks, nl in cases}
     times = bench_model.timed_alternating(fns, args.repeats, stat)
-    print(f"\njax {jax.__version__} on {jax.default_backend()}; batch 1, {n} tokens cached; {args.stat} of {args.repeats}\n")
-    print("| step | " + " | ".join(f"{lay} (ms)" for lay in runners) + " | "
-          + " | ".join(f"{lay} / its decode" for lay in runners) + " |")
+    print(f"\njax {jax.__version__} on {jax.default_backend()}; batch 1, {n} tokens cached; {args.stat} of {args.repeats}; "
+          f"sequence bucket limit {first.max_seqs}\n")
+    print("| step | " + " | ".join(f"{a} (ms)" for a in runners) + " | "
+          + " | ".join(f"{a} / its decode" for a in runners) + " |")
     print("|---" * (1 + 2 * len(runners)) + "|")
     rows = []
     for name, _, _ in cases:
-        ms = [times[(lay, name)] * 1e3 for lay in runners]
-        rel = [times[(lay, name)] / times[(lay, "decode")] for lay in runners]
+        ms = [times[(a, name)] * 1e3 for a in runners]
+        rel = [times[(a, name)] / times[(a, "decode")] for a in runners]
         print(f"| {name} | " + " | ".join(f"{m:.1f}" for m in ms) + " | " + " | ".join(f"{x:.2f}" for x in rel) + " |")
-        rows.append({"step": name, **{f"{lay}_ms": m for lay, m in zip(runners, ms)}})
+        rows.append({"step": name, **{f"{a}_ms": m for a, m in zip(runners, ms)}})
     if args.output_file:
         with open(args.output_file, "w") as f:
             json.dump(rows, f, indent=1)

@@ -241,7 +241,8 @@ class ModelRunner:
         every compiled program returns its pools and activations with fixed shardings (GSPMD inserts
         the all-reduces after the row-parallel projections). None (or a 1-device mesh): one device. `min_extend_tokens`: the
         smallest extend bucket (speculative verification adds 2, 4 and 8 tokens: a sequence's last
-        token + its draft, padded to 16 rows, cost 3-5x a decode step on CPU).
+        token + its draft in one 16-row query block; at batch 1 on CPU a verification costs 1.7x
+        (4-token bucket) to 2.3x (16-token bucket) a decode step, docs/benchmarks.md).
 
         Raises:
             ValueError: `layer_loop` is neither "scan" nor "host"."""

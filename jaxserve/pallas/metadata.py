@@ -25,7 +25,9 @@ from jaxtyping import Array, Int32
 class AttentionMetadata:
     """Device-side description of one ragged batch.
 
-    Fields (NB query blocks of Bq rows, S sequences, P pages per sequence, T packed tokens):
+    Fields (NB query blocks of Bq rows, S sequences, P pages per sequence, T packed tokens). The real
+    blocks come first (`build_attention_metadata` packs them from block 0): the XLA path visits only
+    the blocks before the first with `block_num_q == 0`.
         block_token_idx: [NB, Bq] row of the packed token axis that each query row reads; padding rows 0.
         block_seq_id: [NB] sequence of each block (padding blocks 0).
         block_q_start: [NB] position (in its sequence) of the block's first query row.

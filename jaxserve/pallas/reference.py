@@ -50,15 +50,19 @@ def ragged_paged_attention_xla(
     """Causal attention of each packed query token over its sequence's KV in layer `layer` of the pool.
 
     The K/V of this step's tokens must already be written (see `write_kv`). Query heads are grouped over
-    kv heads (GQA, `H = KVH * G`). Rows of padding tokens hold garbage.
+    kv heads (GQA, `H = KVH * G`). Rows of padding tokens are zero.
     `kv_block` is the number of keys per inner-loop step (static; rounded down to whole pages, at
     least one page); `sm_scale` is usually head_dim ** -0.5.
 
     Algorithm: flash attention (Dao et al., 2022) run as XLA loops. For each query block, a loop over
     blocks of `kv_block` tokens of its own sequence keeps a running max, denominator and output in
     float32 (the online softmax), and stops at the block's last causal position. So a block reads only
-    the KV it attends to: padding blocks (no rows) cost nothing, the pages a shorter sequence leaves
-    unused in the bucket are never read, and a prefill does about half the work of a full square.
+    the KV it attends to: the pages a shorter sequence leaves unused in the bucket are never read, and
+    a prefill does about half the work of a full square. The loop over blocks stops after the batch's
+    real ones (the builder packs them first), so a bucket's padding blocks cost nothing: a speculative
+    verification of one sequence runs in a 16-token bucket with 16 sequence slots, 16 padding blocks
+    that a map over all blocks spent about a fifth of its attention time on (docs/benchmarks.md,
+    issue 20's third pass).
     Materializing every block's whole KV bucket at once was 1.5-17x slower on CPU (docs/benchmarks.md,
     `scripts/bench_attention.py`).
     """
@@ -71,16 +75,17 @@ def ragged_paged_attention_xla(
     chunk = pages_per_chunk * page_size
     # Pad the page table to whole chunks; the extra entries read the dummy page and are masked.
     page_table = jnp.pad(meta.page_table, ((0, 0), (0, -pages_per_seq % pages_per_chunk)))
-
-    # Rows of a block are laid out head-group-major, [KVH, G * Bq, D], so each kv head is one matmul.
-    qb = q[meta.block_token_idx].reshape(num_blocks, block_q, num_kv_heads, group, head_dim)
-    qb = qb.transpose(0, 2, 3, 1, 4).reshape(num_blocks, num_kv_heads, group * block_q, head_dim)
     row_offset = jnp.tile(jnp.arange(block_q, dtype=jnp.int32), group)  # [G * Bq] query row of each row
+    rows = group * block_q
 
-    def attend_block(args):
-        q_blk, seq, q_start, num_q = args
+    def attend_block(b, out):
+        seq, q_start, num_q = meta.block_seq_id[b], meta.block_q_start[b], meta.block_num_q[b]
+        token_idx = meta.block_token_idx[b]
+        # Rows of a block are laid out head-group-major, [KVH, G * Bq, D], so each kv head is one matmul.
+        q_blk = q[token_idx].reshape(block_q, num_kv_heads, group, head_dim)
+        q_blk = q_blk.transpose(1, 2, 0, 3).reshape(num_kv_heads, rows, head_dim)
         q_pos = q_start + row_offset
-        kv_end = jnp.where(num_q > 0, q_start + num_q, 0)  # causal: keys at positions < kv_end
+        kv_end = q_start + num_q  # causal: keys at positions < kv_end
         num_chunks = (kv_end + chunk - 1) // chunk
 
         def kv_step(c, carry):
@@ -99,19 +104,23 @@ def ragged_paged_attention_xla(
             pv = jnp.einsum("krs,skd->krd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return new_max, denom, acc * rescale[..., None] + pv
 
-        rows = group * block_q
         init = (
             jnp.full((num_kv_heads, rows), _MASK_VALUE, jnp.float32),
             jnp.zeros((num_kv_heads, rows), jnp.float32),
             jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32),
         )
         _, denom, acc = jax.lax.fori_loop(0, num_chunks, kv_step, init)
-        return acc / jnp.maximum(denom, 1e-30)[..., None]
+        res = (acc / jnp.maximum(denom, 1e-30)[..., None]).reshape(num_kv_heads, group, block_q, head_dim)
+        res = res.transpose(2, 0, 1, 3).reshape(block_q, num_heads, head_dim)
+        # rows past the block's last query go to row T, which the scatter drops
+        dest = jnp.where(jnp.arange(block_q) < num_q, token_idx, num_tokens)
+        return out.at[dest].set(res.astype(out.dtype), mode="drop")
 
-    out = jax.lax.map(attend_block, (qb, meta.block_seq_id, meta.block_q_start, meta.block_num_q))
-    out = out.reshape(num_blocks, num_kv_heads, group, block_q, head_dim).transpose(0, 3, 1, 2, 4)
-    out = out.reshape(num_blocks * block_q, num_heads, head_dim)
-    return out[meta.token_out_idx].astype(q.dtype)
+    # The builder packs real blocks first (`build_attention_metadata`): only they are visited, so a
+    # bucket's padding blocks cost nothing (a verification's 16-token bucket has 16 of them).
+    num_real_blocks = jnp.sum(meta.block_num_q > 0)
+    out = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
+    return jax.lax.fori_loop(0, num_real_blocks, attend_block, out)
 
 
 def dense_causal_attention(

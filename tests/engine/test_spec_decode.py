@@ -14,6 +14,7 @@ import pytest
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.speculative import ngram_draft, num_accepted
+from jaxserve.engine.speculative.ngram import ngram_match
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
@@ -46,6 +47,10 @@ def copy_prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def brute_force_draft(tokens, k, max_match):
+    return brute_force_match(tokens, k, max_match)[0]
+
+
+def brute_force_match(tokens, k, max_match):
     best_len, best_end = 0, -1
     n = len(tokens)
     for end in range(n - 1):
@@ -54,7 +59,12 @@ def brute_force_draft(tokens, k, max_match):
             w += 1
         if w > 0 and w >= best_len:
             best_len, best_end = w, end
-    return [] if best_end < 0 else list(tokens[best_end + 1 : best_end + 1 + k])
+    if best_end < 0:
+        return [], 0
+    seq = list(tokens)
+    while len(seq) < best_end + 1 + k:  # past the end, the text repeats with period n - 1 - best_end
+        seq.append(seq[len(seq) - (n - 1 - best_end)])
+    return seq[best_end + 1 : best_end + 1 + k], best_len
 
 
 def test_ngram_draft_matches_brute_force():
@@ -63,6 +73,8 @@ def test_ngram_draft_matches_brute_force():
         tokens = list(map(int, rng.integers(0, 4, size=int(rng.integers(1, 40)))))
         k, m = int(rng.integers(1, 6)), int(rng.integers(1, 6))
         assert ngram_draft(tokens, k, m) == brute_force_draft(tokens, k, m), (tokens, k, m)
+        draft, match_len = ngram_match(tokens, k, m)
+        assert (draft, match_len) == brute_force_match(tokens, k, m), (tokens, k, m)
 
 
 def test_num_accepted():

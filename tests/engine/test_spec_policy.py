@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.speculative import DraftPolicy, DraftState
-from jaxserve.engine.speculative.policy import MAX_PROBE_STEPS, MIN_PROBE_STEPS
+from jaxserve.engine.speculative.policy import MAX_PROBE_STEPS, MIN_PROBE_STEPS, match_class
 
 DECODE_S, PER_DRAFT_TOKEN_S = 0.030, 0.003  # a batch-1 decode step and a verified draft token
 
@@ -72,6 +72,27 @@ def test_switches_off_probes_with_backoff_and_switches_back_on():
         state = DraftState(accept_ema=0.0, num_skipped=state.probe_steps, probe_steps=state.probe_steps)
         policy.record(state, 12, 0)
     assert state.probe_steps == MAX_PROBE_STEPS
+
+
+def test_acceptance_is_learned_per_match_length_class():
+    """A request that copies (long n-gram matches, long accepts) and writes new text (short matches
+    that fail) in turn: its short-match drafts stop, its long-match ones go on."""
+    assert [match_class(n) for n in (1, 2, 3, 4, 7, 8, 18)] == [1, 2, 2, 3, 3, 4, 4]
+    policy = measured_policy()
+    state = DraftState()
+    state.match_len = 12
+    assert policy.wants_draft(state, 1, 12)
+    policy.record(state, 12, 12)
+    state.match_len = 1
+    assert policy.wants_draft(state, 1, 12)  # a class not seen yet is tried
+    policy.record(state, 12, 0)
+    policy.record(state, 12, 0)
+    assert not policy.wants_draft(state, 1, 12)  # short matches fail: no draft ...
+    state.match_len = 9
+    assert policy.wants_draft(state, 1, 12)  # ... long ones keep being verified
+    assert state.accept_by_class == {4: 12.0, 1: 0.0}
+    state.match_len = None  # a draft of unknown match length: the request's overall average
+    assert state.expected_accept() == state.accept_ema == 3.0
 
 
 GREEDY = {"max_new_tokens": 90, "temperature": 0, "ignore_eos": True}

@@ -354,3 +354,17 @@ def test_inside_shard_map_with_kv_heads_sharded():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "SHARDED_OK" in result.stdout
+
+
+@pytest.mark.parametrize("seqs", [[(600, 13)], [(600, 16)], [(37, 3), (250, 13), (5, 1)]])
+def test_xla_path_on_verification_buckets(seqs):
+    """Speculative verification's shape: K + 1 <= 16 query tokens after a long cached prefix, in a
+    16-token bucket with 8 sequence slots, so most query blocks are padding (the XLA path visits only
+    the real ones). Against the float64 brute force; padding rows come back zero."""
+    q, k_pool, v_pool, layer, host_meta, seq_kv = _make_batch(
+        seqs, page_size=16, group=3, head_dim=64, dtype="float32", block_q=16, seed=3
+    )
+    out = np.asarray(_xla(q, k_pool, v_pool, layer, host_meta.to_device(), sm_scale=0.125))
+    num_new = sum(ext for _, ext in seqs)
+    _assert_close(out[:num_new], _numpy_attention(q, seqs, seq_kv, 0.125), TOLERANCE["float32"])
+    assert not out[num_new:].any()

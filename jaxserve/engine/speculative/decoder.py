@@ -29,7 +29,7 @@ from jaxtyping import Int32
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine.request import Req
-from jaxserve.engine.speculative.ngram import ngram_draft
+from jaxserve.engine.speculative.ngram import ngram_match
 from jaxserve.engine.speculative.policy import DraftPolicy, DraftState
 
 ALGORITHMS = ("NGRAM",)
@@ -54,7 +54,7 @@ class SpeculativeConfig:
         if args.speculative_algorithm not in ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {args.speculative_algorithm!r}")
         return SpeculativeConfig(
-            num_draft_tokens=args.speculative_num_draft_tokens or 12,
+            num_draft_tokens=args.speculative_num_draft_tokens or 15,
             max_match_len=args.speculative_ngram_max_trie_depth,
             max_batch_size=args.speculative_max_batch_size,
             adaptive=not args.disable_speculative_adaptive,
@@ -128,14 +128,18 @@ class NgramSpeculator:
         return drafts
 
     def propose(self, req: Req, max_tokens: int) -> list[int]:
-        """Up to min(K, max_tokens) draft tokens to follow `req.fill_ids`."""
+        """Up to min(K, max_tokens) draft tokens to follow `req.fill_ids`. Notes the draft's match
+        length in the request's `DraftState` (a radix-tree continuation of the exact prefix counts as
+        the longest match) for the policy."""
         k = min(self.config.num_draft_tokens, max_tokens)
         if k <= 0:
             return []
         tokens = req.fill_ids
         draft = self.tree.continuation(tokens, k, req.namespace)
+        match_len = self.config.max_match_len
         if not draft:
-            draft = ngram_draft(tokens, k, self.config.max_match_len)
+            draft, match_len = ngram_match(tokens, k, self.config.max_match_len)
+        _draft_state(req).match_len = match_len
         return draft[:k]
 
 

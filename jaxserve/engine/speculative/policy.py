@@ -21,6 +21,12 @@ decode steps, doubling after each failed probe up to `MAX_PROBE_STEPS` and reset
 so that a request whose text turns repetitive gets its drafts back. Unmeasured costs favour trying:
 no decode-only step of the batch size yet -> plain decoding (it measures decode(B)); no verification
 yet -> verify. Outputs are exact either way: this changes only which steps verify drafts.
+
+a_i is kept per class of the draft's n-gram match length (`match_class`: 1, 2-3, 4-7, 8+ tokens; the
+radix tree's continuations of the exact prefix count as the longest class), a class seen for the
+first time being tried: one request's text mixes passages it copies (long matches, long accepts) with
+new text (short matches that fail), and a single average learned on one phase refused the other's
+drafts (docs/benchmarks.md, issue 20's third pass).
 """
 
 from __future__ import annotations
@@ -37,11 +43,27 @@ MAX_PROBE_STEPS = 128
 @dataclasses.dataclass
 class DraftState:
     """One request's acceptance history: `accept_ema` accepted tokens per verification (None before its
-    first); `num_skipped` decode steps since its last verification; `probe_steps` the current back-off."""
+    first), used for drafts of unknown match length; `accept_by_class` the same per `match_class`;
+    `match_len` the match length of the request's latest draft (None: unknown, e.g. a draft from
+    elsewhere); `num_skipped` decode steps since its last verification; `probe_steps` the current
+    back-off."""
 
     accept_ema: float | None = None
     num_skipped: int = 0
     probe_steps: int = MIN_PROBE_STEPS
+    match_len: int | None = None
+    accept_by_class: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def expected_accept(self) -> float | None:
+        """The accepted tokens expected of the latest draft (None: nothing learned for its class)."""
+        if self.match_len is None:
+            return self.accept_ema
+        return self.accept_by_class.get(match_class(self.match_len))
+
+
+def match_class(match_len: int) -> int:
+    """Class of an n-gram match length: 1 -> 1, 2-3 -> 2, 4-7 -> 3, 8 and more -> 4."""
+    return min(max(match_len, 1).bit_length(), 4)
 
 
 class StepCosts:
@@ -86,12 +108,13 @@ class DraftPolicy:
     def wants_draft(self, state: DraftState, num_reqs: int, draft_len: int) -> bool:
         """Whether a request with `state` verifies a `draft_len`-token draft in a step of `num_reqs`
         decodes. A refused request counts the step toward its next probe."""
-        if not self.adaptive or state.accept_ema is None or draft_len == 0:
+        expected = state.expected_accept()
+        if not self.adaptive or expected is None or draft_len == 0:
             return True
         decode, per_token = self.costs.decode_seconds(num_reqs), self.costs.seconds_per_draft_token
         if decode is None or per_token is None:
             return True
-        if state.accept_ema * decode / num_reqs >= draft_len * per_token:
+        if expected * decode / num_reqs >= draft_len * per_token:
             return True
         if state.num_skipped >= state.probe_steps:
             return True
@@ -104,6 +127,9 @@ class DraftPolicy:
             return
         was_probe = state.num_skipped >= state.probe_steps
         state.accept_ema = _ema(state.accept_ema, float(num_accepted), ACCEPT_EMA_WEIGHT)
+        if state.match_len is not None:
+            cls = match_class(state.match_len)
+            state.accept_by_class[cls] = _ema(state.accept_by_class.get(cls), float(num_accepted), ACCEPT_EMA_WEIGHT)
         state.num_skipped = 0
         if was_probe:  # back off further after a failed probe; start over after an accepted one
             state.probe_steps = MIN_PROBE_STEPS if num_accepted else min(2 * state.probe_steps, MAX_PROBE_STEPS)
