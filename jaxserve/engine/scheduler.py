@@ -130,6 +130,8 @@ class Scheduler:
             decodes = self._prepare_decodes()
             if decodes:
                 return ScheduleBatch(decodes, _new_token_lens(decodes))
+        if not self.has_work():
+            self.prefill_budget.end_busy_period()
         return None
 
     def _token_budget(self) -> int:

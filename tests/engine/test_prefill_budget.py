@@ -60,6 +60,61 @@ def test_step_bucket_steps_down_from_buckets_measured_over_the_bound():
     assert PrefillBudget(0.0, 8, 512).step_tokens(7, 32, buckets) == 64  # bound off: plain fill
 
 
+def test_a_slower_spell_does_not_readmit_a_bucket_over_the_bound():
+    """Buckets are judged by their steps' cost over the decode step measured at the time: when every
+    step gets slower (the decode average rises), a bucket that measured 3.6x a decode step stays out,
+    where a comparison of its seconds with the risen bound (2 x 0.1 s > 0.18 s) would take it again."""
+    buckets = (16, 32, 64)
+    b = PrefillBudget(itl_ratio=2.0, min_tokens=8, max_tokens=512)
+    b.observe(7, 0, 0.050)
+    b.observe(7, 57, 0.180, step_bucket=64)
+    assert b.step_tokens(7, 40, buckets) == 32
+    for _ in range(30):
+        b.observe(7, 0, 0.100)  # the machine slows down: decode steps take twice as long
+    assert b.decode_seconds(7) > 0.09
+    assert b.step_tokens(7, 40, buckets) == 32
+    b.observe(7, 25, 0.12, step_bucket=32)  # 1.2x the slower decode step
+    assert b.step_tokens(7, 40, buckets) == 32
+
+
+def test_only_steps_long_by_the_goal_are_charged():
+    """The credit pays for long ITLs as the P99 goal counts them (over 3x a decode step, or the bound if
+    larger): a bounded step that overshoots the bound a little is not charged."""
+    import pytest
+
+    from jaxserve.engine.prefill_budget import LONG_ITL_RATIO
+
+    assert LONG_ITL_RATIO == 3.0
+    b = PrefillBudget(itl_ratio=2.5, min_tokens=8, max_tokens=512, stall_fraction=0.01)
+    for _ in range(100):
+        b.observe(4, 0, 0.05)
+    assert b.stall_credit == pytest.approx(4.0)
+    b.observe(4, 30, 0.14)  # 2.8x: over the bound, not a long ITL
+    assert b.stall_credit == pytest.approx(4.04)
+    b.observe(4, 60, 0.16)  # 3.2x: four long ITLs
+    assert b.stall_credit == pytest.approx(0.08)
+    loose = PrefillBudget(itl_ratio=4.0, min_tokens=8, max_tokens=512, stall_fraction=0.01)
+    loose.observe(4, 0, 0.05)
+    loose.observe(4, 60, 0.19)  # 3.8x: within a bound looser than the goal
+    assert loose.stall_credit == pytest.approx(0.08)
+    assert loose.long_ratio == 4.0
+
+
+def test_idle_engine_drops_the_banked_credit():
+    """A busy period spends only what it earned: going idle drops a positive credit and keeps a debt."""
+    import pytest
+
+    b = PrefillBudget(itl_ratio=2.0, min_tokens=8, max_tokens=512, stall_fraction=0.01)
+    for _ in range(1000):
+        b.observe(8, 0, 0.05)
+    assert b.stall_credit == pytest.approx(16.0)
+    b.end_busy_period()
+    assert b.stall_credit == 0.0 and not b.can_stall(1)
+    b.observe(8, 128, 0.50)  # a long step beside 8 decodes: a debt of ~8
+    b.end_busy_period()
+    assert b.stall_credit == pytest.approx(-7.92)
+
+
 def test_stall_credit_pays_for_few_long_steps():
     """The stall allowance: each decode token earns stall_fraction of a credit, each decode token of a
     step measured over itl_ratio x its decode step spends one; a whole chunk is allowed only while the
@@ -156,6 +211,24 @@ def test_scheduler_caps_prefill_beside_decodes(tiny_model_dir):
         sched.prefill_budget.observe(3, 0, 0.1)
     batch = sched.schedule()
     assert sorted(batch.extend_lens)[-1] == 61  # 3 + 37 tokens: the 64 bucket
+
+
+def test_scheduler_ends_the_busy_period_when_idle(tiny_model_dir):
+    """The engine drops the banked stall credit once nothing is left to run, not while requests run."""
+    from jaxserve.engine.engine import Engine
+
+    eng = Engine(model_path=tiny_model_dir, max_total_tokens=4096, chunked_prefill_size=128, context_length=512,
+                 disable_precompile=True, prefill_decode_itl_ratio=3.0, prefill_decode_stall_fraction=0.01)
+    budget = eng.scheduler.prefill_budget
+    eng.add_request(list(range(10, 40)), {"max_new_tokens": 6})
+    eng.step()
+    budget.stall_credit = 5.0
+    eng.step()  # a decode step: the request still runs, the credit is kept (and earns)
+    assert budget.stall_credit >= 5.0
+    while eng.has_unfinished():
+        eng.step()
+    eng.step()  # nothing to run
+    assert budget.stall_credit == 0.0
 
 
 def _logits_and_sampling(eng, batch):
