@@ -51,8 +51,8 @@ class Step:
     num_prefill_reqs: int
     fill_bucket: int
     stall: bool  # the stall credit paid for a whole chunk
-    decode_ema: float | None  # PrefillBudget's decode-step estimate for num_running, before the step
-    bucket_ratio: float | None  # its moving average of (decode bucket, fill bucket) steps over the decode step, before
+    decode_ema: float | None  # the decode step the bound referred to (PrefillBudget.reference_seconds), seconds
+    bucket_estimate: float | None  # PrefillBudget.mixed_seconds of this step's buckets when it was chosen
     limit: float | None  # itl_ratio x decode_ema
     in_flight: int  # requests sent and not finished
     waiting: int  # requests in the waiting queue after the step was scheduled
@@ -77,10 +77,15 @@ def run_trace(engine, rows, concurrency: int) -> tuple[list[Step], dict[str, Req
         n = len(sched.running)
         pb = sched.prefill_budget
         pre.clear()
-        pre.update(running={id(r) for r in sched.running}, n=n, stall=pb.can_stall(n) if n else False,
-                   decode=pb.decode_seconds(n) if n else None, mixed=dict(pb._mixed_ratio))
+        pre.update(running={id(r) for r in sched.running}, n=n, stall=pb.can_stall(n) if n else False)
         pre["batch"] = schedule()
         pre["waiting"] = len(sched.waiting)
+        # the budget changes only in observe, after the step: what it knew when this batch was chosen
+        reference = pb.reference_seconds(n, sched._batch_after_admission) if n else None
+        pre["decode"] = reference
+        pre["limit"] = pb.itl_ratio * reference if reference is not None and pb.enabled else None
+        if pre["batch"] is not None and n:
+            pre["estimate"] = pb.mixed_seconds(n, sched._fill_bucket(sum(pre["batch"].extend_lens)))
         return pre["batch"]
 
     sched.schedule = traced_schedule
@@ -109,12 +114,8 @@ def run_trace(engine, rows, concurrency: int) -> tuple[list[Step], dict[str, Req
                     if r.rid in reqs:
                         reqs[r.rid].prefill_steps += 1
                 bucket = sched._fill_bucket(total)
-                pb = sched.prefill_budget
-                n = pre["n"]
-                limit = pb.itl_ratio * pre["decode"] if pre["decode"] is not None and pb.enabled else None
-                bucket_ratio = pre["mixed"].get((_pow2(n), bucket)) if n else None
-                steps.append(Step(t0, t1 - t0, n, decodes, total - decodes, len(prefill_reqs), bucket, pre["stall"],
-                                  pre["decode"], bucket_ratio, limit, in_flight, pre["waiting"]))
+                steps.append(Step(t0, t1 - t0, pre["n"], decodes, total - decodes, len(prefill_reqs), bucket, pre["stall"],
+                                  pre["decode"], pre.get("estimate"), pre["limit"], in_flight, pre["waiting"]))
             for o in outs:
                 if o.new_token_ids and o.rid in reqs:
                     reqs[o.rid].arrivals.append((t1, len(o.new_token_ids), len(steps) - 1))
@@ -140,9 +141,9 @@ def long_itl_cause(step: Step, spanned: int) -> str:
         return "whole chunk on stall credit"
     if step.limit is None:
         return "chunk beside an unmeasured decode step"
-    if step.bucket_ratio is None:
+    if step.bucket_estimate is None:
         return "bounded chunk, bucket unmeasured"
-    if step.bucket_ratio * step.decode_ema > step.limit:
+    if step.bucket_estimate > step.limit:
         return "bounded chunk, bucket measured over the bound"
     return "bounded chunk, bucket measured within the bound"
 
