@@ -56,6 +56,7 @@ class Step:
     limit: float | None  # itl_ratio x decode_ema
     in_flight: int  # requests sent and not finished
     waiting: int  # requests in the waiting queue after the step was scheduled
+    stall_credit: float  # PrefillBudget.stall_credit when the step was scheduled
 
 
 @dataclass
@@ -77,7 +78,8 @@ def run_trace(engine, rows, concurrency: int) -> tuple[list[Step], dict[str, Req
         n = len(sched.running)
         pb = sched.prefill_budget
         pre.clear()
-        pre.update(running={id(r) for r in sched.running}, n=n, stall=pb.can_stall(n) if n else False)
+        pre.update(running={id(r) for r in sched.running}, n=n, stall=pb.can_stall(n) if n else False,
+                   credit=pb.stall_credit)
         pre["batch"] = schedule()
         pre["waiting"] = len(sched.waiting)
         # the budget changes only in observe, after the step: what it knew when this batch was chosen
@@ -115,7 +117,8 @@ def run_trace(engine, rows, concurrency: int) -> tuple[list[Step], dict[str, Req
                         reqs[r.rid].prefill_steps += 1
                 bucket = sched._fill_bucket(total)
                 steps.append(Step(t0, t1 - t0, pre["n"], decodes, total - decodes, len(prefill_reqs), bucket, pre["stall"],
-                                  pre["decode"], pre.get("estimate"), pre["limit"], in_flight, pre["waiting"]))
+                                  pre["decode"], pre.get("estimate"), pre["limit"], in_flight, pre["waiting"],
+                                  pre["credit"]))
             for o in outs:
                 if o.new_token_ids and o.rid in reqs:
                     reqs[o.rid].arrivals.append((t1, len(o.new_token_ids), len(steps) - 1))

@@ -150,12 +150,14 @@ class PrefillBudget:
 
     def budget(self, num_decodes: int, batch_size: int = 0) -> int:
         """Prefill tokens a step beside `num_decodes` running decodes may take: `max_tokens` when the
-        bound is off or no decode runs; 0 while no decode-only step of this batch size (or a smaller
-        one) has been measured, so the scheduler runs one and measures it (steps with a chunk never
-        show the decode cost alone); `min_tokens` while no prefill has been measured."""
+        bound is off or no decode runs; 0 while no decode-only step of this decode bucket has been
+        measured, so the scheduler runs one and measures it (steps with a chunk never show the decode
+        cost alone, and a smaller bucket's step is only a lower bound: measured, charging chunk steps
+        against it put a whole wave of admissions in debt); `min_tokens` while no prefill has been
+        measured."""
         if not self.enabled or num_decodes == 0:
             return self.max_tokens
-        if self.decode_seconds(num_decodes) is None:
+        if _bucket(num_decodes) not in self._decode_steps:
             return 0
         if self._seconds_per_token is None:
             return self.min_tokens

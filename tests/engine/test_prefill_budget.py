@@ -20,7 +20,8 @@ def test_budget_from_measured_costs():
     b.observe(num_decodes=16, num_prefill_tokens=0, seconds=0.5)
     assert b.budget(16) == 100  # a longer decode step absorbs a larger chunk
     assert b.budget(9) == 100  # same bucket (16)
-    assert b.budget(5) == 10  # bucket 8 not measured: the nearest smaller measured bucket (4)
+    assert b.budget(5) == 0  # bucket 8 not measured: measure it first (bucket 4 is only a lower bound)
+    assert b.decode_seconds(5) == 0.05  # which decode_seconds gives
 
 
 def test_budget_clamped_and_off():
