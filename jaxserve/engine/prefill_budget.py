@@ -181,10 +181,10 @@ class PrefillBudget:
         token and is not. Tried again although over the bound: a bucket with fewer than
         `COST_WINDOW` steps whose cost is not a long ITL (`long_ratio`), so that one unlucky first
         step does not shut out a bucket near the bound (measured: the 32-token bucket beside 8
-        decodes, 2.2x a decode step, once at 2.8x). Buckets are first tried from the bottom up: the
-        smallest, then each one only above a measured one that keeps the bound. A first try beside 7
-        decodes over 3x their step is 7 long ITLs, and first tries of the 64-token bucket straight
-        from the budget's estimate gave 11 of a 650-ITL run's 17 (docs/benchmarks.md). Measured at 8 concurrent requests: the linear
+        decodes, 2.2x a decode step, once at 2.8x). Buckets are first tried from the bottom up
+        (`_first_try_fits`): a first try beside 7 decodes over 3x their step is 7 long ITLs, and first
+        tries of the 64-token bucket straight from the budget's estimate gave 11 of a 650-ITL run's
+        17 (docs/benchmarks.md). Measured at 8 concurrent requests: the linear
         per-token estimate and the 32-token minimum put 7 decodes + 57 prefill tokens into the
         64-token bucket, 3.5x a decode step."""
         up = next((t for t in buckets if t >= num_decodes + cap), num_decodes + cap)
@@ -196,14 +196,32 @@ class PrefillBudget:
         for i in reversed(range(len(candidates))):
             t, cost = candidates[i], self.mixed_seconds(num_decodes, candidates[i])
             if cost is None:
-                below = self.mixed_seconds(num_decodes, candidates[i - 1]) if i else 0.0
-                if below is not None and below <= limit:
-                    return t  # a first try, one bucket above one that keeps the bound
+                if self._first_try_fits(num_decodes, candidates[:i], t, limit):
+                    return t
             elif cost <= limit:
                 return t
             elif cost <= long and len(self._mixed_steps[(_bucket(num_decodes), t)]) < COST_WINDOW:
                 return t
         return candidates[0]  # every bucket is over the bound: the smallest, so that prompts progress
+
+
+    def _first_try_fits(self, num_decodes: int, below: Sequence[int], bucket: int, limit: float) -> bool:
+        """Whether an unmeasured `bucket` may be tried: the smallest always; the next one when the one
+        below keeps the bound; a larger one when the line through the two measured buckets below it
+        (seconds against tokens) keeps the bound at `bucket` too. Measured: the 64-token bucket beside
+        7 decodes, tried because the 32-token one kept the bound, took 4.0x a decode step; the line
+        through 16 and 32 (107 and 141 ms) said 208 ms against a bound of 150 ms."""
+        if not below:
+            return True
+        costs = [self.mixed_seconds(num_decodes, t) for t in below[-2:]]
+        if costs[-1] is None or costs[-1] > limit:
+            return False
+        if len(below) < 2:
+            return True
+        if costs[0] is None:
+            return False
+        slope = (costs[1] - costs[0]) / (below[-1] - below[-2])
+        return costs[1] + slope * (bucket - below[-1]) <= limit
 
 
 def _record(steps: dict, key, seconds: float) -> None:

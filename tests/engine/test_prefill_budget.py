@@ -52,8 +52,8 @@ def test_step_bucket_steps_down_from_buckets_measured_over_the_bound():
     assert b.step_tokens(7, 32, buckets) == 16  # nothing measured beside 7 decodes: the smallest first
     b.observe(7, 9, 0.080, step_bucket=16)  # 1.6x
     assert b.step_tokens(7, 32, buckets) == 32  # then one bucket up
-    b.observe(7, 25, 0.095, step_bucket=32)  # 1.9x: within the bound
-    assert b.step_tokens(7, 32, buckets) == 64
+    b.observe(7, 25, 0.085, step_bucket=32)  # 1.7x: within the bound, and the line through 16 and 32
+    assert b.step_tokens(7, 32, buckets) == 64  # says 95 ms at 64: tried
     b.observe(7, 57, 0.180, step_bucket=64)  # 3.6x a decode step
     assert b.step_tokens(7, 32, buckets) == 32
     assert b.step_tokens(7, 100, buckets) == 32  # 128 unmeasured, but above 64, which is over: not tried
@@ -64,6 +64,20 @@ def test_step_bucket_steps_down_from_buckets_measured_over_the_bound():
         b.observe(7, 9, 0.105, step_bucket=16)
     assert b.step_tokens(7, 32, buckets) == 16  # all over: the smallest that still prefills
     assert b.step_tokens(15, 8, buckets) == 16  # nothing measured beside 15 decodes: the smallest
+
+
+def test_first_try_of_a_larger_bucket_needs_the_line_through_two_below():
+    """The measured case: beside 7 decodes (60 ms) at ratio 2.5 the 16- and 32-token buckets took 107
+    and 141 ms; their line says 208 ms at 64, over the 150 ms bound, so 64 is not tried."""
+    b = PrefillBudget(itl_ratio=2.5, min_tokens=32, max_tokens=512)
+    b.observe(7, 0, 0.060)
+    b.observe(7, 9, 0.107, step_bucket=16)
+    assert b.step_tokens(7, 32, (16, 32, 64)) == 32  # the second bucket is tried on the first alone
+    b.observe(7, 25, 0.141, step_bucket=32)
+    assert b.step_tokens(7, 32, (16, 32, 64)) == 32
+    b.observe(7, 25, 0.160, step_bucket=32)
+    b.observe(7, 25, 0.160, step_bucket=32)  # 32's median over the bound: nothing above it is tried
+    assert b.step_tokens(7, 32, (16, 32, 64)) == 32  # (it is itself near the bound and tried again)
 
 
 def test_bucket_costs_are_medians_of_recent_steps():
