@@ -47,6 +47,8 @@ LONG_ITL_RATIO = 3.0
 # one slow step (another process, a GC pause) does not move it, a slower spell that lasts (longer
 # contexts, a busier machine) does within half as many steps
 COST_WINDOW = 8
+# a bucket over the bound is tried again until it has this many steps (their median is its cost)
+MIN_COST_STEPS = 3
 
 
 class PrefillBudget:
@@ -178,29 +180,27 @@ class PrefillBudget:
         filled up to an extend bucket of `buckets` (ascending): a step costs its bucket, padding
         included. The bucket of num_decodes + cap, unless its cost (`mixed_seconds`) is over the bound
         (`itl_ratio` x `reference_seconds`); then the largest smaller bucket that holds a prefill
-        token and is not. Tried again although over the bound: a bucket with fewer than
-        `COST_WINDOW` steps whose cost is not a long ITL (`long_ratio`), so that one unlucky first
-        step does not shut out a bucket near the bound (measured: the 32-token bucket beside 8
-        decodes, 2.2x a decode step, once at 2.8x). Buckets are first tried from the bottom up
-        (`_first_try_fits`): a first try beside 7 decodes over 3x their step is 7 long ITLs, and first
-        tries of the 64-token bucket straight from the budget's estimate gave 11 of a 650-ITL run's
-        17 (docs/benchmarks.md). Measured at 8 concurrent requests: the linear
+        token and is not. A bucket is judged on at least `MIN_COST_STEPS` steps, so that one unlucky
+        step does not shut out a bucket near the bound for the server's lifetime (measured: the
+        32-token bucket beside 8 decodes, 2.2x a decode step, once at 2.8x, after which only 16-token
+        steps ran); until then it is tried when the buckets below allow a first try
+        (`_first_try_fits`), from the bottom up: a first try beside 7 decodes over 3x their step is 7
+        long ITLs, and first tries of the 64-token bucket straight from the budget's estimate gave 11
+        of a 650-ITL run's 17 (docs/benchmarks.md). Measured at 8 concurrent requests: the linear
         per-token estimate and the 32-token minimum put 7 decodes + 57 prefill tokens into the
         64-token bucket, 3.5x a decode step."""
         up = next((t for t in buckets if t >= num_decodes + cap), num_decodes + cap)
         if not self.enabled or self.decode_seconds(num_decodes) is None:
             return up
         reference = self.reference_seconds(num_decodes, batch_size)
-        limit, long = self.itl_ratio * reference, self.long_ratio * reference
+        limit = self.itl_ratio * reference
         candidates = [t for t in buckets if num_decodes < t <= up] or [up]
         for i in reversed(range(len(candidates))):
             t, cost = candidates[i], self.mixed_seconds(num_decodes, candidates[i])
-            if cost is None:
-                if self._first_try_fits(num_decodes, candidates[:i], t, limit):
-                    return t
-            elif cost <= limit:
+            if cost is not None and cost <= limit:
                 return t
-            elif cost <= long and len(self._mixed_steps[(_bucket(num_decodes), t)]) < COST_WINDOW:
+            num_steps = len(self._mixed_steps.get((_bucket(num_decodes), t), ()))
+            if num_steps < MIN_COST_STEPS and self._first_try_fits(num_decodes, candidates[:i], t, limit):
                 return t
         return candidates[0]  # every bucket is over the bound: the smallest, so that prompts progress
 

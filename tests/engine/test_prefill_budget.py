@@ -55,7 +55,10 @@ def test_step_bucket_steps_down_from_buckets_measured_over_the_bound():
     b.observe(7, 25, 0.085, step_bucket=32)  # 1.7x: within the bound, and the line through 16 and 32
     assert b.step_tokens(7, 32, buckets) == 64  # says 95 ms at 64: tried
     b.observe(7, 57, 0.180, step_bucket=64)  # 3.6x a decode step
-    assert b.step_tokens(7, 32, buckets) == 32
+    assert b.step_tokens(7, 32, buckets) == 64  # one step is not enough to judge it: tried again
+    b.observe(7, 57, 0.180, step_bucket=64)
+    b.observe(7, 57, 0.180, step_bucket=64)
+    assert b.step_tokens(7, 32, buckets) == 32  # three: its median is over the bound
     assert b.step_tokens(7, 100, buckets) == 32  # 128 unmeasured, but above 64, which is over: not tried
     for _ in range(8):
         b.observe(7, 25, 0.110, step_bucket=32)  # 2.2x, eight times: its cost is over the bound
@@ -76,18 +79,19 @@ def test_first_try_of_a_larger_bucket_needs_the_line_through_two_below():
     b.observe(7, 25, 0.141, step_bucket=32)
     assert b.step_tokens(7, 32, (16, 32, 64)) == 32
     b.observe(7, 25, 0.160, step_bucket=32)
-    b.observe(7, 25, 0.160, step_bucket=32)  # 32's median over the bound: nothing above it is tried
-    assert b.step_tokens(7, 32, (16, 32, 64)) == 32  # (it is itself near the bound and tried again)
+    b.observe(7, 25, 0.160, step_bucket=32)  # 32's median of three steps over the bound
+    assert b.step_tokens(7, 32, (16, 32, 64)) == 16
 
 
 def test_bucket_costs_are_medians_of_recent_steps():
-    """A bucket's cost is the median of its last steps: one slow step neither shuts a bucket near the
-    bound out (it is tried again while it has few steps and is no long ITL) nor, after a slower spell,
-    lets a bucket over the bound in for more than one step."""
+    """A bucket's cost is the median of its last steps: one slow step does not shut a bucket out (it is
+    tried again until it has three steps), and after a slower spell a bucket over the bound comes back
+    only until three steps of the slower machine say it is still over."""
     buckets = (16, 32, 64)
     b = PrefillBudget(itl_ratio=2.5, min_tokens=8, max_tokens=512)
     b.observe(7, 0, 0.050)
-    b.observe(7, 25, 0.140, step_bucket=32)  # 2.8x once: over the bound, not a long ITL (3x)
+    b.observe(7, 9, 0.080, step_bucket=16)
+    b.observe(7, 25, 0.140, step_bucket=32)  # 2.8x once: over the bound
     assert b.step_tokens(7, 20, buckets) == 32  # tried again
     b.observe(7, 25, 0.110, step_bucket=32)
     b.observe(7, 25, 0.110, step_bucket=32)
@@ -98,7 +102,9 @@ def test_bucket_costs_are_medians_of_recent_steps():
         b.observe(7, 0, 0.080)  # a slower spell: the decode step's median is 80 ms, the bound 200 ms
     assert b.decode_seconds(7) == 0.080
     assert b.step_tokens(7, 40, buckets) == 64  # 180 ms is within: tried once
-    b.observe(7, 57, 0.330, step_bucket=64)  # slower too: the median of 180 and 330 is over 3x
+    b.observe(7, 57, 0.330, step_bucket=64)  # slower too; with two steps it is tried once more
+    assert b.step_tokens(7, 40, buckets) == 64
+    b.observe(7, 57, 0.330, step_bucket=64)  # the median of three is over the bound: out again
     assert b.step_tokens(7, 40, buckets) == 32
 
 
