@@ -153,6 +153,9 @@ class Scheduler:
         num_tokens = sum(batch.extend_lens)
         self.prefill_budget.observe(num_decodes, num_tokens - num_decodes, seconds, self._fill_bucket(num_tokens),
                                     self._batch_after_admission)
+        logger.debug("step: %d decodes, %d prefill tokens, bucket %d, %.1f ms, stall credit %.2f, %d waiting",
+                     num_decodes, num_tokens - num_decodes, self._fill_bucket(num_tokens), seconds * 1e3,
+                     self.prefill_budget.stall_credit, len(self.waiting))
 
     def _fill_bucket(self, num_tokens: int) -> int:
         """The step's token count rounded up to its extend bucket (unchanged past the largest)."""
