@@ -153,7 +153,7 @@ def long_itl_cause(step: Step, spanned: int) -> str:
 
 def report(name: str, workload: str, steps: list[Step], reqs: dict[str, ReqTrace], concurrency: int) -> dict:
     """Prints the variant's tables (see the module docstring); returns its summary numbers."""
-    itls, causes, over_step = [], [], []
+    itls, causes = [], []
     for rt in reqs.values():
         for (ta, _, ia), (tb, n, ib) in zip(rt.arrivals, rt.arrivals[1:]):
             itls += [(tb - ta) / n] * n

@@ -2,9 +2,10 @@
 
 A step that prefills a chunk beside running decodes delays every one of those decodes' next token
 by the chunk's cost. `PrefillBudget` keeps that delay bounded: a step with a chunk may take at most
-`itl_ratio` times a decode-only step of the same batch, so its prefill tokens are
+`itl_ratio` times a decode-only step of the batch the running decodes will have once the waiting
+prompts join them (`reference_seconds`), so its prefill tokens are
 
-    budget(n) = (itl_ratio - 1) x decode_seconds(n) / prefill_seconds_per_token
+    budget(n) = (itl_ratio - 1) x decode_seconds(batch after admission) / prefill_seconds_per_token
 
 clamped to [min_tokens, max_tokens], from what the steps took: decode_seconds per decode bucket
 (the power of two of the running batch, which is what the compiled step costs; the median of its
@@ -60,8 +61,8 @@ class PrefillBudget:
         itl_ratio: the bound on a chunk step / a decode-only step (> 1); 0 turns the bound off.
         min_tokens: the least a step with decodes may prefill (prompts always progress).
         max_tokens: the most (the chunk size).
-        stall_fraction: the share of decode tokens (0 to 1) that steps over the bound may delay; 0:
-            every step keeps the bound.
+        stall_fraction: the share of decode tokens (0 to 1) that long steps (`long_ratio`) may delay;
+            0: every step keeps the bound.
     """
 
     def __init__(self, itl_ratio: float, min_tokens: int, max_tokens: int, stall_fraction: float = 0.0):
@@ -69,7 +70,7 @@ class PrefillBudget:
             raise ValueError(f"stall_fraction must be in [0, 1), got {stall_fraction}")
         self.itl_ratio = itl_ratio
         self.stall_fraction = stall_fraction
-        self.stall_credit = 0.0  # decode tokens that a step over the bound may still delay
+        self.stall_credit = 0.0  # decode tokens that a long step may still delay
         self.min_tokens = max(1, min(min_tokens, max_tokens))
         self.max_tokens = max_tokens
         # decode bucket -> seconds of its last decode-only steps; (decode bucket, extend bucket of the
