@@ -86,6 +86,7 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
         self._last_was_prefill = False
+        self._batch_after_admission = 0  # set by each prefill schedule, read by observe_step
         self._policy = get_policy(config.schedule_policy, not config.disable_radix_cache)
         self._rng = random.Random(config.seed)
         self.prefill_budget = PrefillBudget(
@@ -130,6 +131,8 @@ class Scheduler:
             decodes = self._prepare_decodes()
             if decodes:
                 return ScheduleBatch(decodes, _new_token_lens(decodes))
+        if not self.has_work():
+            self.prefill_budget.end_busy_period()
         return None
 
     def _token_budget(self) -> int:
@@ -148,7 +151,11 @@ class Scheduler:
         """Record how long `batch` took (wall seconds of its forward and sampling), for the prefill budget."""
         num_decodes = sum(1 for r in batch.reqs if r in self.running)
         num_tokens = sum(batch.extend_lens)
-        self.prefill_budget.observe(num_decodes, num_tokens - num_decodes, seconds, self._fill_bucket(num_tokens))
+        self.prefill_budget.observe(num_decodes, num_tokens - num_decodes, seconds, self._fill_bucket(num_tokens),
+                                    self._batch_after_admission)
+        logger.debug("step: %d decodes, %d prefill tokens, bucket %d, %.1f ms, stall credit %.2f, %d waiting",
+                     num_decodes, num_tokens - num_decodes, self._fill_bucket(num_tokens), seconds * 1e3,
+                     self.prefill_budget.stall_credit, len(self.waiting))
 
     def _fill_bucket(self, num_tokens: int) -> int:
         """The step's token count rounded up to its extend bucket (unchanged past the largest)."""
@@ -157,10 +164,13 @@ class Scheduler:
     def _schedule_prefill(self, num_decodes: int) -> ScheduleBatch | None:
         chunking = self.config.chunked_prefill_size > 0
         budget = self._token_budget()
+        # the decode batch once the prompts now prefilling or waiting join: what the bound refers to
+        self._batch_after_admission = min(self.config.max_running_requests, self.num_running + len(self.waiting))
         if self.running and not self.prefill_budget.can_stall(len(self.running)):
-            cap = self.prefill_budget.budget(len(self.running))  # 0: measure a decode-only step first
+            cap = self.prefill_budget.budget(len(self.running), self._batch_after_admission)  # 0: measure a decode step
             buckets = self.config.extend_token_buckets
-            step = self.prefill_budget.step_tokens(num_decodes, cap, buckets) if buckets else self._fill_bucket(num_decodes + cap)
+            step = (self.prefill_budget.step_tokens(num_decodes, cap, buckets, self._batch_after_admission) if buckets
+                    else self._fill_bucket(num_decodes + cap))
             budget = min(budget, step if cap else num_decodes)
         reserved = sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running)
         adder = PrefillAdder(
