@@ -13,8 +13,8 @@ worth decode(B) / B seconds of the batch's time, and request i's draft of k_i to
     a_i x decode(B) / B  >=  k_i x c.
 
 The rule is the break-even of a verification measured on the running hardware: on the default model
-at batch 1 on 2 CPU cores, a 12-token draft is verified when it is expected to be accepted for more
-than about one token (docs/benchmarks.md, "Verification against a decode step"); at 8 concurrent
+at batch 1 on 2 CPU cores (decode ~29 ms, ~3 ms per verified draft token), a 15-token draft (the
+NGRAM default) is verified when it is expected to be accepted for more than about 1.5 tokens (docs/benchmarks.md, "Verification against a decode step"); at 8 concurrent
 random prompts (accept ~1.4 tokens per verification) drafts stop, on copy-heavy ones (~4.6) they do
 not. A request whose drafts are off is probed again (its draft verified anyway) after `probe_steps`
 decode steps, doubling after each failed probe up to `MAX_PROBE_STEPS` and reset by an accepted one,
