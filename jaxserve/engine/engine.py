@@ -94,6 +94,12 @@ class Engine:
             pool_shards=pool_shards(cfg.num_kv_heads, args.tp_size),
             available_bytes=available_memory_bytes(self.mesh.devices.flat),
         )
+        if self.pool_shape.num_tokens < self.context_length:
+            logger.warning(
+                "the KV pool holds %d tokens, fewer than the context length %d: a prompt of %d tokens or more "
+                "is refused and max_new_tokens is cut to what the pool holds (raise --max-total-tokens or "
+                "--mem-fraction-static)", self.pool_shape.num_tokens, self.context_length, self.max_req_input_len,
+            )
         k_pool, v_pool = allocate_pools(self.pool_shape)
         self.allocator = PageAllocator(self.pool_shape.num_pages)
         self.tree = RadixCache(page_size=args.page_size, disable=args.disable_radix_cache)
@@ -192,6 +198,7 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
         input_ids = self.tokenize(prompt)
         self.validate_input_ids(input_ids, params.max_new_tokens)
+        params = self.fit_pool(params, len(input_ids))
         self.validate_logit_bias(params)
         if top_logprobs_num < 0 or top_logprobs_num > 20:
             raise RequestError("top_logprobs_num", f"top_logprobs_num must be in [0, 20], got {top_logprobs_num}")
@@ -284,10 +291,38 @@ class Engine:
                 f"the prompt has {len(input_ids)} tokens, the context length is {self.context_length} "
                 f"(prompt + at least one new token must fit)",
             )
-        if len(input_ids) + 1 > self.pool_shape.num_tokens:
-            raise RequestError("prompt", f"the prompt has {len(input_ids)} tokens, the KV pool holds {self.pool_shape.num_tokens}")
+        if len(input_ids) >= self.max_req_input_len:
+            raise RequestError(
+                "prompt",
+                f"the prompt has {len(input_ids)} tokens, the KV pool holds {self.pool_shape.num_tokens}: "
+                f"a prompt must have fewer than {self.max_req_input_len} (raise --max-total-tokens)",
+            )
         if self.args.chunked_prefill_size <= 0 and len(input_ids) > self.args.max_prefill_tokens:
             raise RequestError("prompt", f"the prompt has {len(input_ids)} tokens, over --max-prefill-tokens {self.args.max_prefill_tokens} (chunked prefill is off)")
+
+    @property
+    def max_req_len(self) -> int:
+        """The most tokens (prompt + output) one request may hold in the KV pool: the pool's tokens - 1.
+
+        SGLang 0.5.23's rule (`tp_worker`: `max_req_len = min(context_len - 1, kv_capacity - 1)`); its
+        context half is ours in `validate_input_ids` and the server's max_new_tokens check. A request
+        within it fits the pool alone, so the scheduler can always retract the others to run it."""
+        return self.pool_shape.num_tokens - 1
+
+    @property
+    def max_req_input_len(self) -> int:
+        """A prompt must be shorter than this (tokens): SGLang's `max_req_input_len = max_req_len - 5`."""
+        return self.max_req_len - 5
+
+    def fit_pool(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """`params` with max_new_tokens cut to what the KV pool can hold after a prompt of `prompt_len`
+        tokens: at most `max_req_len - prompt_len - 1`, as SGLang's scheduler clamps it (the request then
+        ends with finish reason length there). min_new_tokens is cut with it. Call after
+        `validate_input_ids`, which guarantees room for at least 5 tokens."""
+        room = max(0, self.max_req_len - prompt_len - 1)
+        if params.max_new_tokens <= room:
+            return params
+        return dataclasses.replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
 
     def abort(self, rid: str) -> bool:
         """Stop a request wherever it is and free its pages. Returns False for an unknown rid."""
