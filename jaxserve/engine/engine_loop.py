@@ -27,7 +27,10 @@ observer is called (the server exits non-zero, so a supervisor restarts it). `su
 Admission: at most `max_queued_requests` sequences wait (submitted, not yet running); one more raises
 `EngineUnavailableError` (the server's 503 with Retry-After), as SGLang's scheduler aborts a request
 beyond `--max-queued-requests`. With `queue_timeout_s`, a request still in the scheduler's waiting
-queue that long without a first output ends with an abort carrying `status_code` 503.
+queue that long without a first output ends with an abort carrying `status_code` 503. A batch is
+admitted whole or not at all: `reserve(num_sequences)` takes room for all its sequences at once (a
+`QueueReservation` that its `submit` calls spend), so a batch that does not fit is refused before any of
+it is queued, and one larger than `max_queued_requests` on its own is a `RequestError`.
 
 Test hook (not a user flag): when the environment variable `JAXSERVE_TEST_FAULT_FILE` names a path,
 every step first checks whether that file exists and, if it does, raises `InjectedFault`. The engine
@@ -76,6 +79,15 @@ class EngineUnavailableError(RuntimeError):
     def __init__(self, message: str, retry_after_s: int | None = None):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+@dataclasses.dataclass
+class QueueReservation:
+    """Room held in the waiting queue for `num_left` more sequences of one batch (`EngineLoop.reserve`).
+
+    Pass it to each `submit` of the batch; `EngineLoop.release` returns what is left unused."""
+
+    num_left: int
 
 
 class InjectedFault(RuntimeError):
@@ -148,6 +160,7 @@ class EngineLoop:
         self._error: str | None = None
         self._death_observers: list[Callable[[str], None]] = []
         self._num_rejected_queue_full = 0
+        self._num_reserved = 0  # sequences of batches reserved and not yet submitted
         self._num_queue_timeouts = 0
         self._cond = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
@@ -275,11 +288,13 @@ class EngineLoop:
         token_ids_logprob: Sequence[int] = (),
         namespace: Hashable = None,
         on_output: OutputCallback,
+        reservation: QueueReservation | None = None,
     ) -> list[str]:
         """Validate a request now and queue it; returns the rids of its `n` sequences.
 
         `on_output` is called on the loop thread with every `StepOutput` of those rids; the last one
-        has `finished=True`. A `max_new_tokens` absent from a dict `sampling_params` defaults to
+        has `finished=True`. With `reservation` (from `reserve`) its sequences take the batch's held
+        room instead of being checked against the queue again. A `max_new_tokens` absent from a dict `sampling_params` defaults to
         SGLang's 128, cut to what the context leaves; one given explicitly must fit the context.
 
         Raises:
@@ -332,13 +347,11 @@ class EngineLoop:
             taken = [r for r in [base, *rids] if r in self._pending or r in self._groups]
             if taken:
                 raise RequestError("rid", f"request id {taken[0]!r} is already in use")
-            num_waiting = len(self._pending) - self._load.num_running_reqs
-            if num_waiting + len(rids) > self.max_queued_requests:
-                self._num_rejected_queue_full += 1
-                raise EngineUnavailableError(
-                    f"the request queue is full ({num_waiting} waiting, --max-queued-requests "
-                    f"{self.max_queued_requests}); retry later", retry_after_s=1,
-                )
+            if reservation is not None and reservation.num_left >= len(rids):
+                reservation.num_left -= len(rids)
+                self._num_reserved -= len(rids)
+            else:
+                self._check_queue_room(len(rids))
             for r in rids:
                 self._pending[r] = _Pending(on_output, len(input_ids))
             if params.n > 1:
@@ -346,6 +359,41 @@ class EngineLoop:
             self._inbox.append(add)
             self._cond.notify()
         return rids
+
+    def reserve(self, num_sequences: int, field: str = "prompt") -> QueueReservation:
+        """Hold room in the waiting queue for a whole batch of `num_sequences` (prompts x n) before any
+        of it is submitted; pass the result to each `submit`, then `release` it (also on failure).
+
+        Raises:
+            RequestError: `field` (the batch's prompt field): the batch alone is larger than
+                `max_queued_requests`, so retrying cannot help.
+            EngineUnavailableError: the queue has no room for the batch now (retry later).
+        """
+        if num_sequences > self.max_queued_requests:
+            raise RequestError(
+                field, f"the batch has {num_sequences} sequences (prompts x n), more than --max-queued-requests "
+                f"{self.max_queued_requests} can ever hold; split it",
+            )
+        with self._cond:
+            self._check_queue_room(num_sequences)
+            self._num_reserved += num_sequences
+        return QueueReservation(num_sequences)
+
+    def release(self, reservation: QueueReservation) -> None:
+        """Give back the room of `reservation` that no `submit` used."""
+        with self._cond:
+            self._num_reserved -= reservation.num_left
+            reservation.num_left = 0
+
+    def _check_queue_room(self, num_sequences: int) -> None:
+        """Raise EngineUnavailableError when `num_sequences` more do not fit the waiting queue (holding `_cond`)."""
+        num_waiting = len(self._pending) - self._load.num_running_reqs + self._num_reserved
+        if num_waiting + num_sequences > self.max_queued_requests:
+            self._num_rejected_queue_full += 1
+            raise EngineUnavailableError(
+                f"the request queue is full ({num_waiting} waiting, --max-queued-requests "
+                f"{self.max_queued_requests}); retry later", retry_after_s=1,
+            )
 
     def _check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's constraint now (the engine caches it) so that a bad one is a

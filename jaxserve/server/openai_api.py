@@ -188,11 +188,13 @@ def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[li
             req: _OpenAISampling, return_logprob: bool, top_logprobs_num: int, *,
             logprob_start_len: int = -1, ebnf: str | None = None) -> None:
     """Submit (token ids, rid, max_new_tokens) per prompt; a validation error aborts the ones before it."""
+    n = req.n if isinstance(req.n, int) and req.n > 0 else 1
     try:
-        for ids, rid, max_new_tokens in prompts:
-            group.submit(ids, sampling_params_of(req, max_new_tokens, ebnf), rid=rid,
-                         return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                         logprob_start_len=logprob_start_len)
+        with group.reserved(len(prompts) * n, "n" if len(prompts) == 1 else "prompt"):
+            for ids, rid, max_new_tokens in prompts:
+                group.submit(ids, sampling_params_of(req, max_new_tokens, ebnf), rid=rid,
+                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                             logprob_start_len=logprob_start_len)
     except (SamplingParamsError, RequestError) as e:
         group.abort()
         raise from_engine_error(e, renames) from None
