@@ -200,6 +200,7 @@ class Engine:
         self.validate_input_ids(input_ids, params.max_new_tokens)
         params = self.fit_pool(params, len(input_ids))
         self.validate_logit_bias(params)
+        self.validate_stop_token_ids(params)
         if top_logprobs_num < 0 or top_logprobs_num > 20:
             raise RequestError("top_logprobs_num", f"top_logprobs_num must be in [0, 20], got {top_logprobs_num}")
         self.validate_token_ids_logprob(token_ids_logprob)
@@ -278,6 +279,13 @@ class Engine:
         """Raise RequestError("logit_bias") for a biased token id outside the vocabulary."""
         if params.logit_bias and params.logit_bias[-1][0] >= self.model_config.vocab_size:  # sorted by id
             raise RequestError("logit_bias", f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+
+    def validate_stop_token_ids(self, params: SamplingParams) -> None:
+        """Raise RequestError("stop_token_ids") for an id outside the vocabulary [0, vocab_size)."""
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestError("stop_token_ids", f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def validate_input_ids(self, input_ids: Sequence[int], max_new_tokens: int = 0) -> None:
         """Raise RequestError for an empty prompt, bad ids, or one that does not fit the context/pool."""

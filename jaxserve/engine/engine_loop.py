@@ -310,6 +310,8 @@ class EngineLoop:
         self.engine.validate_input_ids(input_ids, params.max_new_tokens)
         if params.logit_bias:
             self.engine.validate_logit_bias(params)
+        if params.stop_token_ids:
+            self.engine.validate_stop_token_ids(params)
         room = self.engine.context_length - len(input_ids)
         if params.max_new_tokens > room:
             if explicit_max:

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
-from jaxserve.engine.request import SamplingParamsError
+from jaxserve.engine.request import MAX_N, SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
@@ -129,9 +129,9 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], f
 
 
 def _num_sequences(sampling_params: dict[str, Any]) -> int:
-    """The sequences a prompt will submit (its `n`; a malformed n counts 1 and its submit refuses it)."""
+    """The sequences a prompt will submit (its `n`; an invalid n counts 1 and its submit refuses it)."""
     n = sampling_params.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
 
 
 def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt],
