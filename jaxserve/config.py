@@ -455,14 +455,20 @@ class ServerArgs:
             group.add_argument(*flags, dest=f.name, **kwargs)
 
     @staticmethod
-    def from_cli(argv=None) -> "ServerArgs":
-        """Parse command-line flags (exits with a message on an unknown flag or a bad value)."""
+    def from_cli(argv=None, choices: dict[str, tuple[str, ...]] | None = None) -> "ServerArgs":
+        """Parse command-line flags (exits with a message on an unknown flag or a bad value).
+
+        `choices`: field name -> allowed values that live in a registry above this module (the server's
+        tool-call parsers): argparse refuses others (status 2) and --help lists them."""
         parser = argparse.ArgumentParser(
             prog="serve.py", usage="%(prog)s [--model-path PATH] [--port PORT] [FLAG ...]  (flags by group below)",
             description="Serve an LLM with jaxserve: SGLang's native API and the OpenAI API over HTTP.",
             epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         ServerArgs.add_cli_args(parser)
+        for action in parser._actions:  # argparse has no public lookup of an action by dest
+            if choices and action.dest in choices:
+                action.choices = choices[action.dest]
         ns = parser.parse_args(argv)
         args = ServerArgs(**vars(ns))
         try:

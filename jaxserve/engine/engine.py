@@ -62,6 +62,7 @@ class Engine:
         platform = jax.default_backend()
         self.args = args = args.resolved(platform)
         _enable_compilation_cache(args.compilation_cache_dir)
+        _warn_unused_speculative_flags(args)
         self.model_path = resolve_model_path(args.model_path)
         self.tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
         self.model_config, params = load_model(
@@ -641,6 +642,21 @@ MAX_TOKEN_IDS_LOGPROB = 128  # a bound of ours: the sampler gathers a padded [S,
 def _top_logprobs_bucket(n: int) -> int:
     """Round the batch's top-logprobs count up to 0, 5 or 20 so each value does not compile a sampler."""
     return 0 if n == 0 else (5 if n <= 5 else 20)
+
+
+def _warn_unused_speculative_flags(args: ServerArgs) -> None:
+    """SGLang 0.5.23 ignores speculative flags given without --speculative-algorithm silently; a warning
+    tells the user that nothing speculates."""
+    if args.speculative_algorithm is not None:
+        return
+    default = ServerArgs()
+    given = [f.name for f in dataclasses.fields(ServerArgs)
+             if f.name.startswith("speculative_") and getattr(args, f.name) != getattr(default, f.name)]
+    if args.disable_speculative_adaptive:
+        given.append("disable_speculative_adaptive")
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        logger.warning("%s given without --speculative-algorithm: ignored (decoding is one token per step)", flags)
 
 
 def _enable_compilation_cache(cache_dir: str | None) -> None:

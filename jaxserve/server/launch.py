@@ -294,7 +294,9 @@ def _return_freed_memory() -> None:
 def main(argv: list[str] | None = None) -> None:
     """scripts/serve.py and `python -m jaxserve.server`: one server, or with `--dp-size N` N workers
     behind sglang-router (dp_launcher.py)."""
-    args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:])
+    from jaxserve.server.function_call.parsers import PARSERS  # the one table of names; imports no jax
+
+    args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:], choices={"tool_call_parser": tuple(PARSERS)})
     if args.dp_size > 1:
         from jaxserve.server.dp_launcher import launch_data_parallel
 

@@ -6,8 +6,6 @@ scheduler raised "KV pool cannot hold a single decoding request", killing the en
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from jaxserve.engine.engine import Engine, RequestError
@@ -70,11 +68,3 @@ def test_speculative_request_at_the_pool_limit_finishes(tiny_model_dir):
     assert len(out["output_ids"]) == POOL - 2 - 60
     assert eng.stats.num_spec_verifications > 0
 
-
-def test_small_pool_logs_a_warning(tiny_model_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.engine"):
-        make_engine(tiny_model_dir, context_length=256, max_total_tokens=256)
-    assert not [r for r in caplog.records if "fewer than the context length" in r.getMessage()]
-    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.engine"):
-        make_engine(tiny_model_dir)
-    assert [r for r in caplog.records if "128 tokens, fewer than the context length 512" in r.getMessage()]
