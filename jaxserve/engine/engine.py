@@ -161,9 +161,10 @@ class Engine:
         else:
             self.runner.mark_warmed_up()
         logger.info(
-            "engine ready: %s, KV pool %d tokens (%d pages of %d), context %d, attention %s, layer loop %s, "
-            "tp_size %d on %s",
-            cfg.architecture, self.pool_shape.num_tokens, self.pool_shape.num_pages - 1,
+            # the page count as the "KV pool:" line of kv_pool.size_pool gives it: page 0 is the dummy page
+            "engine ready: %s, KV pool %d tokens (%d pages of %d, one of them the reserved dummy page), context "
+            "%d, attention %s, layer loop %s, tp_size %d on %s",
+            cfg.architecture, self.pool_shape.num_tokens, self.pool_shape.num_pages,
             args.page_size, self.context_length, args.attention_backend, args.layer_loop,
             args.tp_size, ", ".join(self.devices),
         )
