@@ -340,6 +340,15 @@ class ServerArgs:
         args.validate()
         return args
 
+    def ignored_speculative_flags(self) -> list[str]:
+        """The speculative flags given (other than their defaults) without --speculative-algorithm, which
+        therefore do nothing, as `--flag` names (SGLang 0.5.23 ignores them silently; the engine warns)."""
+        if self.speculative_algorithm is not None:
+            return []
+        default = ServerArgs()
+        return ["--" + f.name.replace("_", "-") for f in dataclasses.fields(self)
+                if "speculative" in f.name and getattr(self, f.name) != getattr(default, f.name)]
+
     def validate(self) -> None:
         """Raise ValueError naming the flag of the first bad value."""
         if self.tp_size < 1:

@@ -31,6 +31,7 @@ from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, ModelRunner
+from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.engine.outputs import EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, grammar_spec, new_rid
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
@@ -62,7 +63,9 @@ class Engine:
         platform = jax.default_backend()
         self.args = args = args.resolved(platform)
         _enable_compilation_cache(args.compilation_cache_dir)
-        _warn_unused_speculative_flags(args)
+        if ignored := args.ignored_speculative_flags():  # SGLang 0.5.23 ignores them silently
+            logger.warning("%s given without --speculative-algorithm: ignored (decoding is one token per step)",
+                           ", ".join(ignored))
         self.model_path = resolve_model_path(args.model_path)
         self.tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
         self.model_config, params = load_model(
@@ -95,11 +98,13 @@ class Engine:
             pool_shards=pool_shards(cfg.num_kv_heads, args.tp_size),
             available_bytes=available_memory_bytes(self.mesh.devices.flat),
         )
+        self.pool_limits = PoolLimits(self.pool_shape.num_tokens)
         if self.pool_shape.num_tokens < self.context_length:
             logger.warning(
                 "the KV pool holds %d tokens, fewer than the context length %d: a prompt of %d tokens or more "
                 "is refused and max_new_tokens is cut to what the pool holds (raise --max-total-tokens or "
-                "--mem-fraction-static)", self.pool_shape.num_tokens, self.context_length, self.max_req_input_len,
+                "--mem-fraction-static)", self.pool_shape.num_tokens, self.context_length,
+                self.pool_limits.max_req_input_len,
             )
         k_pool, v_pool = allocate_pools(self.pool_shape)
         self.allocator = PageAllocator(self.pool_shape.num_pages)
@@ -200,7 +205,7 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
         input_ids = self.tokenize(prompt)
         self.validate_input_ids(input_ids, params.max_new_tokens)
-        params = self.fit_pool(params, len(input_ids))
+        params = self.pool_limits.fit(params, len(input_ids))
         self.validate_logit_bias(params)
         self.validate_stop_token_ids(params)
         if top_logprobs_num < 0 or top_logprobs_num > 20:
@@ -301,38 +306,9 @@ class Engine:
                 f"the prompt has {len(input_ids)} tokens, the context length is {self.context_length} "
                 f"(prompt + at least one new token must fit)",
             )
-        if len(input_ids) >= self.max_req_input_len:
-            raise RequestError(
-                "prompt",
-                f"the prompt has {len(input_ids)} tokens, the KV pool holds {self.pool_shape.num_tokens}: "
-                f"a prompt must have fewer than {self.max_req_input_len} (raise --max-total-tokens)",
-            )
+        self.pool_limits.check_prompt(len(input_ids))
         if self.args.chunked_prefill_size <= 0 and len(input_ids) > self.args.max_prefill_tokens:
             raise RequestError("prompt", f"the prompt has {len(input_ids)} tokens, over --max-prefill-tokens {self.args.max_prefill_tokens} (chunked prefill is off)")
-
-    @property
-    def max_req_len(self) -> int:
-        """The most tokens (prompt + output) one request may hold in the KV pool: the pool's tokens - 1.
-
-        SGLang 0.5.23's rule (`tp_worker`: `max_req_len = min(context_len - 1, kv_capacity - 1)`); its
-        context half is ours in `validate_input_ids` and the server's max_new_tokens check. A request
-        within it fits the pool alone, so the scheduler can always retract the others to run it."""
-        return self.pool_shape.num_tokens - 1
-
-    @property
-    def max_req_input_len(self) -> int:
-        """A prompt must be shorter than this (tokens): SGLang's `max_req_input_len = max_req_len - 5`."""
-        return self.max_req_len - 5
-
-    def fit_pool(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
-        """`params` with max_new_tokens cut to what the KV pool can hold after a prompt of `prompt_len`
-        tokens: at most `max_req_len - prompt_len - 1`, as SGLang's scheduler clamps it (the request then
-        ends with finish reason length there). min_new_tokens is cut with it. Call after
-        `validate_input_ids`, which guarantees room for at least 5 tokens."""
-        room = max(0, self.max_req_len - prompt_len - 1)
-        if params.max_new_tokens <= room:
-            return params
-        return dataclasses.replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
 
     def abort(self, rid: str) -> bool:
         """Stop a request wherever it is and free its pages. Returns False for an unknown rid."""
@@ -643,21 +619,6 @@ MAX_TOKEN_IDS_LOGPROB = 128  # a bound of ours: the sampler gathers a padded [S,
 def _top_logprobs_bucket(n: int) -> int:
     """Round the batch's top-logprobs count up to 0, 5 or 20 so each value does not compile a sampler."""
     return 0 if n == 0 else (5 if n <= 5 else 20)
-
-
-def _warn_unused_speculative_flags(args: ServerArgs) -> None:
-    """SGLang 0.5.23 ignores speculative flags given without --speculative-algorithm silently; a warning
-    tells the user that nothing speculates."""
-    if args.speculative_algorithm is not None:
-        return
-    default = ServerArgs()
-    given = [f.name for f in dataclasses.fields(ServerArgs)
-             if f.name.startswith("speculative_") and getattr(args, f.name) != getattr(default, f.name)]
-    if args.disable_speculative_adaptive:
-        given.append("disable_speculative_adaptive")
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        logger.warning("%s given without --speculative-algorithm: ignored (decoding is one token per step)", flags)
 
 
 def _enable_compilation_cache(cache_dir: str | None) -> None:
