@@ -28,9 +28,7 @@ Admission: at most `max_queued_requests` sequences wait (submitted, not yet runn
 `EngineUnavailableError` (the server's 503 with Retry-After), as SGLang's scheduler aborts a request
 beyond `--max-queued-requests`. With `queue_timeout_s`, a request still in the scheduler's waiting
 queue that long without a first output ends with an abort carrying `status_code` 503. A batch is
-admitted whole or not at all: `reserve(num_sequences)` takes room for all its sequences at once (a
-`QueueReservation` that its `submit` calls spend), so a batch that does not fit is refused before any of
-it is queued, and one larger than `max_queued_requests` on its own is a `RequestError`.
+admitted whole or not at all (`reserve`, queue_admission.py); one larger than the bound is a `RequestError`.
 
 Test hook (not a user flag): when the environment variable `JAXSERVE_TEST_FAULT_FILE` names a path,
 every step first checks whether that file exists and, if it does, raises `InjectedFault`. The engine
@@ -51,6 +49,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 from jaxserve.constrained import InvalidGrammarError
 from jaxserve.engine.engine import Engine, EngineStats, RequestError, RequestMeta, StepOutput
+from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
 from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
 from jaxserve.parallel.distributed import RankLostError
 
@@ -63,10 +62,6 @@ NO_PROGRESS_POLL_S = 0.005
 MAX_TOP_LOGPROBS = 20
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
 FAULT_FILE_ENV = "JAXSERVE_TEST_FAULT_FILE"
-# Default bound of the waiting queue: as many requests as the pool could hold at this many tokens
-# each (a queue longer than that only adds latency), and never fewer than MIN_DEFAULT_MAX_QUEUED.
-TOKENS_PER_QUEUED_REQUEST = 64
-MIN_DEFAULT_MAX_QUEUED = 128
 
 
 class EngineUnavailableError(RuntimeError):
@@ -81,15 +76,6 @@ class EngineUnavailableError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
-@dataclasses.dataclass
-class QueueReservation:
-    """Room held in the waiting queue for `num_left` more sequences of one batch (`EngineLoop.reserve`).
-
-    Pass it to each `submit` of the batch; `EngineLoop.release` returns what is left unused."""
-
-    num_left: int
-
-
 class InjectedFault(RuntimeError):
     """Raised by the test-only fault hook (see the module docstring)."""
 
@@ -97,12 +83,6 @@ class InjectedFault(RuntimeError):
 def _tokens(n: int, noun: str = "token") -> str:
     """"1 token", "2 tokens": counts in user-facing messages read as English."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def default_max_queued_requests(kv_total_tokens: int) -> int:
-    """The waiting-queue bound when --max-queued-requests is not given (requests): the KV pool's
-    tokens / TOKENS_PER_QUEUED_REQUEST, at least MIN_DEFAULT_MAX_QUEUED."""
-    return max(MIN_DEFAULT_MAX_QUEUED, kv_total_tokens // TOKENS_PER_QUEUED_REQUEST)
 
 
 class _StepResult(enum.Enum):
@@ -159,8 +139,7 @@ class EngineLoop:
         self._fault_file = os.environ.get(FAULT_FILE_ENV) or None
         self._error: str | None = None
         self._death_observers: list[Callable[[str], None]] = []
-        self._num_rejected_queue_full = 0
-        self._num_reserved = 0  # sequences of batches reserved and not yet submitted
+        self._admission = QueueAdmission(self.max_queued_requests)
         self._num_queue_timeouts = 0
         self._cond = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
@@ -230,8 +209,8 @@ class EngineLoop:
         """The latest snapshot of the engine's queues and KV pool (never blocks); the admission
         counters are current (rejections happen in callers' threads, between snapshots)."""
         load = self._load
-        if load.num_rejected_queue_full != self._num_rejected_queue_full:
-            load = dataclasses.replace(load, num_rejected_queue_full=self._num_rejected_queue_full)
+        if load.num_rejected_queue_full != self._admission.num_rejected:
+            load = dataclasses.replace(load, num_rejected_queue_full=self._admission.num_rejected)
         return load
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -349,11 +328,8 @@ class EngineLoop:
             taken = [r for r in [base, *rids] if r in self._pending or r in self._groups]
             if taken:
                 raise RequestError("rid", f"request id {taken[0]!r} is already in use")
-            if reservation is not None and reservation.num_left >= len(rids):
-                reservation.num_left -= len(rids)
-                self._num_reserved -= len(rids)
-            else:
-                self._check_queue_room(len(rids))
+            if not self._admission.take(self._num_waiting(), len(rids), reservation):
+                raise self._queue_full()
             for r in rids:
                 self._pending[r] = _Pending(on_output, len(input_ids))
             if params.n > 1:
@@ -371,31 +347,31 @@ class EngineLoop:
                 `max_queued_requests`, so retrying cannot help.
             EngineUnavailableError: the queue has no room for the batch now (retry later).
         """
-        if num_sequences > self.max_queued_requests:
+        if not self._admission.can_ever_fit(num_sequences):
             raise RequestError(
                 field, f"the batch has {num_sequences} sequences (prompts x n), more than --max-queued-requests "
                 f"{self.max_queued_requests} can ever hold; split it",
             )
         with self._cond:
-            self._check_queue_room(num_sequences)
-            self._num_reserved += num_sequences
-        return QueueReservation(num_sequences)
+            reservation = self._admission.reserve(self._num_waiting(), num_sequences)
+            if reservation is None:
+                raise self._queue_full()
+        return reservation
 
     def release(self, reservation: QueueReservation) -> None:
         """Give back the room of `reservation` that no `submit` used."""
         with self._cond:
-            self._num_reserved -= reservation.num_left
-            reservation.num_left = 0
+            self._admission.release(reservation)
 
-    def _check_queue_room(self, num_sequences: int) -> None:
-        """Raise EngineUnavailableError when `num_sequences` more do not fit the waiting queue (holding `_cond`)."""
-        num_waiting = len(self._pending) - self._load.num_running_reqs + self._num_reserved
-        if num_waiting + num_sequences > self.max_queued_requests:
-            self._num_rejected_queue_full += 1
-            raise EngineUnavailableError(
-                f"the request queue is full ({num_waiting} waiting, --max-queued-requests "
-                f"{self.max_queued_requests}); retry later", retry_after_s=1,
-            )
+    def _num_waiting(self) -> int:
+        """Sequences submitted and not running (holding `_cond`)."""
+        return len(self._pending) - self._load.num_running_reqs
+
+    def _queue_full(self) -> EngineUnavailableError:
+        return EngineUnavailableError(
+            f"the request queue is full ({self._num_waiting() + self._admission.num_reserved} waiting, "
+            f"--max-queued-requests {self.max_queued_requests}); retry later", retry_after_s=1,
+        )
 
     def _check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's constraint now (the engine caches it) so that a bad one is a
@@ -629,7 +605,7 @@ class EngineLoop:
             kv_locked_tokens=engine.tree.protected_size(),
             num_step_failures=self._num_step_failures,
             last_step_time=self._last_step_time,
-            num_rejected_queue_full=self._num_rejected_queue_full,
+            num_rejected_queue_full=self._admission.num_rejected,
             num_queue_timeouts=self._num_queue_timeouts,
             stats=dataclasses.replace(engine.stats),
             snapshot=engine.snapshot() if hasattr(engine, "snapshot") else None,

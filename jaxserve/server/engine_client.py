@@ -25,7 +25,8 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence, TypeVar
 from starlette.requests import Request
 
 from jaxserve.engine.engine import StepOutput
-from jaxserve.engine.engine_loop import EngineLoop, QueueReservation
+from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.engine.queue_admission import QueueReservation
 
 
 T = TypeVar("T")
