@@ -340,6 +340,15 @@ class ServerArgs:
         args.validate()
         return args
 
+    def ignored_speculative_flags(self) -> list[str]:
+        """The speculative flags given (other than their defaults) without --speculative-algorithm, which
+        therefore do nothing, as `--flag` names (SGLang 0.5.23 ignores them silently; the engine warns)."""
+        if self.speculative_algorithm is not None:
+            return []
+        default = ServerArgs()
+        return ["--" + f.name.replace("_", "-") for f in dataclasses.fields(self)
+                if "speculative" in f.name and getattr(self, f.name) != getattr(default, f.name)]
+
     def validate(self) -> None:
         """Raise ValueError naming the flag of the first bad value."""
         if self.tp_size < 1:
@@ -455,14 +464,20 @@ class ServerArgs:
             group.add_argument(*flags, dest=f.name, **kwargs)
 
     @staticmethod
-    def from_cli(argv=None) -> "ServerArgs":
-        """Parse command-line flags (exits with a message on an unknown flag or a bad value)."""
+    def from_cli(argv=None, choices: dict[str, tuple[str, ...]] | None = None) -> "ServerArgs":
+        """Parse command-line flags (exits with a message on an unknown flag or a bad value).
+
+        `choices`: field name -> allowed values that live in a registry above this module (the server's
+        tool-call parsers): argparse refuses others (status 2) and --help lists them."""
         parser = argparse.ArgumentParser(
             prog="serve.py", usage="%(prog)s [--model-path PATH] [--port PORT] [FLAG ...]  (flags by group below)",
             description="Serve an LLM with jaxserve: SGLang's native API and the OpenAI API over HTTP.",
             epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         ServerArgs.add_cli_args(parser)
+        for action in parser._actions:  # argparse has no public lookup of an action by dest
+            if choices and action.dest in choices:
+                action.choices = choices[action.dest]
         ns = parser.parse_args(argv)
         args = ServerArgs(**vars(ns))
         try:

@@ -31,6 +31,7 @@ from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, ModelRunner
+from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.engine.outputs import EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, grammar_spec, new_rid
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
@@ -62,6 +63,9 @@ class Engine:
         platform = jax.default_backend()
         self.args = args = args.resolved(platform)
         _enable_compilation_cache(args.compilation_cache_dir)
+        if ignored := args.ignored_speculative_flags():  # SGLang 0.5.23 ignores them silently
+            logger.warning("%s given without --speculative-algorithm: ignored (decoding is one token per step)",
+                           ", ".join(ignored))
         self.model_path = resolve_model_path(args.model_path)
         self.tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
         self.model_config, params = load_model(
@@ -94,6 +98,14 @@ class Engine:
             pool_shards=pool_shards(cfg.num_kv_heads, args.tp_size),
             available_bytes=available_memory_bytes(self.mesh.devices.flat),
         )
+        self.pool_limits = PoolLimits(self.pool_shape.num_tokens)
+        if self.pool_shape.num_tokens < self.context_length:
+            logger.warning(
+                "the KV pool holds %d tokens, fewer than the context length %d: a prompt of %d tokens or more "
+                "is refused and max_new_tokens is cut to what the pool holds (raise --max-total-tokens or "
+                "--mem-fraction-static)", self.pool_shape.num_tokens, self.context_length,
+                self.pool_limits.max_req_input_len,
+            )
         k_pool, v_pool = allocate_pools(self.pool_shape)
         self.allocator = PageAllocator(self.pool_shape.num_pages)
         self.tree = RadixCache(page_size=args.page_size, disable=args.disable_radix_cache)
@@ -154,9 +166,10 @@ class Engine:
         else:
             self.runner.mark_warmed_up()
         logger.info(
-            "engine ready: %s, KV pool %d tokens (%d pages of %d), context %d, attention %s, layer loop %s, "
-            "tp_size %d on %s",
-            cfg.architecture, self.pool_shape.num_tokens, self.pool_shape.num_pages - 1,
+            # the page count as the "KV pool:" line of kv_pool.size_pool gives it: page 0 is the dummy page
+            "engine ready: %s, KV pool %d tokens (%d pages of %d, one of them the reserved dummy page), context "
+            "%d, attention %s, layer loop %s, tp_size %d on %s",
+            cfg.architecture, self.pool_shape.num_tokens, self.pool_shape.num_pages,
             args.page_size, self.context_length, args.attention_backend, args.layer_loop,
             args.tp_size, ", ".join(self.devices),
         )
@@ -192,7 +205,9 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
         input_ids = self.tokenize(prompt)
         self.validate_input_ids(input_ids, params.max_new_tokens)
+        params = self.pool_limits.fit(params, len(input_ids))
         self.validate_logit_bias(params)
+        self.validate_stop_token_ids(params)
         if top_logprobs_num < 0 or top_logprobs_num > 20:
             raise RequestError("top_logprobs_num", f"top_logprobs_num must be in [0, 20], got {top_logprobs_num}")
         self.validate_token_ids_logprob(token_ids_logprob)
@@ -272,6 +287,13 @@ class Engine:
         if params.logit_bias and params.logit_bias[-1][0] >= self.model_config.vocab_size:  # sorted by id
             raise RequestError("logit_bias", f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
 
+    def validate_stop_token_ids(self, params: SamplingParams) -> None:
+        """Raise RequestError("stop_token_ids") for an id outside the vocabulary [0, vocab_size)."""
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestError("stop_token_ids", f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+
     def validate_input_ids(self, input_ids: Sequence[int], max_new_tokens: int = 0) -> None:
         """Raise RequestError for an empty prompt, bad ids, or one that does not fit the context/pool."""
         if not input_ids:
@@ -284,8 +306,7 @@ class Engine:
                 f"the prompt has {len(input_ids)} tokens, the context length is {self.context_length} "
                 f"(prompt + at least one new token must fit)",
             )
-        if len(input_ids) + 1 > self.pool_shape.num_tokens:
-            raise RequestError("prompt", f"the prompt has {len(input_ids)} tokens, the KV pool holds {self.pool_shape.num_tokens}")
+        self.pool_limits.check_prompt(len(input_ids))
         if self.args.chunked_prefill_size <= 0 and len(input_ids) > self.args.max_prefill_tokens:
             raise RequestError("prompt", f"the prompt has {len(input_ids)} tokens, over --max-prefill-tokens {self.args.max_prefill_tokens} (chunked prefill is off)")
 

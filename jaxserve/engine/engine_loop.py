@@ -27,7 +27,8 @@ observer is called (the server exits non-zero, so a supervisor restarts it). `su
 Admission: at most `max_queued_requests` sequences wait (submitted, not yet running); one more raises
 `EngineUnavailableError` (the server's 503 with Retry-After), as SGLang's scheduler aborts a request
 beyond `--max-queued-requests`. With `queue_timeout_s`, a request still in the scheduler's waiting
-queue that long without a first output ends with an abort carrying `status_code` 503.
+queue that long without a first output ends with an abort carrying `status_code` 503. A batch is
+admitted whole or not at all (`reserve`, queue_admission.py); one larger than the bound is a `RequestError`.
 
 Test hook (not a user flag): when the environment variable `JAXSERVE_TEST_FAULT_FILE` names a path,
 every step first checks whether that file exists and, if it does, raises `InjectedFault`. The engine
@@ -48,6 +49,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 from jaxserve.constrained import InvalidGrammarError
 from jaxserve.engine.engine import Engine, EngineStats, RequestError, RequestMeta, StepOutput
+from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
 from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
 from jaxserve.parallel.distributed import RankLostError
 
@@ -60,10 +62,6 @@ NO_PROGRESS_POLL_S = 0.005
 MAX_TOP_LOGPROBS = 20
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
 FAULT_FILE_ENV = "JAXSERVE_TEST_FAULT_FILE"
-# Default bound of the waiting queue: as many requests as the pool could hold at this many tokens
-# each (a queue longer than that only adds latency), and never fewer than MIN_DEFAULT_MAX_QUEUED.
-TOKENS_PER_QUEUED_REQUEST = 64
-MIN_DEFAULT_MAX_QUEUED = 128
 
 
 class EngineUnavailableError(RuntimeError):
@@ -85,12 +83,6 @@ class InjectedFault(RuntimeError):
 def _tokens(n: int, noun: str = "token") -> str:
     """"1 token", "2 tokens": counts in user-facing messages read as English."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def default_max_queued_requests(kv_total_tokens: int) -> int:
-    """The waiting-queue bound when --max-queued-requests is not given (requests): the KV pool's
-    tokens / TOKENS_PER_QUEUED_REQUEST, at least MIN_DEFAULT_MAX_QUEUED."""
-    return max(MIN_DEFAULT_MAX_QUEUED, kv_total_tokens // TOKENS_PER_QUEUED_REQUEST)
 
 
 class _StepResult(enum.Enum):
@@ -147,7 +139,7 @@ class EngineLoop:
         self._fault_file = os.environ.get(FAULT_FILE_ENV) or None
         self._error: str | None = None
         self._death_observers: list[Callable[[str], None]] = []
-        self._num_rejected_queue_full = 0
+        self._admission = QueueAdmission(self.max_queued_requests)
         self._num_queue_timeouts = 0
         self._cond = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
@@ -217,8 +209,8 @@ class EngineLoop:
         """The latest snapshot of the engine's queues and KV pool (never blocks); the admission
         counters are current (rejections happen in callers' threads, between snapshots)."""
         load = self._load
-        if load.num_rejected_queue_full != self._num_rejected_queue_full:
-            load = dataclasses.replace(load, num_rejected_queue_full=self._num_rejected_queue_full)
+        if load.num_rejected_queue_full != self._admission.num_rejected:
+            load = dataclasses.replace(load, num_rejected_queue_full=self._admission.num_rejected)
         return load
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -275,11 +267,13 @@ class EngineLoop:
         token_ids_logprob: Sequence[int] = (),
         namespace: Hashable = None,
         on_output: OutputCallback,
+        reservation: QueueReservation | None = None,
     ) -> list[str]:
         """Validate a request now and queue it; returns the rids of its `n` sequences.
 
         `on_output` is called on the loop thread with every `StepOutput` of those rids; the last one
-        has `finished=True`. A `max_new_tokens` absent from a dict `sampling_params` defaults to
+        has `finished=True`. With `reservation` (from `reserve`) its sequences take the batch's held
+        room instead of being checked against the queue again. A `max_new_tokens` absent from a dict `sampling_params` defaults to
         SGLang's 128, cut to what the context leaves; one given explicitly must fit the context.
 
         Raises:
@@ -295,6 +289,8 @@ class EngineLoop:
         self.engine.validate_input_ids(input_ids, params.max_new_tokens)
         if params.logit_bias:
             self.engine.validate_logit_bias(params)
+        if params.stop_token_ids:
+            self.engine.validate_stop_token_ids(params)
         room = self.engine.context_length - len(input_ids)
         if params.max_new_tokens > room:
             if explicit_max:
@@ -332,13 +328,8 @@ class EngineLoop:
             taken = [r for r in [base, *rids] if r in self._pending or r in self._groups]
             if taken:
                 raise RequestError("rid", f"request id {taken[0]!r} is already in use")
-            num_waiting = len(self._pending) - self._load.num_running_reqs
-            if num_waiting + len(rids) > self.max_queued_requests:
-                self._num_rejected_queue_full += 1
-                raise EngineUnavailableError(
-                    f"the request queue is full ({num_waiting} waiting, --max-queued-requests "
-                    f"{self.max_queued_requests}); retry later", retry_after_s=1,
-                )
+            if not self._admission.take(self._num_waiting(), len(rids), reservation):
+                raise self._queue_full()
             for r in rids:
                 self._pending[r] = _Pending(on_output, len(input_ids))
             if params.n > 1:
@@ -346,6 +337,41 @@ class EngineLoop:
             self._inbox.append(add)
             self._cond.notify()
         return rids
+
+    def reserve(self, num_sequences: int, field: str = "prompt") -> QueueReservation:
+        """Hold room in the waiting queue for a whole batch of `num_sequences` (prompts x n) before any
+        of it is submitted; pass the result to each `submit`, then `release` it (also on failure).
+
+        Raises:
+            RequestError: `field` (the batch's prompt field): the batch alone is larger than
+                `max_queued_requests`, so retrying cannot help.
+            EngineUnavailableError: the queue has no room for the batch now (retry later).
+        """
+        if not self._admission.can_ever_fit(num_sequences):
+            raise RequestError(
+                field, f"the batch has {num_sequences} sequences (prompts x n), more than --max-queued-requests "
+                f"{self.max_queued_requests} can ever hold; split it",
+            )
+        with self._cond:
+            reservation = self._admission.reserve(self._num_waiting(), num_sequences)
+            if reservation is None:
+                raise self._queue_full()
+        return reservation
+
+    def release(self, reservation: QueueReservation) -> None:
+        """Give back the room of `reservation` that no `submit` used."""
+        with self._cond:
+            self._admission.release(reservation)
+
+    def _num_waiting(self) -> int:
+        """Sequences submitted and not running (holding `_cond`)."""
+        return len(self._pending) - self._load.num_running_reqs
+
+    def _queue_full(self) -> EngineUnavailableError:
+        return EngineUnavailableError(
+            f"the request queue is full ({self._num_waiting() + self._admission.num_reserved} waiting, "
+            f"--max-queued-requests {self.max_queued_requests}); retry later", retry_after_s=1,
+        )
 
     def _check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's constraint now (the engine caches it) so that a bad one is a
@@ -579,7 +605,7 @@ class EngineLoop:
             kv_locked_tokens=engine.tree.protected_size(),
             num_step_failures=self._num_step_failures,
             last_step_time=self._last_step_time,
-            num_rejected_queue_full=self._num_rejected_queue_full,
+            num_rejected_queue_full=self._admission.num_rejected,
             num_queue_timeouts=self._num_queue_timeouts,
             stats=dataclasses.replace(engine.stats),
             snapshot=engine.snapshot() if hasattr(engine, "snapshot") else None,

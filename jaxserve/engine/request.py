@@ -146,6 +146,7 @@ class SamplingParams:
                 raise SamplingParamsError("stop", "must be strings")
             if s == "":
                 raise SamplingParamsError("stop", "stop strings must not be empty")
+            _check_unicode("stop", s)
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise SamplingParamsError("stop_token_ids", "must be non-negative integers")
@@ -174,6 +175,17 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _check_unicode(name: str, text: str) -> None:
+    """Refuse a lone UTF-16 surrogate (JSON's \\uXXXX escapes can carry one): no tokenizer or detokenized
+    text can contain it, so it would silently never match (the prompt is refused the same way)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SamplingParamsError(
+            name, f"{text!r} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+        ) from None
 
 
 def _check_stop_regex(patterns: tuple[str, ...]) -> None:

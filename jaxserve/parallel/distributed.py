@@ -18,7 +18,9 @@ so every rank ran the forward before it (its all-reduces need them all).
 
 Faults (nothing hangs):
 - start-up: a rank missing after `--dist-timeout` seconds ends the process with an error naming the
-  ranks it waited for (JAX itself would abort with no name: our timer exits first);
+  ranks it waited for (JAX itself would abort with no name: our timer exits first); once joined, every
+  rank heartbeats, and a rank waiting for another's configuration or verdict waits as long as that
+  rank's heartbeat moves (compiling may outlast `--dist-timeout`), so the timeout bounds silence;
 - a rank started with another configuration is refused by rank 0 (`check_same_config`): both exit
   with the flag and both values; a follower that gave up waiting for rank 0's verdict (rank 0 loaded
   for longer than `--dist-timeout`) reports it, and rank 0 refuses to start instead of printing its
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -65,6 +68,7 @@ FOLLOWER_POLL_MS = 2000
 # Followers bump a counter in the store this often; rank 0 counts a rank lost when its counter stands
 # still for --dist-timeout (2 s right after a failed collective, to name the rank that caused it).
 HEARTBEAT_S = 0.5
+START_POLL_MS = 500  # a start-up wait looks at the awaited rank's heartbeat this often
 FAILED_STEP_STALE_S = 2.0
 LOSS_REPORT_WAIT_S = 3.0
 
@@ -89,6 +93,19 @@ class Topology:
     @property
     def is_leader(self) -> bool:
         return self.node_rank == 0
+
+    @property
+    def bind_address(self) -> str | None:
+        """Where rank 0's coordination service listens: the `--dist-init-addr` host when it is an IP
+        address (127.0.0.1 stays on loopback), else None: JAX's `[::]:PORT`, every interface, since a
+        host name may resolve locally to another address than the one the other ranks reach (Debian
+        maps its own name to 127.0.1.1)."""
+        host, _, _ = self.coordinator.rpartition(":")
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            return None
+        return self.coordinator
 
     @staticmethod
     def from_server_args(args) -> "Topology":
@@ -172,7 +189,7 @@ def initialize(topology: Topology) -> "Cluster":
         jax.distributed.initialize(
             t.coordinator, t.nnodes, t.node_rank,
             initialization_timeout=t.timeout_s + 5, heartbeat_timeout_seconds=t.timeout_s,
-            shutdown_timeout_seconds=min(t.timeout_s, 10),
+            shutdown_timeout_seconds=min(t.timeout_s, 10), coordinator_bind_address=t.bind_address,
         )
     finally:
         joined.set()
@@ -216,17 +233,19 @@ class Cluster:
 
     def check_same_config(self, stage: str, fields: Mapping[str, object]) -> None:
         """Compare this rank's `fields` (flag or quantity name -> value) with rank 0's; rank 0 answers
-        every follower, then both sides raise on a difference. Waits at most `--dist-timeout`.
+        every follower, then both sides raise on a difference. Each side waits while the other rank's
+        heartbeat moves (its start-up, compiling, may take longer than `--dist-timeout`) and gives up
+        after `--dist-timeout` seconds without one, or at once when that rank reported a failure.
 
         Raises:
             DistributedStartError: a difference, naming the field, rank 0's value and the follower's.
         """
-        t, timeout_ms = self.topology, self.topology.timeout_s * 1000
+        t = self.topology
         mine = {k: str(v) for k, v in fields.items()}
         if not t.is_leader:
             self.client.key_value_set(_key("config", stage, t.node_rank), json.dumps(mine))
             try:
-                verdict = self._get(_key("verdict", stage, t.node_rank), timeout_ms, "rank 0 (the coordinator)")
+                verdict = self._get(_key("verdict", stage, t.node_rank), 0, "rank 0 (the coordinator)")
             except DistributedStartError as e:
                 self.report_failure(str(e))  # so that a rank 0 still loading does not report ready
                 raise
@@ -236,7 +255,7 @@ class Cluster:
             return
         refusals = []
         for rank in range(1, t.nnodes):
-            theirs = json.loads(self._get(_key("config", stage, rank), timeout_ms, f"rank {rank}"))
+            theirs = json.loads(self._get(_key("config", stage, rank), rank, f"rank {rank}"))
             diffs = [f"{name}: rank 0 has {mine[name]}, rank {rank} has {theirs.get(name)}"
                      for name in mine if theirs.get(name) != mine[name]]
             verdict = "ok"
@@ -279,13 +298,34 @@ class Cluster:
         with contextlib.suppress(Exception):
             self.client.key_value_set(_key("failed", self.topology.node_rank), reason)
 
-    def _get(self, key: str, timeout_ms: int, who: str) -> str:
-        try:
-            return self.client.blocking_key_value_get(key, timeout_ms)
-        except Exception as e:  # the runtime raises its own status errors (DEADLINE_EXCEEDED, UNAVAILABLE)
-            raise DistributedStartError(
-                f"rank {self.topology.node_rank}: no answer from {who} within --dist-timeout "
-                f"{self.topology.timeout_s} s ({short_cause(e)})") from None
+    def _get(self, key: str, rank: int, who: str) -> str:
+        """The value of `key`, which `rank` (named `who`) writes, waiting while `rank` heartbeats: a
+        joined rank that is alive is still starting, not missing, so `--dist-timeout` bounds its silence,
+        not its compile time. A rank that never beat is silent from the first look.
+
+        Raises:
+            DistributedStartError: `--dist-timeout` seconds without a heartbeat of `rank`, a failure it
+                reported, or the coordination service gone.
+        """
+        t = self.topology
+        seen, since = None, time.monotonic()
+        while True:
+            try:
+                return self.client.blocking_key_value_get(key, START_POLL_MS)
+            except Exception as e:  # noqa: BLE001 - the runtime raises its own status errors
+                cause = e
+            if "DEADLINE_EXCEEDED" not in str(cause):  # UNAVAILABLE: the coordinator is gone
+                break
+            if rank != t.node_rank and (reason := self._try_get(_key("failed", rank))) is not None:
+                raise DistributedStartError(f"rank {t.node_rank}: {who} gave up: {reason}")
+            beat, now = self._try_get(_key("alive", rank)), time.monotonic()
+            if beat != seen:
+                seen, since = beat, now
+            elif now - since > t.timeout_s:
+                break
+        raise DistributedStartError(
+            f"rank {t.node_rank}: no answer from {who} within --dist-timeout {t.timeout_s} s "
+            f"({short_cause(cause)})") from None
 
     @property
     def lost(self) -> RankLostError | None:
@@ -293,8 +333,9 @@ class Cluster:
         return self._lost
 
     def start_heartbeat(self) -> None:
-        """A follower: bump `jaxserve/alive/<rank>` every `HEARTBEAT_S` from a daemon thread; exit the
-        process (status 1) when the coordinator no longer answers."""
+        """Bump `jaxserve/alive/<rank>` every `HEARTBEAT_S` from a daemon thread, from the join on (every
+        rank: a start-up wait counts the awaited rank's silence); a follower exits (status 1) when the
+        coordinator no longer answers."""
         key = _key("alive", self.topology.node_rank)
 
         def run() -> None:
@@ -302,6 +343,8 @@ class Cluster:
                 try:
                     self.client.key_value_increment(key, 1)
                 except Exception as e:  # noqa: BLE001 - the coordination service is gone
+                    if self.topology.is_leader:  # its own service is shutting down with the process
+                        return
                     print(f"jaxserve: rank {self.topology.node_rank}: rank 0 (the coordinator) went away "
                           f"({short_cause(e)}): exiting", flush=True)
                     os._exit(1)

@@ -20,12 +20,13 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence, TypeVar
 
 from starlette.requests import Request
 
 from jaxserve.engine.engine import StepOutput
 from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.engine.queue_admission import QueueReservation
 
 
 T = TypeVar("T")
@@ -79,10 +80,23 @@ class RequestGroup:
         self.final: dict[str, StepOutput] = {}
         self._access = _ACCESS_RECORD.get()
         self._first_of_prompt: set[str] = set()  # one rid per submitted prompt: its prompt counts once
+        self._reservation: QueueReservation | None = None
+
+    @contextlib.contextmanager
+    def reserved(self, num_sequences: int, field: str) -> Iterator[None]:
+        """Hold queue room for the whole batch (`EngineLoop.reserve`: raises before anything is queued)
+        while its prompts are submitted inside the block; the unused room is given back after it."""
+        self._reservation = self._engine_loop.reserve(num_sequences, field)
+        try:
+            yield
+        finally:
+            self._engine_loop.release(self._reservation)
+            self._reservation = None
 
     def submit(self, prompt: str | Sequence[int], sampling_params: dict | None, **kwargs: Any) -> list[str]:
         """Submit one prompt (keyword arguments as `EngineLoop.submit`); returns its rids."""
-        rids = self._engine_loop.submit(prompt, sampling_params, on_output=self._on_output, **kwargs)
+        rids = self._engine_loop.submit(prompt, sampling_params, on_output=self._on_output,
+                                        reservation=self._reservation, **kwargs)
         self._first_of_prompt.add(rids[0])
         self.rids += rids
         self._unfinished.update(rids)

@@ -20,6 +20,10 @@ Several processes (`--nnodes N`, jaxserve/parallel/distributed.py): every rank j
 first and checks its flags against rank 0's; rank 0 then runs everything above, its runner sending
 each device program to the others, and a lost rank is an engine death. Ranks 1..N-1 build the same
 engine, bind no port and replay rank 0's programs (`run_follower`) until it sends shutdown.
+
+Test hook (not a user flag): `JAXSERVE_TEST_FOLLOWER_START_DELAY_S=S` in a follower's environment makes
+it wait S seconds after building its engine, before its configuration check: a compile that outlasts
+`--dist-timeout` while the rank heartbeats.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ GRACEFUL_SHUTDOWN_S = 5
 # probe in that window reads the 503 instead of a refused connection.
 ENGINE_DEATH_EXIT_DELAY_S = 3.0
 REFUSAL_LINGER_S = 3.0
+FOLLOWER_START_DELAY_ENV = "JAXSERVE_TEST_FOLLOWER_START_DELAY_S"
 
 
 def configure_logging(level: str) -> None:
@@ -205,8 +210,7 @@ def join_cluster(server_args: ServerArgs):
 
     configure_logging(server_args.log_level)
     cluster = distributed.initialize(distributed.Topology.from_server_args(server_args))
-    if server_args.node_rank > 0:
-        cluster.start_heartbeat()
+    cluster.start_heartbeat()  # every rank: a start-up wait lasts as long as the awaited rank beats
     try:
         cluster.check_same_config("flags", distributed.args_fingerprint(server_args))
         cluster.check_devices(server_args.tp_size)
@@ -255,6 +259,7 @@ def run_follower(server_args: ServerArgs, cluster) -> None:
         engine = Engine(server_args)
     except (FileNotFoundError, ValueError) as e:
         _refuse_start(f"jaxserve: cannot start rank {rank}: {e}", rank)
+    time.sleep(float(os.environ.get(FOLLOWER_START_DELAY_ENV, 0)))
     check_engine_config(cluster, engine)
     _return_freed_memory()
     # SIGTERM of a follower alone would stall rank 0's next collective; rank 0's watchdog then fails it
@@ -294,7 +299,9 @@ def _return_freed_memory() -> None:
 def main(argv: list[str] | None = None) -> None:
     """scripts/serve.py and `python -m jaxserve.server`: one server, or with `--dp-size N` N workers
     behind sglang-router (dp_launcher.py)."""
-    args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:])
+    from jaxserve.server.function_call.parsers import PARSERS  # the one table of names; imports no jax
+
+    args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:], choices={"tool_call_parser": tuple(PARSERS)})
     if args.dp_size > 1:
         from jaxserve.server.dp_launcher import launch_data_parallel
 

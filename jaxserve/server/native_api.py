@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
-from jaxserve.engine.request import SamplingParamsError
+from jaxserve.engine.request import MAX_N, SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
@@ -117,20 +117,8 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], f
     rename = {"prompt": field, "input_ids": field}
     sequences = {}
     try:
-        for p in prompts:
-            checks_start = (p.return_logprob or p.top_logprobs_num > 0) and p.logprob_start_len != -1
-            # tokenized once, here when its length or ids are needed
-            prompt = tokenize(p.prompt) if req.return_prompt_token_ids or checks_start else p.prompt
-            if checks_start:
-                check_logprob_start_len(p.logprob_start_len, len(prompt))
-            rids = group.submit(
-                prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
-                top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,
-                token_ids_logprob=p.token_ids_logprob, namespace=p.namespace,
-            )
-            seq = _Sequence(p.sampling_params.get("stream_interval") or 1,
-                            list(prompt) if req.return_prompt_token_ids else None)
-            sequences.update(dict.fromkeys(rids, seq))
+        with group.reserved(sum(_num_sequences(p.sampling_params) for p in prompts), field):
+            _submit_each(group, req, prompts, tokenize, sequences)
     except (SamplingParamsError, RequestError) as e:
         group.abort()  # the prompts of the batch submitted before the bad one
         raise from_engine_error(e, rename) from None
@@ -138,6 +126,31 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], f
         group.abort()
         raise
     return sequences
+
+
+def _num_sequences(sampling_params: dict[str, Any]) -> int:
+    """The sequences a prompt will submit (its `n`; an invalid n counts 1 and its submit refuses it)."""
+    n = sampling_params.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+
+
+def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt],
+                 tokenize: Callable[[str | list[int]], list[int]], sequences: dict[str, _Sequence]) -> None:
+    """Submit the prompts in order into the group's reservation, recording each sequence in `sequences`."""
+    for p in prompts:
+        checks_start = (p.return_logprob or p.top_logprobs_num > 0) and p.logprob_start_len != -1
+        # tokenized once, here when its length or ids are needed
+        prompt = tokenize(p.prompt) if req.return_prompt_token_ids or checks_start else p.prompt
+        if checks_start:
+            check_logprob_start_len(p.logprob_start_len, len(prompt))
+        rids = group.submit(
+            prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
+            top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,
+            token_ids_logprob=p.token_ids_logprob, namespace=p.namespace,
+        )
+        seq = _Sequence(p.sampling_params.get("stream_interval") or 1,
+                        list(prompt) if req.return_prompt_token_ids else None)
+        sequences.update(dict.fromkeys(rids, seq))
 
 
 def to_output(

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
-from jaxserve.engine.request import SamplingParamsError
+from jaxserve.engine.request import MAX_N, SamplingParamsError
 from jaxserve.server.chat_prompt import chat_prompt
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
@@ -188,11 +188,13 @@ def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[li
             req: _OpenAISampling, return_logprob: bool, top_logprobs_num: int, *,
             logprob_start_len: int = -1, ebnf: str | None = None) -> None:
     """Submit (token ids, rid, max_new_tokens) per prompt; a validation error aborts the ones before it."""
+    n = req.n if isinstance(req.n, int) and 1 <= req.n <= MAX_N else 1  # an invalid n: its submit refuses it
     try:
-        for ids, rid, max_new_tokens in prompts:
-            group.submit(ids, sampling_params_of(req, max_new_tokens, ebnf), rid=rid,
-                         return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                         logprob_start_len=logprob_start_len)
+        with group.reserved(len(prompts) * n, "n" if len(prompts) == 1 else "prompt"):
+            for ids, rid, max_new_tokens in prompts:
+                group.submit(ids, sampling_params_of(req, max_new_tokens, ebnf), rid=rid,
+                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                             logprob_start_len=logprob_start_len)
     except (SamplingParamsError, RequestError) as e:
         group.abort()
         raise from_engine_error(e, renames) from None

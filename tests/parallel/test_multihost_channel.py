@@ -290,3 +290,54 @@ def test_rank0_refuses_to_start_when_a_follower_gave_up_waiting_for_it():
     with pytest.raises(DistributedStartError, match=r"rank 1 of --nnodes 2 gave up before rank 0 was ready: "
                                                     r"rank 1: no answer from rank 0"):
         _cluster(client, 0, timeout_s=1).check_same_config("engine", {"KV pool pages": 129})
+
+
+def test_a_joined_rank_that_heartbeats_is_waited_for_past_the_timeout(monkeypatch):
+    """--dist-timeout 20: rank 0 finished compiling first and gave up 20 s later waiting for rank 1's
+    configuration, naming it missing, while rank 1 was alive and still compiling."""
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(distributed, "START_POLL_MS", 50)
+    client = FakeClient()
+    leader, follower = _cluster(client, 0, timeout_s=1), _cluster(client, 1, timeout_s=1)
+    leader.start_heartbeat()
+    follower.start_heartbeat()
+    errors = []
+
+    def slow_follower():
+        time.sleep(2.5)  # compiling: longer than --dist-timeout, beating all along
+        try:
+            follower.check_same_config("engine", {"KV pool pages": 129})
+        except DistributedStartError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=slow_follower)
+    t.start()
+    leader.check_same_config("engine", {"KV pool pages": 129})
+    t.join(10)
+    assert errors == []
+    # the other way round: the follower waits for a rank 0 that is still compiling
+    t = threading.Thread(target=lambda: follower.check_same_config("flags", {"--page-size": 8}))
+    t.start()
+    time.sleep(2.5)
+    leader.check_same_config("flags", {"--page-size": 8})
+    t.join(10)
+    assert not t.is_alive()
+    leader.close()
+    follower._closed.set()
+
+
+def test_a_rank_that_reported_a_failure_is_not_waited_for(monkeypatch):
+    monkeypatch.setattr(distributed, "START_POLL_MS", 50)
+    client = FakeClient()
+    client.key_value_increment("jaxserve/alive/1", 1)
+    _cluster(client, 1, timeout_s=30).report_failure("out of memory while compiling")
+    start = time.monotonic()
+    with pytest.raises(DistributedStartError, match="rank 1 gave up: out of memory while compiling"):
+        _cluster(client, 0, timeout_s=30).check_same_config("engine", {"KV pool pages": 129})
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("addr, bind", [("127.0.0.1:29500", "127.0.0.1:29500"), ("10.0.0.1:1234", "10.0.0.1:1234"),
+                                        ("[::1]:29500", "[::1]:29500"), ("node0:29500", None)])
+def test_the_coordinator_binds_to_an_ip_given_in_dist_init_addr(addr, bind):
+    assert Topology(2, 0, addr, 5).bind_address == bind

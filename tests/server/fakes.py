@@ -42,6 +42,9 @@ class FakeEngine:
     def validate_token_ids_logprob(self, ids):
         pass
 
+    def validate_stop_token_ids(self, params):
+        pass
+
     def add_request(self, ids, params: SamplingParams, *, rid, return_logprob, top_logprobs_num, logprob_start_len,
                     token_ids_logprob=(), namespace=None):
         self.thread_ids.add(threading.get_ident())

@@ -89,6 +89,14 @@ BAD_INPUTS = [
     (CHAT, {"messages": MSG, "seed": -(2**63) - 1}, "seed", "64-bit"),
     ("/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, "seed", "64-bit"),
     ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"sampling_seed": -(2**70)}]}, "sampling_seed", "64-bit"),
+    # a lone surrogate in a stop string was a 200 (it can never match); ids past the vocabulary too
+    ("/generate", _ascii_json({"text": "hi", "sampling_params": {"stop": ["ok", "\ud800"]}}), "stop", "surrogate"),
+    (COMPLETIONS, _ascii_json({"prompt": "hi", "stop": "a\udcff"}), "stop", "surrogate"),
+    (CHAT, _ascii_json({"messages": MSG, "stop": ["\ud800"]}), "stop", "surrogate"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [10**12]}}, "stop_token_ids", "vocabulary"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [2, 49152]}}, "stop_token_ids", "vocabulary"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**12]}, "stop_token_ids", "vocabulary"),
+    (CHAT, {"messages": MSG, "stop_token_ids": [10**12]}, "stop_token_ids", "vocabulary"),
 ]
 
 

@@ -56,7 +56,8 @@ except SystemExit as e:
 """
 
 
-@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--no-such-flag"], 2), (["--dist-timeout", "0"], 2)])
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--no-such-flag"], 2), (["--dist-timeout", "0"], 2),
+                                        (["--tool-call-parser", "bogus"], 2)])
 def test_help_and_flag_errors_answer_before_jax_is_imported(argv, code):
     """--help took ~1.3 s idle (~5 s on a busy machine), nearly all of it importing jax through the app."""
     import subprocess
@@ -68,3 +69,6 @@ def test_help_and_flag_errors_answer_before_jax_is_imported(argv, code):
     assert f"exit {code} jax imported: False" in out.stderr, out.stderr[-2000:]
     if code == 0:
         assert "--model-path" in out.stdout
+        assert "--tool-call-parser {qwen25,qwen,hermes,llama3}" in out.stdout  # the choices of parsers.PARSERS
+    if "bogus" in argv:  # was a traceback after ~12 s of loading the model
+        assert "serve.py: error: argument --tool-call-parser: invalid choice: 'bogus'" in out.stderr

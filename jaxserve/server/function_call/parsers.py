@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from jaxserve.server.protocol import Tool
+if TYPE_CHECKING:  # annotations only: serve.py's flag parsing reads PARSERS without importing the app (and jax)
+    from jaxserve.server.protocol import Tool
 
 # JSON layout inside a forced call: what json.dumps writes, and no other whitespace.
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -1,0 +1,23 @@
+"""Start-up warnings of the Engine: a KV pool smaller than the context, speculative flags that do nothing."""
+
+from __future__ import annotations
+
+import logging
+
+from tests.engine.test_pool_limits import make_engine
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "jaxserve.engine.engine"]
+
+
+def test_small_pool_and_idle_speculative_flags_warn(tiny_model_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.engine"):
+        make_engine(tiny_model_dir, context_length=256, max_total_tokens=256)
+    assert _warnings(caplog) == []
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.engine"):
+        make_engine(tiny_model_dir, speculative_num_draft_tokens=5)  # pool 128 < context 512
+    warnings = _warnings(caplog)
+    assert any("128 tokens, fewer than the context length 512" in w for w in warnings), warnings
+    assert any(w.startswith("--speculative-num-draft-tokens given without --speculative-algorithm") for w in warnings), warnings
