@@ -15,6 +15,7 @@ def make_engine(model_dir, **kwargs) -> Engine:
     base = dict(
         model_path=model_dir, max_total_tokens=4096, max_running_requests=16, chunked_prefill_size=64,
         context_length=256, page_size=16, disable_precompile=True,
+        prefill_decode_itl_ratio=0,  # no time-based prefill budget: the schedule (and so retractions, recalls) must not depend on load
     )
     base.update(kwargs)
     return Engine(**base)

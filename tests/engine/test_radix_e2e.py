@@ -20,7 +20,8 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0}
 
 def make(**kw) -> Engine:
     args = dict(model_path="default", max_total_tokens=16384, max_running_requests=64, chunked_prefill_size=512,
-                context_length=1024, disable_precompile=True)
+                context_length=1024, disable_precompile=True,
+                prefill_decode_itl_ratio=0)  # no time-based prefill budget: the schedule (and so retractions, recalls) must not depend on load
     args.update(kw)
     return Engine(**args)
 

@@ -22,6 +22,7 @@ def make_engine(model_dir, **kwargs) -> Engine:
     base = dict(
         model_path=model_dir, max_total_tokens=2048, max_running_requests=8, chunked_prefill_size=64,
         context_length=128, page_size=16, disable_precompile=True,
+        prefill_decode_itl_ratio=0,  # no time-based prefill budget: the schedule (and so retractions, recalls) must not depend on load
     )
     base.update(kwargs)
     engine = Engine(**base)

@@ -26,6 +26,7 @@ AGGRESSIVE = dict(
     release_conservative_batch_size=0, release_aggressive_batch_size=0, enable_hierarchical_cache=True,
     radix_cache_soft_free_threshold=0.0, radix_cache_evict_threshold=0.0, enable_auto_merge=True,
     merge_max_suffix_tokens=15, merge_min_shared_ratio=0.0,
+    prefill_decode_itl_ratio=0,  # no time-based prefill budget: the schedule (and so retractions, recalls) must not depend on load
 )
 
 
