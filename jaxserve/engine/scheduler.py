@@ -238,10 +238,16 @@ class Scheduler:
                 reqs.append(r)
                 budget -= n - 1
         need = sum(self.cache.pages_needed(r, r.fill_len) for r in reqs)
-        while not self.cache.can_grow(need) and len(reqs) > 1:
-            victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
-            reqs.remove(victim)
-            self.retract(victim)
+        while not self.cache.can_grow(need) and (len(reqs) > 1 or self.chunked_req is not None):
+            if self.chunked_req is not None:
+                # a prompt part-way through chunked prefill holds pages too, and has no output to lose:
+                # it goes first (its computed prefix stays cached). Kept, it could leave a lone decode
+                # unable to grow (n > 1 with a prompt near the pool's size).
+                self.retract(self.chunked_req)
+            else:
+                victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+                reqs.remove(victim)
+                self.retract(victim)
             need = sum(self.cache.pages_needed(r, r.fill_len) for r in reqs)
         ready = [r for r in reqs if self.cache.grow(r, r.fill_len)]
         if len(ready) < len(reqs):
@@ -250,8 +256,12 @@ class Scheduler:
         return ready
 
     def retract(self, req: Req) -> None:
-        """Move a running request back to the waiting queue; its computed prefix stays in the cache."""
-        self.running.remove(req)
+        """Move a running (or part-way prefilled) request back to the waiting queue; its computed
+        prefix stays in the cache."""
+        if req is self.chunked_req:
+            self.chunked_req = None
+        else:
+            self.running.remove(req)
         self.cache.release(req)
         req.num_retractions += 1
         self.num_retractions += 1

@@ -68,3 +68,21 @@ def test_speculative_request_at_the_pool_limit_finishes(tiny_model_dir):
     assert len(out["output_ids"]) == POOL - 2 - 60
     assert eng.stats.num_spec_verifications > 0
 
+
+
+
+def test_n2_near_the_pool_retracts_the_chunked_prompt(tiny_model_dir):
+    """n = 2 with a prompt near the pool's size (a new-user trial's request that ended the engine): the
+    first sequence decodes while the second's prompt is still being prefilled in budget-sized chunks
+    beside it, and that prompt's private pages are what the decode needs. The scheduler retracted only
+    decodes, so the lone decode's failed grow raised "KV pool cannot hold a single decoding request";
+    now the part-way prompt is retracted first (its computed prefix stays cached)."""
+    eng = Engine(model_path=tiny_model_dir, max_total_tokens=2048, context_length=4096, page_size=16,
+                 max_running_requests=8, disable_precompile=True)
+    prompt = [(7 * i) % 39000 + 100 for i in range(2000)]
+    outs = eng.generate(prompt, {"max_new_tokens": 100, "n": 2, "temperature": 0, "ignore_eos": True})
+    room = 2048 - 2 - 2000
+    assert [len(o["output_ids"]) for o in outs] == [room, room]
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]  # greedy: both sequences agree
+    eng.cache.check_integrity([])
+    assert eng.allocator.num_free + eng.tree.evictable_size() // 16 == eng.allocator.num_usable
