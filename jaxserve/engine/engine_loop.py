@@ -206,11 +206,14 @@ class EngineLoop:
         return self._error
 
     def load(self) -> EngineLoad:
-        """The latest snapshot of the engine's queues and KV pool (never blocks); the admission
-        counters are current (rejections happen in callers' threads, between snapshots)."""
+        """The latest snapshot of the engine's queues and KV pool; the admission counters and the
+        waiting count are current (requests are admitted and refused in callers' threads, between
+        snapshots, and a long step would otherwise show a full queue as empty to a router)."""
         load = self._load
-        if load.num_rejected_queue_full != self._admission.num_rejected:
-            load = dataclasses.replace(load, num_rejected_queue_full=self._admission.num_rejected)
+        with self._cond:  # held only briefly by the loop thread, never across a step
+            waiting = max(load.num_waiting_reqs, self._num_waiting() + self._admission.num_reserved)
+        if load.num_rejected_queue_full != self._admission.num_rejected or waiting != load.num_waiting_reqs:
+            load = dataclasses.replace(load, num_rejected_queue_full=self._admission.num_rejected, num_waiting_reqs=waiting)
         return load
 
     # ---- lifecycle ------------------------------------------------------------------------------

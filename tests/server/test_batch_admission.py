@@ -105,3 +105,21 @@ def test_reservation_is_spent_by_submits_and_released(setup):
     assert loop.reserve(QUEUE - 1).num_left == QUEUE - 1
     with pytest.raises(RequestError, match="max-queued-requests"):
         loop.reserve(QUEUE + 1, "text")
+
+
+def test_load_counts_waiting_and_reserved_requests_between_snapshots():
+    """The load snapshot is published after each step; during a long step it showed 0 waiting while
+    the queue refused requests (a router polling /get_load saw a full worker as idle)."""
+    engine = FakeEngine(step_time=0.5)
+    loop = EngineLoop(engine, max_queued_requests=QUEUE).start()
+    try:
+        loop.submit("a", {"max_new_tokens": 2}, on_output=lambda o: None)
+        res = loop.reserve(2)
+        with TestClient(create_app(loop, ServerArgs(model_path="/models/fake-model"))) as client:
+            body = client.get("/get_load").json()
+            load = body[0] if isinstance(body, list) else body
+        assert loop.load().num_running_reqs + loop.load().num_waiting_reqs >= 3
+        assert load["num_reqs"] >= 3, load
+        loop.release(res)
+    finally:
+        loop.shutdown()
