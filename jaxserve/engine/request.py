@@ -228,7 +228,7 @@ def _check_type(name: str, value: Any, types) -> None:
     if not isinstance(value, types):
         raise SamplingParamsError(name, f"has the wrong type {type(value).__name__}")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT_MAX and name != "seed":
-        raise SamplingParamsError(name, f"is out of range: {value}")
+        raise SamplingParamsError(name, f"must be between -{_INT_MAX} and {_INT_MAX}, got {value}")
 
 
 def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
