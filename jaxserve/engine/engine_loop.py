@@ -358,7 +358,7 @@ class EngineLoop:
         with self._cond:
             reservation = self._admission.reserve(self._num_waiting(), num_sequences)
             if reservation is None:
-                raise self._queue_full()
+                raise self._queue_full(num_sequences)
         return reservation
 
     def release(self, reservation: QueueReservation) -> None:
@@ -370,11 +370,15 @@ class EngineLoop:
         """Sequences submitted and not running (holding `_cond`)."""
         return len(self._pending) - self._load.num_running_reqs
 
-    def _queue_full(self) -> EngineUnavailableError:
+    def _queue_full(self, num_sequences: int = 1) -> EngineUnavailableError:
+        waiting = self._num_waiting() + self._admission.num_reserved
+        if num_sequences == 1 or waiting >= self.max_queued_requests:
+            what = f"the request queue is full ({waiting} waiting"
+        else:  # a batch: the queue has places, only not as many as the batch
+            what = (f"the request queue has {self.max_queued_requests - waiting} free places and the batch needs "
+                    f"{num_sequences} ({waiting} waiting")
         return EngineUnavailableError(
-            f"the request queue is full ({self._num_waiting() + self._admission.num_reserved} waiting, "
-            f"--max-queued-requests {self.max_queued_requests}); retry later", retry_after_s=1,
-        )
+            f"{what}, --max-queued-requests {self.max_queued_requests}); retry later", retry_after_s=1)
 
     def _check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's constraint now (the engine caches it) so that a bad one is a

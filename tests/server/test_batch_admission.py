@@ -85,6 +85,7 @@ def test_a_batch_without_room_now_is_a_503_and_queues_nothing(setup):
     loop.submit("b", {"max_new_tokens": 1}, on_output=lambda o: None)  # waits: 3 places left
     r = client.post("/generate", json={"text": ["zz"] * QUEUE, "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert "3 free places and the batch needs 4" in r.json()["error"]["message"]
     time.sleep(0.05)
     zz = engine.tokenize("zz")
     assert zz not in engine.prompts
