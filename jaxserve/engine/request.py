@@ -160,6 +160,9 @@ class SamplingParams:
             raise SamplingParamsError(constraints[1], f"only one of regex, json_schema, ebnf, choices may be set, got {constraints}")
         if self.choices is not None and (not self.choices or not all(isinstance(c, str) and c for c in self.choices)):
             raise SamplingParamsError("choices", "must be a non-empty list of non-empty strings")
+        for key in ("regex", "ebnf", "json_schema"):  # a lone surrogate reached the grammar compiler's codec error
+            if isinstance(getattr(self, key), str):
+                _check_unicode(key, getattr(self, key))
 
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
@@ -194,6 +197,7 @@ def _check_stop_regex(patterns: tuple[str, ...]) -> None:
     for p in patterns:
         if not isinstance(p, str) or not p:
             raise SamplingParamsError("stop_regex", "must be non-empty strings")
+        _check_unicode("stop_regex", p)
         if len(p.encode()) > MAX_STOP_REGEX_LEN:
             raise SamplingParamsError("stop_regex", f"a pattern may have at most {MAX_STOP_REGEX_LEN} bytes, got {len(p.encode())}")
         try:

@@ -93,6 +93,8 @@ BAD_INPUTS = [
     ("/generate", _ascii_json({"text": "hi", "sampling_params": {"stop": ["ok", "\ud800"]}}), "stop", "surrogate"),
     (COMPLETIONS, _ascii_json({"prompt": "hi", "stop": "a\udcff"}), "stop", "surrogate"),
     (CHAT, _ascii_json({"messages": MSG, "stop": ["\ud800"]}), "stop", "surrogate"),
+    ("/generate", _ascii_json({"text": "hi", "sampling_params": {"regex": "a\ud800"}}), "regex", "lone surrogate U+D800"),
+    (COMPLETIONS, _ascii_json({"prompt": "hi", "max_tokens": 2, "regex": "(a|\udcff)"}), "regex", "lone surrogate U+DCFF"),
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [10**12]}}, "stop_token_ids", "vocabulary"),
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [2, 49152]}}, "stop_token_ids", "vocabulary"),
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**12]}, "stop_token_ids", "vocabulary"),
