@@ -87,7 +87,10 @@ def reference(servers) -> dict:
     out = _workload(servers["ref"].url)
     assert all(len(ids) == 6 for ids in out["first"] + out["second"])
     assert out["completion"] and out["stream"]
-    assert _metric(servers["ref"].url, "jaxserve_radix_cache_recalled_bytes") > 0
+    # the host tier was used: batch 1's prefixes are soft-released once unlocked (thresholds 0). Whether
+    # batch 2 then recalls one over HTTP depends on the schedule (CI saw 0 recalls in 2 of 4 runs), so a
+    # recall is asserted in-process (tests/parallel/tp_worker.py steps the engine idle between batches)
+    assert _metric(servers["ref"].url, "jaxserve_radix_cache_soft_freed_bytes") > 0
     return out
 
 
@@ -98,8 +101,8 @@ def test_two_processes_match_one_process_tp1(servers, reference, tp):
     info = httpx.get(cluster.url + "/get_server_info", timeout=30).json()
     assert info["tp_size"] == tp and len(info["devices"]) == tp
     assert _workload(cluster.url) == reference
-    # the host tier was used (pages soft-released, then recalled: contents broadcast to the follower)
-    assert _metric(cluster.url, "jaxserve_radix_cache_recalled_bytes") > 0
+    # the host tier was used (pages soft-released: contents gathered from the follower), see `reference`
+    assert _metric(cluster.url, "jaxserve_radix_cache_soft_freed_bytes") > 0
     assert all(r.proc.poll() is None for r in cluster.ranks)
 
 
