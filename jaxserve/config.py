@@ -291,6 +291,7 @@ class ServerArgs:
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
     speculative_max_batch_size: int = _flag(8, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks). With the adaptive draft policy, 8 gained on both copy-heavy (1.36x output tok/s) and random prompts (1.11x) at 8 concurrent (docs/benchmarks.md)", group="speculative")
     disable_speculative_adaptive: bool = _flag(False, "verify every draft; by default a request's draft is verified only where its measured acceptance pays for the measured cost of verifying it, so speculation turns itself off on text it cannot predict (jaxserve/engine/speculative/policy.py)", group="speculative")
+    speculative_ngram_capacity: int = _flag(10_000_000, "tokens of recent finished requests (prompt + output) kept for drafts from other requests: a request's suffix is also matched there, and the longer of its own match and the store's is drafted; the oldest are evicted first; 0 turns the store off (jaxserve/engine/speculative/ngram_store.py)", group="speculative")
     # scale out (issue 18): data-parallel replicas behind sglang-router (jaxserve/server/dp_launcher.py)
     dp_size: int = _flag(
         1, "data parallelism: run this many worker processes, each with its share of the devices (CPU: of the cores) "
@@ -416,6 +417,8 @@ class ServerArgs:
             raise ValueError(f"--speculative-ngram-max-trie-depth must be >= 1, got {self.speculative_ngram_max_trie_depth}")
         if self.speculative_max_batch_size < 0:
             raise ValueError(f"--speculative-max-batch-size must be >= 0, got {self.speculative_max_batch_size}")
+        if self.speculative_ngram_capacity != 0 and self.speculative_ngram_capacity < 2:
+            raise ValueError(f"--speculative-ngram-capacity must be >= 2 tokens, or 0 to turn the store off; got {self.speculative_ngram_capacity}")
 
     def _validate_release_policy(self) -> None:
         block = self.radix_cache_block_size

@@ -331,6 +331,8 @@ class Engine:
             num = self.scheduler.num_running + len(self.scheduler.waiting)
             raise RuntimeError(f"cannot flush the cache while {num} requests are running or waiting")
         self.cache.flush()
+        if self.speculator is not None:
+            self.speculator.flush()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._finished_outside_step) or self.grammar_queue.num_pending > 0
@@ -510,6 +512,8 @@ class Engine:
         req.finished_time = time.perf_counter()
         self.scheduler.finish(req)
         self.stats.num_finished_requests += 1
+        if self.speculator is not None:
+            self.speculator.observe_finished(req)
 
     def _output(self, req: Req, new_ids: list[int], delta: str) -> StepOutput:
         detok = self._detok[req.rid]

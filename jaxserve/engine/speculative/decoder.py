@@ -13,7 +13,9 @@ The step itself is `verify_step.py`; this module owns the proposals:
   Within such a step, `policy.DraftPolicy` keeps a request's draft only where its measured
   acceptance pays for the measured cost of verifying it.
 - `propose`: the radix tree's continuation of the request's exact prefix (another request's output
-  after the same prompt) when there is one, else `ngram_draft` over the request's own tokens.
+  after the same prompt) when there is one, else the longer of two n-gram matches of the request's
+  suffix: `ngram_match` over its own tokens and `NgramStore.match` over recent finished requests'
+  tokens (`--speculative-ngram-capacity`; the request's own match wins a tie).
 - `constrain_draft`: a grammar-constrained request's draft is cut at the first token its grammar
   rejects, and its bitmask rows are the grammar's states along the draft.
 """
@@ -29,7 +31,8 @@ from jaxtyping import Int32
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine.request import Req
-from jaxserve.engine.speculative.ngram import ngram_match
+from jaxserve.engine.speculative.ngram import NgramMatch, ngram_match
+from jaxserve.engine.speculative.ngram_store import NgramStore
 from jaxserve.engine.speculative.policy import DraftPolicy, DraftState
 
 ALGORITHMS = ("NGRAM",)
@@ -39,12 +42,14 @@ ALGORITHMS = ("NGRAM",)
 class SpeculativeConfig:
     """`num_draft_tokens`: K per sequence and step; `max_match_len`: the longest suffix matched;
     `max_batch_size`: the largest decode batch that speculates; `adaptive`: drafts only where the
-    measured costs and acceptance say they pay (`policy.DraftPolicy`)."""
+    measured costs and acceptance say they pay (`policy.DraftPolicy`); `store_capacity`: tokens of
+    recent requests kept for cross-request drafts (`NgramStore`; 0: none)."""
 
     num_draft_tokens: int
     max_match_len: int
     max_batch_size: int
     adaptive: bool = True
+    store_capacity: int = 0
 
     @staticmethod
     def from_server_args(args) -> "SpeculativeConfig | None":
@@ -58,6 +63,7 @@ class SpeculativeConfig:
             max_match_len=args.speculative_ngram_max_trie_depth,
             max_batch_size=args.speculative_max_batch_size,
             adaptive=not args.disable_speculative_adaptive,
+            store_capacity=args.speculative_ngram_capacity,
         )
 
 
@@ -86,10 +92,25 @@ class SpeculativeStats:
 class NgramSpeculator:
     """Draft policy of n-gram speculative decoding (see the module docstring); the engine counts."""
 
+    # On a tie of match lengths the request's own match is drafted rather than the store's (measured:
+    # docs/benchmarks.md, issue 20's fourth pass).
+    store_wins_ties = False
+
     def __init__(self, config: SpeculativeConfig, tree: RadixCache):
         self.config = config
         self.tree = tree
         self.policy = DraftPolicy(config.adaptive)
+        self.store = NgramStore(config.store_capacity, config.max_match_len) if config.store_capacity > 0 else None
+
+    def observe_finished(self, req: Req) -> None:
+        """A request finished: its prompt + output join the cross-request store."""
+        if self.store is not None:
+            self.store.feed(req.fill_ids, req.namespace)
+
+    def flush(self) -> None:
+        """Forget the cross-request store (with the radix cache's flush)."""
+        if self.store is not None:
+            self.store.reset()
 
     def should_speculate(self, reqs: Sequence[Req], is_decode_only: bool) -> bool:
         return (is_decode_only and 0 < len(reqs) <= self.config.max_batch_size
@@ -138,9 +159,19 @@ class NgramSpeculator:
         draft = self.tree.continuation(tokens, k, req.namespace)
         match_len = self.config.max_match_len
         if not draft:
-            draft, match_len = ngram_match(tokens, k, self.config.max_match_len)
+            draft, match_len = self.ngram_match(req, k)
         _draft_state(req).match_len = match_len
         return draft[:k]
+
+    def ngram_match(self, req: Req, k: int) -> NgramMatch:
+        """The longer of the request's own n-gram match and the store's (`store_wins_ties` on a tie)."""
+        own = ngram_match(req.fill_ids, k, self.config.max_match_len)
+        if self.store is None or own.match_len >= self.config.max_match_len:
+            return own
+        other = self.store.match(req.fill_ids, k, req.namespace)
+        if other.match_len > own.match_len or (self.store_wins_ties and other.match_len == own.match_len and other.draft):
+            return other
+        return own
 
 
 def _draft_state(req: Req) -> DraftState:
