@@ -16,6 +16,7 @@ from jaxserve.engine.request import Req, SamplingParams
 from jaxserve.engine.speculative import ngram_store
 from jaxserve.engine.speculative.decoder import NgramSpeculator, SpeculativeConfig
 from jaxserve.engine.speculative.ngram_store import LEVELS, NgramStore
+from jaxserve.engine.speculative.policy import DraftPolicy, DraftState
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
@@ -157,16 +158,36 @@ def test_propose_takes_the_longer_match():
     spec.observe_finished(make_req("done", [7, 8, 9, 10, 11, 12, 13]))
     # own: [9, 10] occurred before followed by 50 (a 2-token match); store: [8, 9, 10] -> 11, 12, 13
     req = make_req("r", [1, 9, 10, 50, 51, 8, 9, 10])
-    assert spec.propose(req, 8) == [11, 12, 13] and req.draft_state.match_len == 3
+    assert spec.propose(req, 8) == [11, 12, 13] and req.draft_state.match_len == 3 and req.draft_state.is_from_store
     # own: [8, 9, 10] before (3 tokens, ties with the store's 3): the request's own continuation
     req = make_req("r2", [8, 9, 10, 60, 61, 8, 9, 10])
     assert spec.propose(req, 8) == [60, 61, 8, 9] and req.draft_state.match_len == 3
+    assert not req.draft_state.is_from_store
     # no own match at all: the store's
     req = make_req("r3", [20, 21, 12])
     assert spec.propose(req, 8) == [] and spec.propose(make_req("r4", [20, 11, 12]), 8) == [13]
     off = NgramSpeculator(SpeculativeConfig(4, 18, 8, store_capacity=0), RadixCache(page_size=4, disable=True))
     off.observe_finished(make_req("done", [7, 8, 9, 10, 11, 12, 13]))
     assert off.store is None and off.propose(make_req("r", [1, 8, 9, 10]), 8) == []
+
+
+def test_store_drafts_are_learned_apart_and_across_requests():
+    """A store draft's acceptance goes to classes shared by all requests, not to the request's own
+    match-length classes (a 4-token store match predicts less than a 4-token match of its own text)."""
+    spec = NgramSpeculator(SpeculativeConfig(4, 18, 8, store_capacity=1000), RadixCache(page_size=4, disable=True))
+    policy = DraftPolicy()
+    a = spec._draft_state(make_req("a", [1]))
+    b = spec._draft_state(make_req("b", [1]))
+    a.match_len, a.is_from_store = 5, True
+    policy.record(a, 15, 1)
+    assert a.accept_by_class == {} and spec.store_accept_by_class == {3: 1.0}
+    b.match_len, b.is_from_store = 4, True
+    assert b.expected_accept() == 1.0
+    b.is_from_store = False  # its own 4-token matches: nothing learned yet
+    assert b.expected_accept() is None
+    policy.record(b, 15, 12)
+    assert b.accept_by_class == {3: 12.0} and spec.store_accept_by_class == {3: 1.0}
+    assert DraftState().store_accept_by_class is not DraftState().store_accept_by_class
 
 
 def spec_engine(model_dir, **kwargs) -> Engine:

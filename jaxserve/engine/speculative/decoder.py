@@ -101,6 +101,7 @@ class NgramSpeculator:
         self.tree = tree
         self.policy = DraftPolicy(config.adaptive)
         self.store = NgramStore(config.store_capacity, config.max_match_len) if config.store_capacity > 0 else None
+        self.store_accept_by_class: dict[int, float] = {}  # every request's DraftState shares it (policy.py)
 
     def observe_finished(self, req: Req) -> None:
         """A request finished: its prompt + output join the cross-request store."""
@@ -126,7 +127,7 @@ class NgramSpeculator:
 
     def record(self, req: Req, num_draft: int, num_accepted: int) -> None:
         """`req`'s draft of `num_draft` tokens had `num_accepted` accepted."""
-        self.policy.record(_draft_state(req), num_draft, num_accepted)
+        self.policy.record(self._draft_state(req), num_draft, num_accepted)
 
     def propose_batch(
         self, reqs: Sequence[Req], max_rows: int, context_length: int, grow: Callable[[Req, int], bool]
@@ -140,7 +141,7 @@ class NgramSpeculator:
         for req in reqs:
             room = min(rows_left, req.remaining_new_tokens() - 1, context_length - req.fill_len)
             draft = self.propose(req, room) if room > 0 else []
-            if draft and not self.policy.wants_draft(_draft_state(req), len(reqs), len(draft)):
+            if draft and not self.policy.wants_draft(self._draft_state(req), len(reqs), len(draft)):
                 draft = []
             if draft and not grow(req, req.kv_len + 1 + len(draft)):
                 draft = []
@@ -157,27 +158,28 @@ class NgramSpeculator:
             return []
         tokens = req.fill_ids
         draft = self.tree.continuation(tokens, k, req.namespace)
-        match_len = self.config.max_match_len
+        match_len, is_from_store = self.config.max_match_len, False
         if not draft:
-            draft, match_len = self.ngram_match(req, k)
-        _draft_state(req).match_len = match_len
+            (draft, match_len), is_from_store = self.ngram_match(req, k)
+        state = self._draft_state(req)
+        state.match_len, state.is_from_store = match_len, is_from_store
         return draft[:k]
 
-    def ngram_match(self, req: Req, k: int) -> NgramMatch:
-        """The longer of the request's own n-gram match and the store's (`store_wins_ties` on a tie)."""
+    def ngram_match(self, req: Req, k: int) -> tuple[NgramMatch, bool]:
+        """The longer of the request's own n-gram match and the store's (`store_wins_ties` on a tie),
+        and whether it is the store's."""
         own = ngram_match(req.fill_ids, k, self.config.max_match_len)
         if self.store is None or own.match_len >= self.config.max_match_len:
-            return own
+            return own, False
         other = self.store.match(req.fill_ids, k, req.namespace)
         if other.match_len > own.match_len or (self.store_wins_ties and other.match_len == own.match_len and other.draft):
-            return other
-        return own
+            return other, True
+        return own, False
 
-
-def _draft_state(req: Req) -> DraftState:
-    if req.draft_state is None:
-        req.draft_state = DraftState()
-    return req.draft_state
+    def _draft_state(self, req: Req) -> DraftState:
+        if req.draft_state is None:
+            req.draft_state = DraftState(store_accept_by_class=self.store_accept_by_class)
+        return req.draft_state
 
 
 def constrain_draft(grammar, draft: Sequence[int], rows: Int32[np.ndarray, "K1 W"]) -> list[int]:

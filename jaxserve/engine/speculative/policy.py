@@ -26,7 +26,11 @@ a_i is kept per class of the draft's n-gram match length (`match_class`: 1, 2-3,
 radix tree's continuations of the exact prefix count as the longest class), a class seen for the
 first time being tried: one request's text mixes passages it copies (long matches, long accepts) with
 new text (short matches that fail), and a single average learned on one phase refused the other's
-drafts (docs/benchmarks.md, issue 20's third pass).
+drafts (docs/benchmarks.md, issue 20's third pass). Drafts from other requests' text (the
+cross-request `NgramStore`) are classes of their own, learned over all requests together (a dict
+the speculator shares between requests): at the same match length they accepted far less than a
+request's own matches (copy-heavy prompts, 4-7 tokens: 1.7 against 10-15 per verification), and a
+request meets too few of them to learn their worth alone (docs/benchmarks.md, issue 20's fourth pass).
 """
 
 from __future__ import annotations
@@ -45,20 +49,26 @@ class DraftState:
     """One request's acceptance history: `accept_ema` accepted tokens per verification (None before its
     first), used for drafts of unknown match length; `accept_by_class` the same per `match_class`;
     `match_len` the match length of the request's latest draft (None: unknown, e.g. a draft from
-    elsewhere); `num_skipped` decode steps since its last verification; `probe_steps` the current
-    back-off."""
+    elsewhere); `is_from_store` whether that draft came from other requests' text, whose classes are
+    kept in `store_accept_by_class` (shared by all requests: the speculator passes one dict);
+    `num_skipped` decode steps since its last verification; `probe_steps` the current back-off."""
 
     accept_ema: float | None = None
     num_skipped: int = 0
     probe_steps: int = MIN_PROBE_STEPS
     match_len: int | None = None
     accept_by_class: dict[int, float] = dataclasses.field(default_factory=dict)
+    is_from_store: bool = False
+    store_accept_by_class: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def expected_accept(self) -> float | None:
         """The accepted tokens expected of the latest draft (None: nothing learned for its class)."""
         if self.match_len is None:
             return self.accept_ema
-        return self.accept_by_class.get(match_class(self.match_len))
+        return self._classes().get(match_class(self.match_len))
+
+    def _classes(self) -> dict[int, float]:
+        return self.store_accept_by_class if self.is_from_store else self.accept_by_class
 
 
 def match_class(match_len: int) -> int:
@@ -128,8 +138,8 @@ class DraftPolicy:
         was_probe = state.num_skipped >= state.probe_steps
         state.accept_ema = _ema(state.accept_ema, float(num_accepted), ACCEPT_EMA_WEIGHT)
         if state.match_len is not None:
-            cls = match_class(state.match_len)
-            state.accept_by_class[cls] = _ema(state.accept_by_class.get(cls), float(num_accepted), ACCEPT_EMA_WEIGHT)
+            cls, classes = match_class(state.match_len), state._classes()
+            classes[cls] = _ema(classes.get(cls), float(num_accepted), ACCEPT_EMA_WEIGHT)
         state.num_skipped = 0
         if was_probe:  # back off further after a failed probe; start over after an accepted one
             state.probe_steps = MIN_PROBE_STEPS if num_accepted else min(2 * state.probe_steps, MAX_PROBE_STEPS)
