@@ -286,7 +286,7 @@ class ServerArgs:
         "was last idle (a P99 bound leaves 1 percent); 0 keeps the bound on every step",
         group="scheduling",
     )
-    speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request and the radix cache) (default: none, one token per decode step)", choices=("NGRAM",), group="speculative")
+    speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request, in recent requests and in the radix cache) (default: none, one token per decode step)", choices=("NGRAM",), group="speculative")
     speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 15 for NGRAM; SGLang's is 12: a sequence's 1 + K tokens fill the 16-token extend bucket, whose verification costs the same for any K up to 15, and 15 gave a TPOT 6-11 percent lower than 12 at one copy-heavy request, docs/benchmarks.md)", group="speculative")
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
     speculative_max_batch_size: int = _flag(8, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks). With the adaptive draft policy, 8 gained on both copy-heavy (1.36x output tok/s) and random prompts (1.11x) at 8 concurrent (docs/benchmarks.md)", group="speculative")
