@@ -19,6 +19,12 @@ the moving average of the extend bucket it filled) and what it then took. Printe
 
     python scripts/bench_prefill_budget_trace.py --variants "bound=" "unbounded=--prefill-decode-itl-ratio 0" \
         --workloads random:8:24 copy-heavy:8:16
+
+Two options make the run arrive as a served one does (docs/benchmarks.md, "Fourth pass"):
+`--served-idle` sends bench_serving's one warm-up request before each workload and then runs the
+served loop's idle step (an `Engine.step()` with nothing to run: the stall credit restarts from 0), and
+`--served-arrivals` runs a workload's first step with its first request alone (served, the others
+arrive over HTTP while that step runs).
 """
 
 from __future__ import annotations
@@ -68,8 +74,9 @@ class ReqTrace:
     arrivals: list[tuple[float, int, int]] = field(default_factory=list)  # (time, tokens, step index)
 
 
-def run_trace(engine, rows, concurrency: int) -> tuple[list[Step], dict[str, ReqTrace]]:
-    """Closed-loop run of `rows` at `concurrency`; returns every step and every request's token arrivals."""
+def run_trace(engine, rows, concurrency: int, first_alone: bool = False) -> tuple[list[Step], dict[str, ReqTrace]]:
+    """Closed-loop run of `rows` at `concurrency`; returns every step and every request's token arrivals.
+    `first_alone`: the first step runs with one request added, the others are added after it."""
     sched = engine.scheduler
     schedule = sched.schedule
     pre: dict = {}
@@ -97,7 +104,7 @@ def run_trace(engine, rows, concurrency: int) -> tuple[list[Step], dict[str, Req
     in_flight = 0
     try:
         while pending or engine.has_unfinished():
-            while pending and in_flight < concurrency:
+            while pending and in_flight < (1 if first_alone and not steps else concurrency):
                 row = pending.pop(0)
                 t = time.perf_counter()
                 (rid,) = engine.add_request(row.prompt, {"max_new_tokens": row.output_len, "temperature": 0, "ignore_eos": True})
@@ -229,6 +236,8 @@ def main(argv=None) -> None:
     p.add_argument("--server-flags", default="--max-total-tokens 16384 --log-level warning", help="flags of every variant")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output-file", default=None, help="append one JSON line per (variant, workload) with the summary and every step")
+    p.add_argument("--served-idle", action="store_true", help="before each workload: one warm-up request, then an idle step")
+    p.add_argument("--served-arrivals", action="store_true", help="a workload's first step runs its first request alone")
     args = p.parse_args(argv)
 
     from jaxserve.config import ServerArgs
@@ -243,7 +252,10 @@ def main(argv=None) -> None:
         for w in args.workloads:
             bargs = bench_serving.parse_args(bench_decode_latency.workload_argv(w, 0, args.seed))
             rows = bench_serving.build_dataset(bargs, engine.tokenizer, np.random.default_rng(args.seed))
-            steps, reqs = run_trace(engine, rows, int(w.split(":")[1]))
+            if args.served_idle:  # bench_serving's warm-up request, then the served loop's idle step
+                engine.generate(rows[0].prompt, {"max_new_tokens": min(rows[0].output_len, 16), "temperature": 0, "ignore_eos": True})
+                engine.step()
+            steps, reqs = run_trace(engine, rows, int(w.split(":")[1]), args.served_arrivals)
             summary = report(name, w, steps, reqs, int(w.split(":")[1]))
             results.append(summary)
             if args.output_file:
