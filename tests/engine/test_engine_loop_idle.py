@@ -42,3 +42,25 @@ def test_going_idle_runs_the_release_pass_and_ends_the_busy_period(tiny_model_di
         assert stats.cached_tokens_device == 0
     finally:
         loop.shutdown()
+
+
+def test_the_load_snapshot_is_fresh_once_idle():
+    """While busy the radix-cache stats in `load()` are refreshed at most once a second; the snapshot
+    published when the engine goes idle is taken then (here the stats are the engine's step count)."""
+    from tests.server.fakes import FakeEngine
+
+    class CountingEngine(FakeEngine):
+        def radix_cache_stats(self):
+            return self.num_steps
+
+    engine = CountingEngine(step_time=0.001)
+    loop = EngineLoop(engine).start()
+    try:
+        done = threading.Event()
+        loop.submit("hi", {"max_new_tokens": 20}, on_output=lambda out: out.finished and done.set())
+        assert done.wait(30)
+        num_steps = loop.call(lambda e: e.num_steps).result(30)
+        assert num_steps == 21  # 20 steps that each gave a token, and the idle step
+        assert loop.load().radix_cache == num_steps
+    finally:
+        loop.shutdown()
