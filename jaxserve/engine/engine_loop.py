@@ -16,9 +16,9 @@ Going idle: after the step that finishes the last request the loop runs one more
 schedule is empty, before it sleeps or reads the inbox again: the release policy's per-iteration pass
 (soft release of the prefixes just unlocked) and the prefill budget's end of a busy period
 (`Scheduler.schedule`) then happen when the engine goes idle, not inside the next request's first
-schedule. The load snapshot published
-then carries fresh radix-cache stats (they are otherwise refreshed at most once a second), so /metrics
-read while idle is not a snapshot from up to a second before the last step.
+schedule. The load snapshot published then carries fresh radix-cache stats (they are otherwise
+refreshed at most once a second), so /metrics read while idle is not a snapshot from up to a second
+before the last step.
 
 Validation (sampling params, tokenization, prompt length, grammar compilation) runs synchronously in
 the caller's thread, through the engine's read-only, thread-safe methods (`tokenize`,
