@@ -19,6 +19,14 @@ the moving average of the extend bucket it filled) and what it then took. Printe
 
     python scripts/bench_prefill_budget_trace.py --variants "bound=" "unbounded=--prefill-decode-itl-ratio 0" \
         --workloads random:8:24 copy-heavy:8:16
+
+Two options make the run arrive as a served one does (docs/benchmarks.md, "Fourth pass"):
+`--served-idle` sends bench_serving's one warm-up request before each workload and then runs the
+served loop's idle step (an `Engine.step()` with nothing to run: the stall credit restarts from 0), and
+`--served-arrivals` runs a workload's first step with its first request alone (served, the others
+arrive over HTTP while that step runs). `--trial-credit-on-admission` is an experiment, not the
+engine's rule: the stall credit is earned when a request is first admitted, stall_fraction x its
+max_new_tokens, instead of per decode token (`trial_credit_on_admission`).
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode_latency  # noqa: E402
+
+from jaxserve.engine.prefill_budget import STALL_CREDIT_WINDOW  # noqa: E402
 
 LONG_ITL_FACTOR = 3.0  # the issue's bound: P99 ITL <= 3x the median
 
@@ -68,8 +78,35 @@ class ReqTrace:
     arrivals: list[tuple[float, int, int]] = field(default_factory=list)  # (time, tokens, step index)
 
 
-def run_trace(engine, rows, concurrency: int) -> tuple[list[Step], dict[str, ReqTrace]]:
-    """Closed-loop run of `rows` at `concurrency`; returns every step and every request's token arrivals."""
+def trial_credit_on_admission(engine) -> None:
+    """Experiment on this engine's scheduler (docs/benchmarks.md, "Fourth pass"): a request's whole
+    stall credit (stall_fraction x max_new_tokens) is earned when it is first admitted, so a busy
+    period's first wave can pay for whole-chunk steps; decode tokens earn nothing more. The cap and
+    the charges are unchanged. Exact only for requests that run to max_new_tokens (the benchmarks'
+    ignore_eos): an early finish would keep credit it never earned."""
+    sched = engine.scheduler
+    pb = sched.prefill_budget
+    account, admit = pb._account_stall, sched._admit_waiting
+
+    def account_without_earning(num_decodes, num_prefill_tokens, seconds, batch_size):
+        if pb.enabled and pb.stall_fraction > 0 and num_decodes:
+            pb.stall_credit -= pb.stall_fraction * num_decodes  # cancels what `account` earns (below its cap)
+        account(num_decodes, num_prefill_tokens, seconds, batch_size)
+
+    def admit_with_credit(adder):
+        waiting = set(map(id, sched.waiting))
+        admit(adder)
+        for req, _ in adder.entries:
+            if id(req) in waiting and req.num_retractions == 0 and pb.enabled and pb.stall_fraction > 0:
+                earned = pb.stall_fraction * req.sampling_params.max_new_tokens
+                pb.stall_credit = min(pb.stall_fraction * STALL_CREDIT_WINDOW, pb.stall_credit + earned)
+
+    pb._account_stall, sched._admit_waiting = account_without_earning, admit_with_credit
+
+
+def run_trace(engine, rows, concurrency: int, first_alone: bool = False) -> tuple[list[Step], dict[str, ReqTrace]]:
+    """Closed-loop run of `rows` at `concurrency`; returns every step and every request's token arrivals.
+    `first_alone`: the first step runs with one request added, the others are added after it."""
     sched = engine.scheduler
     schedule = sched.schedule
     pre: dict = {}
@@ -97,7 +134,7 @@ def run_trace(engine, rows, concurrency: int) -> tuple[list[Step], dict[str, Req
     in_flight = 0
     try:
         while pending or engine.has_unfinished():
-            while pending and in_flight < concurrency:
+            while pending and in_flight < (1 if first_alone and not steps else concurrency):
                 row = pending.pop(0)
                 t = time.perf_counter()
                 (rid,) = engine.add_request(row.prompt, {"max_new_tokens": row.output_len, "temperature": 0, "ignore_eos": True})
@@ -229,6 +266,10 @@ def main(argv=None) -> None:
     p.add_argument("--server-flags", default="--max-total-tokens 16384 --log-level warning", help="flags of every variant")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output-file", default=None, help="append one JSON line per (variant, workload) with the summary and every step")
+    p.add_argument("--served-idle", action="store_true", help="before each workload: one warm-up request, then an idle step")
+    p.add_argument("--served-arrivals", action="store_true", help="a workload's first step runs its first request alone")
+    p.add_argument("--trial-credit-on-admission", action="store_true",
+                   help="experiment: the stall credit is earned at admission (stall_fraction x max_new_tokens)")
     args = p.parse_args(argv)
 
     from jaxserve.config import ServerArgs
@@ -239,11 +280,16 @@ def main(argv=None) -> None:
     for v in args.variants:
         name, _, flags = v.partition("=")
         engine = Engine(ServerArgs.from_cli(shlex.split(args.server_flags) + shlex.split(flags)))
+        if args.trial_credit_on_admission:
+            trial_credit_on_admission(engine)
         engine.generate("warm-up", {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
         for w in args.workloads:
             bargs = bench_serving.parse_args(bench_decode_latency.workload_argv(w, 0, args.seed))
             rows = bench_serving.build_dataset(bargs, engine.tokenizer, np.random.default_rng(args.seed))
-            steps, reqs = run_trace(engine, rows, int(w.split(":")[1]))
+            if args.served_idle:  # bench_serving's warm-up request, then the served loop's idle step
+                engine.generate(rows[0].prompt, {"max_new_tokens": min(rows[0].output_len, 16), "temperature": 0, "ignore_eos": True})
+                engine.step()
+            steps, reqs = run_trace(engine, rows, int(w.split(":")[1]), args.served_arrivals)
             summary = report(name, w, steps, reqs, int(w.split(":")[1]))
             results.append(summary)
             if args.output_file:

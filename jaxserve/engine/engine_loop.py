@@ -12,6 +12,14 @@ releases the GIL while a step runs, so the HTTP event loop keeps serving meanwhi
 thread sleeps on the condition; while requests only wait for their grammar (compiled off-thread) it
 polls every few milliseconds; it never spins.
 
+Going idle: after the step that finishes the last request the loop runs one more `Engine.step()`, whose
+schedule is empty, before it sleeps or reads the inbox again: the release policy's per-iteration pass
+(soft release of the prefixes just unlocked) and the prefill budget's end of a busy period
+(`Scheduler.schedule`) then happen when the engine goes idle, not inside the next request's first
+schedule. The load snapshot published then carries fresh radix-cache stats (they are otherwise
+refreshed at most once a second), so /metrics read while idle is not a snapshot from up to a second
+before the last step.
+
 Validation (sampling params, tokenization, prompt length, grammar compilation) runs synchronously in
 the caller's thread, through the engine's read-only, thread-safe methods (`tokenize`,
 `validate_input_ids`, `compile_grammar`), so a bad request raises at `submit` and never reaches the
@@ -111,7 +119,7 @@ class EngineLoad:
     num_queue_timeouts: int = 0  # requests ended after waiting longer than the queue timeout
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
     snapshot: Any = None  # the engine's own `EngineSnapshot` (for /metrics), where it has one
-    radix_cache: Any = None  # the release policy's `RadixCacheStats`, refreshed at most once a second
+    radix_cache: Any = None  # the release policy's `RadixCacheStats`: at most 1 s old while busy, fresh when idle
 
 
 @dataclasses.dataclass
@@ -475,9 +483,13 @@ class EngineLoop:
                     logger.exception("engine loop command failed")
             if self.queue_timeout_s is not None:
                 self._end_timed_out_waits()
-            result = self._step() if self.engine.has_unfinished() else _StepResult.PROGRESS
+            busy = self.engine.has_unfinished()
+            result = self._step() if busy else _StepResult.PROGRESS
+            idle = not self.engine.has_unfinished()
+            if busy and idle:
+                self._step()  # going idle: an empty schedule (see the module docstring)
             try:
-                self._publish_load()
+                self._publish_load(fresh_radix_stats=idle)
             except Exception:
                 logger.exception("could not snapshot the engine's load")
             if result is _StepResult.NO_PROGRESS:
@@ -598,7 +610,7 @@ class EngineLoop:
             if not group:
                 del self._groups[base]
 
-    def _publish_load(self) -> None:
+    def _publish_load(self, fresh_radix_stats: bool = False) -> None:
         engine = self.engine
         with self._cond:
             num_pending = len(self._pending)
@@ -616,13 +628,14 @@ class EngineLoop:
             num_queue_timeouts=self._num_queue_timeouts,
             stats=dataclasses.replace(engine.stats),
             snapshot=engine.snapshot() if hasattr(engine, "snapshot") else None,
-            radix_cache=self._radix_cache_stats(),
+            radix_cache=self._radix_cache_stats(fresh_radix_stats),
         )
 
-    def _radix_cache_stats(self):
-        """The tree walk costs O(nodes), so it runs here on the loop thread at most once a second."""
+    def _radix_cache_stats(self, fresh: bool):
+        """The tree walk costs O(nodes), so while busy it runs here on the loop thread at most once a
+        second; `fresh` (the engine is idle) refreshes it now."""
         now = time.monotonic()
-        if now - self._radix_stats_time >= 1.0 and hasattr(self.engine, "radix_cache_stats"):
+        if (fresh or now - self._radix_stats_time >= 1.0) and hasattr(self.engine, "radix_cache_stats"):
             self._radix_stats = self.engine.radix_cache_stats()
             self._radix_stats_time = now
         return self._radix_stats

@@ -30,7 +30,10 @@ cannot spend what an earlier one earned. Measured at 8 concurrent requests (docs
 them, in-process, copy-heavy prompts are admitted in one whole-chunk step and lose no throughput
 against no budget (P99 / median ITL 2.16), served 4-21% over four invocations; random prompts stay
 9-18% under no budget, because their short outputs give a run too few ITLs to pay for a stall per
-admission.
+admission. That in-process run started its copy-heavy workload with the credit its random one had
+banked and all eight first requests queued; run as served ones arrive (an idle step, so credit 0,
+and the first request's step alone, the Fourth pass) it loses 16%, served 11-13%: while the first
+request decodes, the other seven are prefilled under the bound with no credit yet.
 """
 
 from __future__ import annotations
