@@ -103,12 +103,23 @@ def _parse(body: dict[str, Any]) -> GenerateRequest:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogprobKeys:
+    """Which logprob keys a sequence's meta_info has (SGLang 0.5.23's rule, `protocol.MetaInfo`):
+    `top` with top_logprobs_num > 0, `token_ids` with a non-empty token_ids_logprob."""
+
+    top: bool
+    token_ids: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class _Sequence:
-    """What the response needs of one submitted sequence: its stream interval in tokens, and its
-    prompt's token ids when `return_prompt_token_ids` asked for them."""
+    """What the response needs of one submitted sequence: its stream interval in tokens, its
+    prompt's token ids when `return_prompt_token_ids` asked for them, and its logprob keys (None:
+    no logprobs asked for)."""
 
     stream_interval: int
     prompt_token_ids: list[int] | None
+    logprobs: LogprobKeys | None = None
 
 
 def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str,
@@ -148,15 +159,19 @@ def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[_Promp
             top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,
             token_ids_logprob=p.token_ids_logprob, namespace=p.namespace,
         )
+        keys = LogprobKeys(p.top_logprobs_num > 0, bool(p.token_ids_logprob))
         seq = _Sequence(p.sampling_params.get("stream_interval") or 1,
-                        list(prompt) if req.return_prompt_token_ids else None)
+                        list(prompt) if req.return_prompt_token_ids else None,
+                        keys if p.return_logprob or p.top_logprobs_num > 0 else None)
         sequences.update(dict.fromkeys(rids, seq))
 
 
 def to_output(
-    out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None, prompt_token_ids: list[int] | None = None
+    out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None, prompt_token_ids: list[int] | None = None,
+    logprobs: LogprobKeys | None = None,
 ) -> dict[str, Any]:
-    """A StepOutput as SGLang's output dict; logprobs become [logprob, token_id, text or None];
+    """A StepOutput as SGLang's output dict; logprobs become [logprob, token_id, text or None] and
+    `logprobs` says which logprob keys meta_info has (`protocol.MetaInfo`; None: none);
     `prompt_token_ids` (SGLang's `return_prompt_token_ids`) is added at the top level when given."""
     meta = out.meta
 
@@ -170,23 +185,26 @@ def to_output(
         cached_tokens=meta.cached_tokens,
         finish_reason=meta.finish_reason,
         e2e_latency=meta.e2e_latency,
-        output_token_logprobs=None if meta.output_token_logprobs is None
-        else [triple(lp, t) for lp, t in meta.output_token_logprobs],
-        output_top_logprobs=None if meta.output_top_logprobs is None
-        else [[triple(lp, t) for lp, t in top] for top in meta.output_top_logprobs],
-        input_token_logprobs=None if getattr(meta, "input_token_logprobs", None) is None
-        else [triple(lp, t) for lp, t in meta.input_token_logprobs],
-        output_token_ids_logprobs=None if getattr(meta, "output_token_ids_logprobs", None) is None
-        else [[triple(lp, t) for lp, t in picked] for picked in meta.output_token_ids_logprobs],
     )
+    if logprobs is not None:
+        output = [triple(lp, t) for lp, t in meta.output_token_logprobs or []]
+        # SGLang's list is [] without prompt positions (logprob_start_len -1 or the prompt's length)
+        prompt = [triple(lp, t) for lp, t in meta.input_token_logprobs or []]
+        info.output_token_logprobs, info.output_token_logprobs_length = output, len(output)
+        info.input_token_logprobs = prompt
+        if logprobs.top:
+            info.output_top_logprobs = [[triple(lp, t) for lp, t in top] for top in meta.output_top_logprobs or []]
+            info.input_top_logprobs = [] if not prompt else None  # prompt positions' top-k: not computed
+        if logprobs.token_ids:
+            info.output_token_ids_logprobs = [[triple(lp, t) for lp, t in picked]
+                                              for picked in meta.output_token_ids_logprobs or []]
+            info.input_token_ids_logprobs = [] if not prompt else None
     result = GenerateOutput(text=out.text, output_ids=out.output_ids, meta_info=info, index=index).model_dump()
     if index is None:
         del result["index"]
     if prompt_token_ids is not None:
         result["prompt_token_ids"] = prompt_token_ids
-    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "output_token_ids_logprobs"):
-        if result["meta_info"][key] is None:
-            del result["meta_info"][key]
+    result["meta_info"] = {k: v for k, v in result["meta_info"].items() if v is not None or k == "finish_reason"}
     return result
 
 
@@ -217,8 +235,8 @@ async def generate(request: Request) -> Response:
     for out in outputs:
         if (failure := failure_of(out)) is not None:
             return error_response(failure[1], failure[0], code="engine_error")
-    results = [to_output(out, tokenizer, req.return_text_in_logprobs, None, sequences[out.rid].prompt_token_ids)
-               for out in outputs]
+    results = [to_output(out, tokenizer, req.return_text_in_logprobs, None, sequences[out.rid].prompt_token_ids,
+                         sequences[out.rid].logprobs) for out in outputs]
     return JSONResponse(results if is_batch or len(results) > 1 else results[0])
 
 
@@ -235,7 +253,7 @@ async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool, sequence
             if not out.finished and num_tokens - sent[out.rid] < seq.stream_interval:
                 continue  # events are cumulative, so a skipped one loses nothing
             sent[out.rid] = num_tokens
-            yield sse_event(to_output(out, tokenizer, with_text, index[out.rid], seq.prompt_token_ids))
+            yield sse_event(to_output(out, tokenizer, with_text, index[out.rid], seq.prompt_token_ids, seq.logprobs))
         yield DONE
     finally:
         group.abort()

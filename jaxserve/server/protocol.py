@@ -62,7 +62,14 @@ class GenerateRequest(_Request):
 
 class MetaInfo(BaseModel):
     """SGLang's meta_info. Lengths in tokens, latency in seconds. Logprobs are
-    `[logprob, token_id, token_text or null]` triples (top: a list of them per output token)."""
+    `[logprob, token_id, token_text or null]` triples (top: a list of them per output token).
+
+    The logprob keys are those of SGLang 0.5.23 (`TokenizerManager.add_logprob_to_meta_info`): with
+    logprobs asked for, `input_token_logprobs`, `output_token_logprobs` and
+    `output_token_logprobs_length`; with `top_logprobs_num` > 0 also `input_top_logprobs` and
+    `output_top_logprobs`; with `token_ids_logprob` also `input_token_ids_logprobs` and
+    `output_token_ids_logprobs`. The `input_*` lists are empty without prompt positions
+    (`logprob_start_len` -1 or the prompt's length). Keys that do not apply are left out."""
 
     id: str
     prompt_tokens: int
@@ -72,7 +79,11 @@ class MetaInfo(BaseModel):
     e2e_latency: float
     output_token_logprobs: list[list[Any]] | None = None
     output_top_logprobs: list[list[list[Any]]] | None = None
+    output_token_logprobs_length: int | None = None
     input_token_logprobs: list[list[Any]] | None = None  # from logprob_start_len on; the first may be null
+    # prompt positions' alternatives are not computed: present (and empty) only without prompt positions
+    input_top_logprobs: list[list[list[Any]]] | None = None
+    input_token_ids_logprobs: list[list[list[Any]]] | None = None
     output_token_ids_logprobs: list[list[list[Any]]] | None = None  # per output token, one triple per token_ids_logprob id
 
 
