@@ -23,12 +23,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
+from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.request import MAX_N, SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
-from jaxserve.server.request_checks import check_logprob_start_len, check_seed
+from jaxserve.server.request_checks import check_seed
 from jaxserve.server.sglang_fields import check_request, check_sampling_params
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
@@ -149,7 +150,7 @@ def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[_Promp
                  tokenize: Callable[[str | list[int]], list[int]], sequences: dict[str, _Sequence]) -> None:
     """Submit the prompts in order into the group's reservation, recording each sequence in `sequences`."""
     for p in prompts:
-        checks_start = (p.return_logprob or p.top_logprobs_num > 0) and p.logprob_start_len != -1
+        checks_start = is_checked(p.return_logprob, p.top_logprobs_num) and p.logprob_start_len != -1
         # tokenized once, here when its length or ids are needed
         prompt = tokenize(p.prompt) if req.return_prompt_token_ids or checks_start else p.prompt
         if checks_start:
