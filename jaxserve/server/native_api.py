@@ -26,6 +26,7 @@ from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.request import MAX_N, SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
+from jaxserve.server.field_types import check_field_types
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
@@ -98,6 +99,7 @@ def _parse(body: dict[str, Any]) -> GenerateRequest:
         body["sampling_params"] = [check_sampling_params(x) if isinstance(x, dict) else x for x in sp]
     for params in sp if isinstance(sp, list) else [sp]:
         if isinstance(params, dict):
+            check_field_types(params)
             for name in ("seed", "sampling_seed"):
                 check_seed(params.get(name), name)
     return GenerateRequest.model_validate(body)
