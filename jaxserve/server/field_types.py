@@ -34,7 +34,7 @@ class FieldType(enum.Enum):
 _INTEGER_FIELDS = ("seed", "sampling_seed", "n", "max_tokens", "max_completion_tokens", "max_new_tokens",
                    "min_tokens", "min_new_tokens", "top_k")
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
-_BOOLEAN_FIELDS = ("ignore_eos", "no_stop_trim", "skip_special_tokens")
+_BOOLEAN_FIELDS = ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens")
 
 SAMPLING_FIELD_TYPES: dict[str, FieldType] = {
     **dict.fromkeys(_INTEGER_FIELDS, FieldType.INTEGER),
