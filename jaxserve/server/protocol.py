@@ -219,7 +219,8 @@ class ChatCompletionRequest(_OpenAISampling):
     Tool calling: `tools` (function definitions), `tool_choice` ("none", "auto" (the default with
     tools), "required" or {"type": "function", "function": {"name": ...}}). Assistant prefill (vLLM's
     and SGLang's extensions): `continue_final_message` continues the last (assistant) message instead
-    of closing it; `add_generation_prompt` (default true) opens a new assistant turn.
+    of closing it; `add_generation_prompt` (default true) opens a new assistant turn;
+    `chat_template_kwargs` are extra variables of the chat template.
     """
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
@@ -230,6 +231,8 @@ class ChatCompletionRequest(_OpenAISampling):
     parallel_tool_calls: bool = True
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
+    # SGLang's and vLLM's: extra variables of the chat template (Qwen3's enable_thinking, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
     # not a chat field (OpenAI refuses it); kept only to answer with a 400 that names it, and out of
     # /openapi.json, which documents what the route accepts
     best_of: SkipJsonSchema[Any] = None

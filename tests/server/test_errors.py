@@ -99,6 +99,10 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [2, 49152]}}, "stop_token_ids", "vocabulary"),
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**12]}, "stop_token_ids", "vocabulary"),
     (CHAT, {"messages": MSG, "stop_token_ids": [10**12]}, "stop_token_ids", "vocabulary"),
+    # chat_template_kwargs was ignored whatever it held
+    (CHAT, {"messages": MSG, "chat_template_kwargs": 5}, "chat_template_kwargs", "dictionary"),
+    (CHAT, {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
+     "cannot be set"),
 ]
 
 
