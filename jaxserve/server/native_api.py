@@ -26,8 +26,8 @@ from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.request import MAX_N, SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
-from jaxserve.server.field_types import check_field_types
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
+from jaxserve.server.field_types import check_field_types
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
 from jaxserve.server.request_checks import check_seed
