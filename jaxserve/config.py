@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from typing import Any, Mapping
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,7 +342,35 @@ class ServerArgs:
             speculative_num_draft_tokens=self.speculative_num_draft_tokens or (15 if self.speculative_algorithm else None),
         )
         args.validate()
+        cap = args.max_verified_draft_tokens()
+        if args.speculative_algorithm is not None and args.speculative_num_draft_tokens > cap:
+            # SGLang accepts any value; like its other resolved flags, say the value used
+            logger.warning(
+                "--speculative-num-draft-tokens %d is more than a verify step can check: it has %d logits rows "
+                "(--max-running-requests %d and the largest extend bucket, each rounded up to a power of two), "
+                "one per verified token and one for the sequence's last token, so using %d (fewer while other "
+                "requests share the step, or max_new_tokens or the context is near)",
+                args.speculative_num_draft_tokens, cap + 1, args.max_running_requests, cap,
+            )
+            args = dataclasses.replace(args, speculative_num_draft_tokens=cap)
         return args
+
+    def max_verified_draft_tokens(self) -> int:
+        """The most draft tokens of one sequence that one verify step checks (on resolved args).
+
+        A verify step has one logits row per verified token and one for each sequence's last token,
+        min(S, T) rows: S is --max-running-requests and T the largest extend bucket (--chunked-prefill-size,
+        or --max-prefill-tokens without chunking, at most --context-length when given, at least 16), each
+        rounded up to a power of two, as `ModelRunner` buckets them and `NgramSpeculator.propose_batch`
+        shares them (jaxserve/engine/speculative/decoder.py).
+        """
+        def pow2_at_least(n: int, minimum: int = 1) -> int:
+            return 1 << (max(n, minimum, 1) - 1).bit_length()
+
+        chunk = self.chunked_prefill_size if self.chunked_prefill_size and self.chunked_prefill_size > 0 else self.max_prefill_tokens
+        if self.context_length:
+            chunk = min(chunk, self.context_length)
+        return min(pow2_at_least(self.max_running_requests or 1), pow2_at_least(chunk, 16)) - 1
 
     def ignored_speculative_flags(self) -> list[str]:
         """The speculative flags given (other than their defaults) without --speculative-algorithm, which

@@ -30,6 +30,7 @@ from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, ModelRunner
 from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.engine.outputs import EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta
@@ -200,7 +201,8 @@ class Engine:
 
         Raises:
             SamplingParamsError: an invalid sampling parameter (names it).
-            RequestError: empty prompt, prompt longer than the context, bad token ids.
+            RequestError: empty prompt, prompt longer than the context, bad token ids, with logprobs
+                asked for a `logprob_start_len` below -1 or past the prompt (`logprob_start.py`).
         """
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
         input_ids = self.tokenize(prompt)
@@ -211,6 +213,8 @@ class Engine:
         if top_logprobs_num < 0 or top_logprobs_num > 20:
             raise RequestError("top_logprobs_num", f"top_logprobs_num must be in [0, 20], got {top_logprobs_num}")
         self.validate_token_ids_logprob(token_ids_logprob)
+        if is_checked(return_logprob, top_logprobs_num):
+            check_logprob_start_len(logprob_start_len, len(input_ids))
         base = rid or new_rid()
         if base in self._reqs or any(f"{base}-{i}" in self._reqs for i in range(params.n)):
             raise RequestError("rid", f"request id {base!r} is already in use")

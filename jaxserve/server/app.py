@@ -12,7 +12,7 @@ Routes:
     GET  /get_server_info          the server args, the engine's counters and KV pool usage (also as /server_info)
     GET  /get_load                 SGLang's per-rank load list, which sglang-router polls
     POST /flush_cache              empty the prefix cache (400 while requests run)
-    POST /abort_request            {"rid": ...}
+    POST /abort_request            {"rid": ...}, or {"abort_all": true}
     GET  /openapi.json             the OpenAPI document, generated from the pydantic models (openapi.py)
 Every error body has OpenAI's shape (errors.py). docs/api.md documents the fields.
 
@@ -46,6 +46,7 @@ from jaxserve.server import native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response, parse_json_body, unavailable_response
+from jaxserve.server.field_types import describe
 from jaxserve.server.function_call import get_parser
 from jaxserve.server.openapi import openapi_document
 
@@ -233,9 +234,18 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def abort_request(request: Request) -> Response:
-    """{"rid": "..."} -> {"success": whether a running or queued request had that id}."""
+    """{"rid": "..."} -> {"success": whether a running or queued request had that id}.
+    {"abort_all": true} (SGLang's `AbortReq` field) aborts every request (rid is then ignored, as
+    in SGLang) -> {"success": true, "num_aborted": n}; each ends with finish reason abort."""
     engine_loop: EngineLoop = request.app.state.engine_loop
     body = parse_json_body(await request.body())
+    abort_all = body.get("abort_all")
+    if abort_all is not None and not isinstance(abort_all, bool):
+        raise APIError(f"abort_all: must be a boolean, got {describe(abort_all)}", 400, param="abort_all",
+                       code="invalid_type")
+    if abort_all:
+        num = await asyncio.wrap_future(engine_loop.abort_all("aborted by /abort_request (abort_all)"))
+        return JSONResponse({"success": True, "num_aborted": num})
     rid = body.get("rid")
     if not isinstance(rid, str) or not rid:
         raise APIError("rid: a request id (string) is required", 400, param="rid", code="invalid_value")

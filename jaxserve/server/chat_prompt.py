@@ -7,6 +7,7 @@
 - Assistant prefill (vLLM's and SGLang's `continue_final_message`): the last message, which must be the
   assistant's, is left open so the reply continues it (transformers' `continue_final_message`). Without
   it, `add_generation_prompt` (default true) opens a new assistant turn.
+- `chat_template_kwargs` (SGLang's and vLLM's field) become variables of the template.
 
 Every rejection is an `APIError` (400) naming the field.
 """
@@ -64,7 +65,7 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, parser: ToolCallPars
         if m.tool_calls or m.role == "tool":
             message = render_tool_turn(message, parser, template_tools)
         messages.append(message)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = _template_kwargs(req.chat_template_kwargs)
     if tools:
         if template_tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
@@ -78,6 +79,25 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, parser: ToolCallPars
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as e:  # the template rejects the conversation (roles out of order, ...)
         raise APIError(f"the chat template rejected the messages: {e}", 400, param="messages", code="invalid_value") from None
+
+
+# what the request's own fields (or the renderer) set; as template variables they would contradict them
+_RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt",
+                             "continue_final_message", "return_dict", "chat_template")
+
+
+def _template_kwargs(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` (SGLang's and vLLM's field): extra variables of the chat template, e.g.
+    `{"enable_thinking": false}` for Qwen3's; a template ignores the ones it does not read.
+
+    Raises:
+        APIError: a key that the request's own fields set (add_generation_prompt, tools, ...).
+    """
+    for key in extra or {}:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise APIError(f"chat_template_kwargs: {key!r} cannot be set here (it is set by the request's own fields "
+                           f"or the server)", 400, param="chat_template_kwargs", code="invalid_value")
+    return dict(extra or {})
 
 
 def _text_of(content: Any, i: int) -> str:

@@ -10,6 +10,7 @@ of range, prompt too long or empty), or the API layer (`APIError`). A 500 is lef
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping
 
 import pydantic
@@ -77,7 +78,8 @@ def error_response(message: str, status_code: int = 400, param: str | None = Non
 
 def from_engine_error(e: SamplingParamsError | RequestError, rename: Mapping[str, str] | None = None) -> APIError:
     """A 400 for an engine validation error; `rename` maps engine field names to the API's
-    (max_new_tokens -> max_tokens for OpenAI requests, for instance)."""
+    (max_new_tokens -> max_tokens for OpenAI requests, for instance), in `param` and, for names with
+    an underscore (identifiers, not words like "prompt"), in the message too."""
     field = (rename or {}).get(e.field, e.field)
     message = str(e)
     code = "context_length_exceeded" if "context length" in message else "invalid_value"
@@ -89,6 +91,9 @@ def from_engine_error(e: SamplingParamsError | RequestError, rename: Mapping[str
             code = "unknown_parameter"
             if (hint := hint_for("sampling_params", field)) is not None:
                 message += f"; {hint}"
+    for engine_name, api_name in (rename or {}).items():
+        if "_" in engine_name:  # a field name, not a word: "must be <= max_new_tokens" -> "<= max_tokens"
+            message = re.sub(rf"\b{engine_name}\b", api_name, message)
     return APIError(message, 400, param=field, code=code)
 
 

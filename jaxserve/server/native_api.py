@@ -23,12 +23,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
+from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.request import MAX_N, SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
+from jaxserve.server.field_types import check_field_types
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
-from jaxserve.server.request_checks import check_logprob_start_len, check_seed
+from jaxserve.server.request_checks import check_seed
 from jaxserve.server.sglang_fields import check_request, check_sampling_params
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
@@ -97,18 +99,30 @@ def _parse(body: dict[str, Any]) -> GenerateRequest:
         body["sampling_params"] = [check_sampling_params(x) if isinstance(x, dict) else x for x in sp]
     for params in sp if isinstance(sp, list) else [sp]:
         if isinstance(params, dict):
+            check_field_types(params)
             for name in ("seed", "sampling_seed"):
                 check_seed(params.get(name), name)
     return GenerateRequest.model_validate(body)
 
 
 @dataclasses.dataclass(frozen=True)
+class LogprobKeys:
+    """Which logprob keys a sequence's meta_info has (SGLang 0.5.23's rule, `protocol.MetaInfo`):
+    `top` with top_logprobs_num > 0, `token_ids` with a non-empty token_ids_logprob."""
+
+    top: bool
+    token_ids: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class _Sequence:
-    """What the response needs of one submitted sequence: its stream interval in tokens, and its
-    prompt's token ids when `return_prompt_token_ids` asked for them."""
+    """What the response needs of one submitted sequence: its stream interval in tokens, its
+    prompt's token ids when `return_prompt_token_ids` asked for them, and its logprob keys (None:
+    no logprobs asked for)."""
 
     stream_interval: int
     prompt_token_ids: list[int] | None
+    logprobs: LogprobKeys | None = None
 
 
 def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str,
@@ -138,7 +152,7 @@ def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[_Promp
                  tokenize: Callable[[str | list[int]], list[int]], sequences: dict[str, _Sequence]) -> None:
     """Submit the prompts in order into the group's reservation, recording each sequence in `sequences`."""
     for p in prompts:
-        checks_start = (p.return_logprob or p.top_logprobs_num > 0) and p.logprob_start_len != -1
+        checks_start = is_checked(p.return_logprob, p.top_logprobs_num) and p.logprob_start_len != -1
         # tokenized once, here when its length or ids are needed
         prompt = tokenize(p.prompt) if req.return_prompt_token_ids or checks_start else p.prompt
         if checks_start:
@@ -148,15 +162,19 @@ def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[_Promp
             top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,
             token_ids_logprob=p.token_ids_logprob, namespace=p.namespace,
         )
+        keys = LogprobKeys(p.top_logprobs_num > 0, bool(p.token_ids_logprob))
         seq = _Sequence(p.sampling_params.get("stream_interval") or 1,
-                        list(prompt) if req.return_prompt_token_ids else None)
+                        list(prompt) if req.return_prompt_token_ids else None,
+                        keys if p.return_logprob or p.top_logprobs_num > 0 else None)
         sequences.update(dict.fromkeys(rids, seq))
 
 
 def to_output(
-    out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None, prompt_token_ids: list[int] | None = None
+    out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None, prompt_token_ids: list[int] | None = None,
+    logprobs: LogprobKeys | None = None,
 ) -> dict[str, Any]:
-    """A StepOutput as SGLang's output dict; logprobs become [logprob, token_id, text or None];
+    """A StepOutput as SGLang's output dict; logprobs become [logprob, token_id, text or None] and
+    `logprobs` says which logprob keys meta_info has (`protocol.MetaInfo`; None: none);
     `prompt_token_ids` (SGLang's `return_prompt_token_ids`) is added at the top level when given."""
     meta = out.meta
 
@@ -170,23 +188,26 @@ def to_output(
         cached_tokens=meta.cached_tokens,
         finish_reason=meta.finish_reason,
         e2e_latency=meta.e2e_latency,
-        output_token_logprobs=None if meta.output_token_logprobs is None
-        else [triple(lp, t) for lp, t in meta.output_token_logprobs],
-        output_top_logprobs=None if meta.output_top_logprobs is None
-        else [[triple(lp, t) for lp, t in top] for top in meta.output_top_logprobs],
-        input_token_logprobs=None if getattr(meta, "input_token_logprobs", None) is None
-        else [triple(lp, t) for lp, t in meta.input_token_logprobs],
-        output_token_ids_logprobs=None if getattr(meta, "output_token_ids_logprobs", None) is None
-        else [[triple(lp, t) for lp, t in picked] for picked in meta.output_token_ids_logprobs],
     )
+    if logprobs is not None:
+        output = [triple(lp, t) for lp, t in meta.output_token_logprobs or []]
+        # SGLang's list is [] without prompt positions (logprob_start_len -1 or the prompt's length)
+        prompt = [triple(lp, t) for lp, t in meta.input_token_logprobs or []]
+        info.output_token_logprobs, info.output_token_logprobs_length = output, len(output)
+        info.input_token_logprobs = prompt
+        if logprobs.top:
+            info.output_top_logprobs = [[triple(lp, t) for lp, t in top] for top in meta.output_top_logprobs or []]
+            info.input_top_logprobs = [] if not prompt else None  # prompt positions' top-k: not computed
+        if logprobs.token_ids:
+            info.output_token_ids_logprobs = [[triple(lp, t) for lp, t in picked]
+                                              for picked in meta.output_token_ids_logprobs or []]
+            info.input_token_ids_logprobs = [] if not prompt else None
     result = GenerateOutput(text=out.text, output_ids=out.output_ids, meta_info=info, index=index).model_dump()
     if index is None:
         del result["index"]
     if prompt_token_ids is not None:
         result["prompt_token_ids"] = prompt_token_ids
-    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "output_token_ids_logprobs"):
-        if result["meta_info"][key] is None:
-            del result["meta_info"][key]
+    result["meta_info"] = {k: v for k, v in result["meta_info"].items() if v is not None or k == "finish_reason"}
     return result
 
 
@@ -217,8 +238,8 @@ async def generate(request: Request) -> Response:
     for out in outputs:
         if (failure := failure_of(out)) is not None:
             return error_response(failure[1], failure[0], code="engine_error")
-    results = [to_output(out, tokenizer, req.return_text_in_logprobs, None, sequences[out.rid].prompt_token_ids)
-               for out in outputs]
+    results = [to_output(out, tokenizer, req.return_text_in_logprobs, None, sequences[out.rid].prompt_token_ids,
+                         sequences[out.rid].logprobs) for out in outputs]
     return JSONResponse(results if is_batch or len(results) > 1 else results[0])
 
 
@@ -235,7 +256,7 @@ async def _stream(group: RequestGroup, tokenizer: Any, with_text: bool, sequence
             if not out.finished and num_tokens - sent[out.rid] < seq.stream_interval:
                 continue  # events are cumulative, so a skipped one loses nothing
             sent[out.rid] = num_tokens
-            yield sse_event(to_output(out, tokenizer, with_text, index[out.rid], seq.prompt_token_ids))
+            yield sse_event(to_output(out, tokenizer, with_text, index[out.rid], seq.prompt_token_ids, seq.logprobs))
         yield DONE
     finally:
         group.abort()

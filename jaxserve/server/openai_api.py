@@ -59,6 +59,7 @@ from jaxserve.server.protocol import (
     _OpenAISampling,
 )
 from jaxserve.server.metrics import mark_streaming
+from jaxserve.server.field_types import check_field_types
 from jaxserve.server.request_checks import check_seed
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
@@ -317,7 +318,9 @@ def _without_output(out: StepOutput) -> StepOutput:
 async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     engine_loop = request.app.state.engine_loop
-    req = CompletionRequest.model_validate(parse_json_body(await request.body()))
+    body = parse_json_body(await request.body())
+    check_field_types(body)  # the same wording as /generate's for a wrong type
+    req = CompletionRequest.model_validate(body)
     check_openai_request(req)
     check_best_of(req)
     if req.suffix:
@@ -478,7 +481,9 @@ def _chat_finish_reason(reason: str | None, has_calls: bool) -> str | None:
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     engine_loop = request.app.state.engine_loop
-    req = ChatCompletionRequest.model_validate(parse_json_body(await request.body()))
+    body = parse_json_body(await request.body())
+    check_field_types(body)  # the same wording as /generate's for a wrong type
+    req = ChatCompletionRequest.model_validate(body)
     check_openai_request(req)
     check_chat_messages(req)
     if req.top_logprobs is not None:

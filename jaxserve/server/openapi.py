@@ -28,10 +28,11 @@ _OPERATIONS: tuple[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] 
     ("get", "/server_info", "server args, queue sizes, KV pool usage (SGLang's current name of /get_server_info)", None, None),
     ("get", "/get_load", "SGLang's per-rank load list (requests, KV tokens), polled by sglang-router", None, None),
     ("post", "/flush_cache", "empty the prefix cache", None, None),
-    ("post", "/abort_request", "stop a request by rid", None, None),
+    ("post", "/abort_request", "stop a request by rid, or every request (abort_all)", None, None),
 )
 
-_ABORT_BODY = {"type": "object", "properties": {"rid": {"type": "string", "minLength": 1}}, "required": ["rid"]}
+_ABORT_BODY = {"type": "object", "properties": {"rid": {"type": "string", "minLength": 1}, "abort_all": {"type": "boolean"}},
+               "anyOf": [{"required": ["rid"]}, {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}}]}
 _ERROR = {
     "type": "object",
     "properties": {"error": {"type": "object", "properties": {

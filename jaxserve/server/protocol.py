@@ -62,7 +62,14 @@ class GenerateRequest(_Request):
 
 class MetaInfo(BaseModel):
     """SGLang's meta_info. Lengths in tokens, latency in seconds. Logprobs are
-    `[logprob, token_id, token_text or null]` triples (top: a list of them per output token)."""
+    `[logprob, token_id, token_text or null]` triples (top: a list of them per output token).
+
+    The logprob keys are those of SGLang 0.5.23 (`TokenizerManager.add_logprob_to_meta_info`): with
+    logprobs asked for, `input_token_logprobs`, `output_token_logprobs` and
+    `output_token_logprobs_length`; with `top_logprobs_num` > 0 also `input_top_logprobs` and
+    `output_top_logprobs`; with `token_ids_logprob` also `input_token_ids_logprobs` and
+    `output_token_ids_logprobs`. The `input_*` lists are empty without prompt positions
+    (`logprob_start_len` -1 or the prompt's length). Keys that do not apply are left out."""
 
     id: str
     prompt_tokens: int
@@ -72,7 +79,11 @@ class MetaInfo(BaseModel):
     e2e_latency: float
     output_token_logprobs: list[list[Any]] | None = None
     output_top_logprobs: list[list[list[Any]]] | None = None
+    output_token_logprobs_length: int | None = None
     input_token_logprobs: list[list[Any]] | None = None  # from logprob_start_len on; the first may be null
+    # prompt positions' alternatives are not computed: present (and empty) only without prompt positions
+    input_top_logprobs: list[list[list[Any]]] | None = None
+    input_token_ids_logprobs: list[list[list[Any]]] | None = None
     output_token_ids_logprobs: list[list[list[Any]]] | None = None  # per output token, one triple per token_ids_logprob id
 
 
@@ -208,7 +219,8 @@ class ChatCompletionRequest(_OpenAISampling):
     Tool calling: `tools` (function definitions), `tool_choice` ("none", "auto" (the default with
     tools), "required" or {"type": "function", "function": {"name": ...}}). Assistant prefill (vLLM's
     and SGLang's extensions): `continue_final_message` continues the last (assistant) message instead
-    of closing it; `add_generation_prompt` (default true) opens a new assistant turn.
+    of closing it; `add_generation_prompt` (default true) opens a new assistant turn;
+    `chat_template_kwargs` are extra variables of the chat template.
     """
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
@@ -219,6 +231,8 @@ class ChatCompletionRequest(_OpenAISampling):
     parallel_tool_calls: bool = True
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
+    # SGLang's and vLLM's: extra variables of the chat template (Qwen3's enable_thinking, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
     # not a chat field (OpenAI refuses it); kept only to answer with a 400 that names it, and out of
     # /openapi.json, which documents what the route accepts
     best_of: SkipJsonSchema[Any] = None

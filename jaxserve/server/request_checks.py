@@ -1,5 +1,6 @@
-"""Range checks the API makes before a request reaches the engine: the sampling seed and
-`logprob_start_len`, on every route that has them.
+"""Range checks the API makes before a request reaches the engine: the sampling seed, on every
+route that has it. (`logprob_start_len` is the engine's check, `engine/logprob_start.py`, which
+the native API calls before submitting.)
 
 Seeds. OpenAI's published API schema and vLLM's request models bound `seed` to a signed 64-bit
 integer; SGLang does not bound it. jaxserve accepts that range, on `/v1/completions`,
@@ -9,10 +10,6 @@ no client that follows OpenAI's schema is refused. The sampler keys its random s
 2**32: -1 draws as 4294967295, and two seeds that differ by a multiple of 2**32 draw the same
 tokens. Sequence i of `n` uses seed + i (mod 2**32 as well). -1 is an ordinary seed, not "random"
 (llama.cpp's meaning): leave the field out for a random one.
-
-`logprob_start_len` (SGLang's scheduler rule, 0.5.23): with logprobs asked for, a value past the
-prompt's length is refused; equal to it means no prompt positions (`input_token_logprobs: []`).
-Values below -1 have no meaning in SGLang and are refused here.
 """
 
 from __future__ import annotations
@@ -36,21 +33,3 @@ def check_seed(value: Any, field: str = "seed") -> None:
     if isinstance(value, int) and not isinstance(value, bool) and not SEED_MIN <= value <= SEED_MAX:
         raise APIError(f"{field}: must be a 64-bit signed integer, in [-2**63, 2**63 - 1], got {value}", 400,
                        param=field, code="invalid_value")
-
-
-def check_logprob_start_len(value: int, num_prompt_tokens: int) -> None:
-    """With logprobs asked for: -1 (no prompt logprobs) or a prompt position 0..num_prompt_tokens
-    (the prompt's length itself gives an empty `input_token_logprobs`, as in SGLang).
-
-    Raises:
-        APIError: 400 naming logprob_start_len, with the prompt's length in tokens.
-    """
-    if value < -1:
-        raise APIError(f"logprob_start_len: must be -1 (no prompt logprobs) or >= 0, got {value}", 400,
-                       param="logprob_start_len", code="invalid_value")
-    if value > num_prompt_tokens:
-        raise APIError(
-            f"logprob_start_len: {value} is past the end of the prompt, which has {num_prompt_tokens} tokens "
-            f"(at most {num_prompt_tokens}; -1: no prompt logprobs)",
-            400, param="logprob_start_len", code="invalid_value",
-        )

@@ -108,6 +108,40 @@ def test_abort_request_and_flush_cache_while_running(http, base_url):
     assert http.post("/flush_cache").status_code == 200
 
 
+def test_abort_all_ends_every_request(http, base_url):
+    """SGLang's `{"abort_all": true}` (its AbortReq field) was a 400 asking for a rid."""
+    wait_idle(http)
+    finals: dict[str, dict] = {}
+    streaming = threading.Barrier(3)
+
+    def consume(rid: str):
+        with httpx.Client(base_url=base_url, timeout=60) as client:
+            with client.stream("POST", "/generate", json=_long_stream_body(rid=rid)) as r:
+                first = True
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        finals[rid] = json.loads(line[len("data: "):])
+                        if first:
+                            first = False
+                            streaming.wait(60)
+
+    threads = [threading.Thread(target=consume, args=(f"all-{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    streaming.wait(60)
+    r = http.post("/abort_request", json={"abort_all": True})
+    assert r.status_code == 200 and r.json() == {"success": True, "num_aborted": 2}, r.text
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    for final in finals.values():
+        assert final["meta_info"]["finish_reason"]["type"] == "abort" and len(final["output_ids"]) < 200
+    wait_idle(http)
+    bad = http.post("/abort_request", json={"abort_all": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "abort_all", bad.text
+    assert http.post("/abort_request", json={"abort_all": True}).json() == {"success": True, "num_aborted": 0}
+
+
 def test_duplicate_rid_is_rejected(http, base_url):
     wait_idle(http)
     results: list[int] = []

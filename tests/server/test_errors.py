@@ -99,6 +99,10 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [2, 49152]}}, "stop_token_ids", "vocabulary"),
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**12]}, "stop_token_ids", "vocabulary"),
     (CHAT, {"messages": MSG, "stop_token_ids": [10**12]}, "stop_token_ids", "vocabulary"),
+    # chat_template_kwargs was ignored whatever it held
+    (CHAT, {"messages": MSG, "chat_template_kwargs": 5}, "chat_template_kwargs", "dictionary"),
+    (CHAT, {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
+     "cannot be set"),
 ]
 
 
@@ -114,6 +118,55 @@ def test_bad_input_is_a_400_naming_the_field(http, path, body, param, fragment):
     assert err["type"] == "invalid_request_error"
     assert err["param"] == param, err
     assert fragment.lower() in err["message"].lower(), err
+
+
+# The same bad value gets the same 400 on chat, completions and /generate (its sampling_params, with
+# the native name). Chat's seed: true got pydantic's "Input should be a valid integer" and /generate
+# "must be a number, got True". (OpenAI field, native field, value, expected message after "<field>: ")
+SAME_ON_EVERY_ROUTE = [
+    ("seed", "seed", True, "must be an integer, got true (a boolean)"),
+    ("seed", "seed", "7", 'must be an integer, got "7" (a string)'),
+    ("seed", "seed", 1.5, "must be an integer, got 1.5 (a number)"),
+    ("n", "n", True, "must be an integer, got true (a boolean)"),
+    ("n", "n", 0, "must be in [1, 128], got 0"),
+    ("max_tokens", "max_new_tokens", 2.5, "must be an integer, got 2.5 (a number)"),
+    ("max_tokens", "max_new_tokens", -1, "must be >= 0, got -1"),
+    ("min_tokens", "min_new_tokens", True, "must be an integer, got true (a boolean)"),
+    ("temperature", "temperature", "0.5", 'must be a number, got "0.5" (a string)'),
+    ("temperature", "temperature", False, "must be a number, got false (a boolean)"),
+    ("top_p", "top_p", [1], "must be a number, got [1] (a list)"),
+    ("top_p", "top_p", 1.5, "must be in (0, 1], got 1.5"),
+    ("stop", "stop", 5, "must be a string or a list of strings, got 5 (an integer)"),
+    ("stop", "stop", ["a", 1], 'must be a string or a list of strings, got ["a", 1] (a list)'),
+    ("stop", "stop", [""], "stop strings must not be empty"),
+    ("stop_token_ids", "stop_token_ids", [True], "must be a list of integers, got [true] (a list)"),
+    ("ignore_eos", "ignore_eos", 1, "must be a boolean, got 1 (an integer)"),
+]
+
+
+@pytest.mark.parametrize("field, native, value, expected", SAME_ON_EVERY_ROUTE,
+                         ids=[f"{r[0]}={r[2]!r}" for r in SAME_ON_EVERY_ROUTE])
+def test_same_bad_value_same_error_on_every_route(http, field, native, value, expected):
+    answers = {
+        CHAT: http.post(CHAT, json={"messages": MSG, "max_tokens": 2, field: value}),
+        COMPLETIONS: http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, field: value}),
+        "/generate": http.post("/generate", json={"text": "hi", "sampling_params": {native: value}}),
+    }
+    for path, r in answers.items():
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        name = native if path == "/generate" else field
+        # a range error's number is as the route parsed it (OpenAI's models read 1.5 as a float either way)
+        assert err["param"] == name and err["message"] == f"{name}: {expected}", (path, err)
+    codes = {r.json()["error"]["code"] for r in answers.values()}
+    assert len(codes) == 1 and codes <= {"invalid_type", "invalid_value"}, codes
+
+
+def test_engine_field_names_in_openai_messages_are_the_openai_names(http):
+    r = http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 4, "min_tokens": 10})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "min_tokens", err
+    assert err["message"] == "min_tokens: must be <= max_tokens (4), got 10", err
 
 
 def test_prompt_too_long_message_gives_both_numbers(http):

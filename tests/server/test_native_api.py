@@ -65,6 +65,47 @@ def test_generate_logprobs(http):
     assert len(top) == 2 and top[0][1] == token_id  # greedy: the chosen token is the most likely
 
 
+# SGLang 0.5.23's meta_info logprob keys (TokenizerManager.add_logprob_to_meta_info, read by hand):
+# return_logprob gives input/output_token_logprobs and output_token_logprobs_length; top_logprobs_num > 0
+# adds input/output_top_logprobs; token_ids_logprob adds input/output_token_ids_logprobs. The input_*
+# lists are [] with logprob_start_len -1 (SGLang's default) or equal to the prompt's length.
+_BASE_KEYS = {"input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"}
+_TOP_KEYS = {"input_top_logprobs", "output_top_logprobs"}
+_IDS_KEYS = {"input_token_ids_logprobs", "output_token_ids_logprobs"}
+LOGPROB_KEYS = [  # (request fields, the logprob keys of meta_info, the input_* keys that are [])
+    ({}, set(), set()),
+    ({"return_logprob": True}, _BASE_KEYS, {"input_token_logprobs"}),
+    ({"return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 2}, _BASE_KEYS | _TOP_KEYS,
+     {"input_token_logprobs", "input_top_logprobs"}),
+    ({"return_logprob": True, "token_ids_logprob": [5, 6]}, _BASE_KEYS | _IDS_KEYS,
+     {"input_token_logprobs", "input_token_ids_logprobs"}),
+    ({"return_logprob": True, "top_logprobs_num": 1, "token_ids_logprob": [5], "logprob_start_len": 3},
+     _BASE_KEYS | _TOP_KEYS | _IDS_KEYS, {"input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"}),
+    ({"return_logprob": True, "token_ids_logprob": []}, _BASE_KEYS, {"input_token_logprobs"}),  # [] means none
+]
+
+
+def test_logprob_keys_are_sglangs(http):
+    logprob_keys = _BASE_KEYS | _TOP_KEYS | _IDS_KEYS
+    for fields, keys, empty in LOGPROB_KEYS:
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}, **fields}
+        meta = http.post("/generate", json=body).json()["meta_info"]
+        assert set(meta) & logprob_keys == keys, fields
+        assert {k for k in keys if k.startswith("input_") and meta[k] == []} == empty, (fields, meta)
+        if keys:
+            assert meta["output_token_logprobs_length"] == len(meta["output_token_logprobs"]) == 2
+        for k in keys & {"output_top_logprobs", "output_token_ids_logprobs"}:
+            assert len(meta[k]) == 2 and all(row for row in meta[k]), (k, meta[k])
+    # prompt positions asked for: the prompt logprobs themselves, from logprob_start_len on
+    body = {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 1,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    assert [t for _, t, _ in http.post("/generate", json=body).json()["meta_info"]["input_token_logprobs"]] == [2, 3]
+    # a stream's events carry the same keys
+    with http.stream("POST", "/generate", json={**body, "logprob_start_len": -1, "stream": True}) as r:
+        events = [json.loads(p) for p in _sse_payloads(r.iter_lines())[:-1]]
+    assert events and all(e["meta_info"]["input_token_logprobs"] == [] for e in events)
+
+
 def test_generate_stream_is_cumulative(http):
     body = {"text": "The capital of France is", "sampling_params": GREEDY}
     full = http.post("/generate", json=body).json()
