@@ -57,6 +57,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 from jaxserve.constrained import InvalidGrammarError
 from jaxserve.engine.engine import Engine, EngineStats, RequestError, RequestMeta, StepOutput
+from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
 from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
 from jaxserve.parallel.distributed import RankLostError
@@ -289,8 +290,8 @@ class EngineLoop:
 
         Raises:
             SamplingParamsError: an invalid sampling parameter (names it).
-            RequestError: empty or too long prompt, bad token ids, a rid in use, bad top_logprobs_num,
-                an invalid regex / json_schema / ebnf (its field; compiled here, in the caller's thread).
+            RequestError: empty or too long prompt, bad token ids, a rid in use, bad top_logprobs_num or
+                logprob_start_len, an invalid regex / json_schema / ebnf (its field; compiled here, in the caller's thread).
             EngineUnavailableError: the waiting queue is full, or the engine died.
             RuntimeError: the loop is shut down.
         """
@@ -316,6 +317,8 @@ class EngineLoop:
             raise RequestError("top_logprobs_num", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}")
         self._check_grammar(params)
         self.engine.validate_token_ids_logprob(token_ids_logprob)
+        if is_checked(return_logprob, top_logprobs_num):
+            check_logprob_start_len(logprob_start_len, len(input_ids))
         base = rid or new_rid()
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
 

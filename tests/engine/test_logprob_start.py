@@ -42,3 +42,19 @@ def test_valid_logprob_start_len_and_ignored_without_logprobs(engine):
     # without logprobs the field is ignored, as in SGLang
     ignored = _finish(engine, engine.add_request(PROMPT, params, logprob_start_len=99))
     assert ignored.completion_tokens == 1 and not engine.has_unfinished()
+
+
+def test_engine_loop_submit_refuses_it_in_the_callers_thread(engine):
+    """`EngineLoop.submit` (the frontend's in-process backend goes through it) checks before queuing:
+    before, a bad value reached `Engine.add_request` on the loop thread and failed as a 500."""
+    from jaxserve.engine.engine_loop import EngineLoop
+
+    loop = EngineLoop(engine).start()
+    try:
+        with pytest.raises(RequestError, match="past the end") as info:
+            loop.submit(PROMPT, {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=4,
+                        on_output=lambda out: None)
+        assert info.value.field == "logprob_start_len"
+        assert loop.num_pending == 0
+    finally:
+        loop.shutdown()
