@@ -208,7 +208,7 @@ class ServerArgs:
     served_model_name: str | None = _flag(None, "model name reported by the API (default: derived from the path)", group="model")
     host: str = _flag("127.0.0.1", "HTTP host", group="http")
     port: int = _flag(30000, "HTTP port", group="http")
-    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request except /health (default: no key needed)", group="http")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' (scheme in any case) on every request except paths starting /health, /ready or /metrics, as SGLang (default: no key needed)", group="http")
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"), group="model")
     context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)", group="model")

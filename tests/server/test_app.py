@@ -37,6 +37,15 @@ def test_api_key(engine_loop):
             assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
         assert client.post("/generate", json={"text": "hi"}).status_code == 401
         assert client.get("/health").status_code == 200  # liveness probes need no key
+        # as SGLang 0.5.23: /health*, /ready* and /metrics* need no key; everything else does
+        assert client.get("/health_generate").status_code == 200
+        assert client.get("/metrics").status_code == 404  # let through (the fake engine has no metrics)
+        assert client.get("/get_load").status_code == 401
+        assert client.get("/healthz_not_a_route").status_code == 404  # let through, then not found
+        for scheme in ("bearer", "BEARER", "Bearer"):  # the scheme in any case (RFC 7235)
+            assert client.get("/get_load", headers={"Authorization": f"{scheme} secret"}).status_code == 200
+        for value in ("Basic secret", "Bearer  secret", "Bearersecret", "bearer Secret"):
+            assert client.get("/get_load", headers={"Authorization": value}).status_code == 401
         r = client.get("/v1/models", headers={"Authorization": "Bearer secret"})
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "fake-model"
         info = client.get("/get_server_info", headers={"Authorization": "Bearer secret"}).json()
