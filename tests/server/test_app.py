@@ -155,3 +155,28 @@ def test_a_slow_request_preparation_does_not_block_the_server(engine_loop):
         release.set()
         assert slow.result(timeout=30).status_code == 200
     assert released_in_time == [True], "the other request waited for the slow one's tokenizing"
+
+
+@pytest.mark.parametrize("log_requests", [True, False])
+def test_log_requests_logs_one_line_per_finished_sequence(caplog, log_requests):
+    import dataclasses
+    import logging
+
+    engine = FakeEngine()
+    engine.args = dataclasses.replace(engine.args, log_requests=log_requests)
+    loop = EngineLoop(engine).start()
+    try:
+        with TestClient(create_app(loop, engine.args)) as client, caplog.at_level(logging.INFO):
+            r = client.post("/generate", json={"text": "hi", "rid": "r1",
+                                               "sampling_params": {"max_new_tokens": 3, "n": 2}})
+            assert r.status_code == 200
+    finally:
+        loop.shutdown()
+    lines = sorted(rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("request finished"))
+    if not log_requests:
+        assert lines == []
+        return
+    assert len(lines) == 2  # one per sequence of n=2
+    for line, rid in zip(lines, ("r1-0", "r1-1")):
+        assert line.startswith(f"request finished rid={rid} prompt_tokens=2 completion_tokens=3 cached_tokens=0 "
+                               "finish_reason=length e2e_latency="), line
