@@ -336,7 +336,7 @@ class ServerArgs:
     kv_cache_dtype: str = _flag("auto", "KV pool dtype: auto or the pool's own dtype (the model's, --dtype: float32 on CPU, bfloat16 elsewhere; bf16/fp16/fp32 too); another (fp8_e4m3, ...) is an error at start-up, jaxserve does not quantize the KV cache", group="model")
     tokenizer_mode: str = _flag("auto", "auto only (SGLang's default): the fast tokenizer (tokenizers library)", choices=("auto",), group="model")
     device: str | None = _flag(None, "the JAX platform in use (cpu, gpu or cuda, tpu), checked at start-up; another is an error: the platform is chosen by JAX_PLATFORMS (default: JAX's default backend)", group="model")
-    watchdog_timeout: float = _flag(300.0, "accepted for SGLang command lines; changes nothing: jaxserve has no watchdog (an engine step that raises ends the engine, /health then answers 503, see --keep-alive-on-engine-error)", group="scheduling")
+    watchdog_timeout: float = _flag(300.0, "accepted for SGLang command lines; changes nothing: jaxserve has no watchdog, so a step that hangs is not detected (a step that raises ends the engine: the process exits 1, or with --keep-alive-on-engine-error stays up with /health at 503)", group="scheduling")
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
