@@ -174,6 +174,10 @@ def _flag(default, help: str, **extra):
 
 # --help sections, in order: the `group=` of a ServerArgs field -> its title. A field without a
 # known group is listed under "other", so a new flag always shows.
+# SGLang's spellings of values jaxserve accepts: --device name -> JAX platform, --kv-cache-dtype -> dtype
+DEVICE_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+KV_CACHE_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                   "float16": "float16", "fp16": "float16"}
 FLAG_GROUPS = {
     "model": "model and execution",
     "http": "HTTP server",
@@ -208,7 +212,7 @@ class ServerArgs:
     served_model_name: str | None = _flag(None, "model name reported by the API (default: derived from the path)", group="model")
     host: str = _flag("127.0.0.1", "HTTP host", group="http")
     port: int = _flag(30000, "HTTP port", group="http")
-    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on every request except /health (default: no key needed)", group="http")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' (scheme in any case) on every request except paths starting /health, /ready or /metrics, as SGLang (default: no key needed)", group="http")
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"), group="model")
     context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)", group="model")
@@ -323,6 +327,16 @@ class ServerArgs:
         None, "seconds to wait for every rank to join, and after which a silent rank counts as lost (rank 0 "
         "then fails its requests with a 500 and exits 1) (default: 300, JAX's own initialization timeout)",
         group="parallelism")
+    # SGLang launch flags that copied SGLang command lines carry (values: DEVICE_PLATFORMS, KV_CACHE_DTYPES)
+    enable_metrics: bool = _flag(False, "accepted for SGLang command lines; changes nothing: jaxserve's /metrics is on unless --disable-metrics", group="observability")
+    enable_cache_report: bool = _flag(False, "accepted for SGLang command lines; changes nothing: usage.prompt_tokens_details.cached_tokens (what SGLang adds with this flag) is always reported", group="observability")
+    log_requests: bool = _flag(False, "log one info line per finished generation request (each of n sequences): rid, prompt, completion and cached tokens, finish reason, latency", group="observability")
+    trust_remote_code: bool = _flag(False, "accepted for SGLang command lines; changes nothing: jaxserve runs its own JAX code for the architectures it supports and never runs a checkpoint's Python code", group="model")
+    disable_cuda_graph: bool = _flag(False, "accepted for SGLang command lines; changes nothing: jaxserve has no CUDA graphs (XLA compiles each shape bucket once, see --disable-precompile)", group="model")
+    kv_cache_dtype: str = _flag("auto", "KV pool dtype: auto or the pool's own dtype (the model's, --dtype: float32 on CPU, bfloat16 elsewhere; bf16/fp16/fp32 too); another (fp8_e4m3, ...) is an error at start-up, jaxserve does not quantize the KV cache", group="model")
+    tokenizer_mode: str = _flag("auto", "auto only (SGLang's default): the fast tokenizer (tokenizers library)", choices=("auto",), group="model")
+    device: str | None = _flag(None, "the JAX platform in use (cpu, gpu or cuda, tpu), checked at start-up; another is an error: the platform is chosen by JAX_PLATFORMS (default: JAX's default backend)", group="model")
+    watchdog_timeout: float = _flag(300.0, "accepted for SGLang command lines; changes nothing: jaxserve has no watchdog, so a step that hangs is not detected (a step that raises ends the engine: the process exits 1, or with --keep-alive-on-engine-error stays up with /health at 503)", group="scheduling")
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
@@ -342,6 +356,7 @@ class ServerArgs:
             speculative_num_draft_tokens=self.speculative_num_draft_tokens or (15 if self.speculative_algorithm else None),
         )
         args.validate()
+        args._check_platform_flags(platform)
         cap = args.max_verified_draft_tokens()
         if args.speculative_algorithm is not None and args.speculative_num_draft_tokens > cap:
             # SGLang accepts any value; like its other resolved flags, say the value used
@@ -354,6 +369,16 @@ class ServerArgs:
             )
             args = dataclasses.replace(args, speculative_num_draft_tokens=cap)
         return args
+
+    def _check_platform_flags(self, platform: str) -> None:
+        """--device and --kv-cache-dtype against the platform (SGLang's spellings: DEVICE_PLATFORMS, KV_CACHE_DTYPES)."""
+        if self.device is not None and DEVICE_PLATFORMS.get(self.device.lower()) != platform:
+            raise ValueError(f"--device {self.device}: this process runs on the JAX platform {platform!r} "
+                             f"(choose it with JAX_PLATFORMS); give --device {platform} or leave the flag out")
+        pool = self.dtype if self.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+        if self.kv_cache_dtype != "auto" and KV_CACHE_DTYPES.get(self.kv_cache_dtype.lower()) != pool:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: the KV pool is stored in the model's dtype, "
+                             f"{pool} here (--dtype); give auto or {pool}: jaxserve does not quantize the KV cache")
 
     def max_verified_draft_tokens(self) -> int:
         """The most draft tokens of one sequence that one verify step checks (on resolved args).

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
+
+import pytest
 
 from jaxserve.config import FLAG_GROUPS, ServerArgs
 
@@ -79,3 +82,41 @@ def test_the_readme_flag_table_lists_every_flag():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for f in dataclasses.fields(ServerArgs):
         assert f"| `--{f.name.replace('_', '-')}` |" in readme, f"README.md's flag table lacks --{f.name}"
+
+
+# the flags of a launch_server command line copied from SGLang's docs and scripts (issue fix4)
+SGLANG_COMMAND = ("--model-path /models/m --port 30001 --enable-metrics --trust-remote-code --log-requests "
+                  "--disable-cuda-graph --kv-cache-dtype auto --enable-cache-report --tokenizer-mode auto "
+                  "--watchdog-timeout 300 --device cpu").split()
+
+
+def test_a_copied_sglang_command_line_parses_and_resolves_on_cpu():
+    args = ServerArgs.from_cli(SGLANG_COMMAND)
+    assert (args.enable_metrics, args.trust_remote_code, args.log_requests, args.disable_cuda_graph,
+            args.enable_cache_report) == (True,) * 5
+    assert (args.kv_cache_dtype, args.tokenizer_mode, args.watchdog_timeout, args.device) == ("auto", "auto", 300.0, "cpu")
+    assert args.port == 30001 and not args.disable_metrics  # --enable-metrics keeps /metrics on
+    resolved = args.resolved("cpu")
+    assert resolved.device == "cpu" and resolved.log_requests
+    # the pool's own dtype, in jaxserve's or SGLang's spelling
+    ServerArgs.from_cli([*SGLANG_COMMAND, "--kv-cache-dtype", "float32"]).resolved("cpu")
+    ServerArgs.from_cli(["--kv-cache-dtype", "bf16", "--device", "cuda"]).resolved("gpu")
+    ServerArgs.from_cli(["--kv-cache-dtype", "fp16", "--dtype", "float16"]).resolved("cpu")
+
+
+@pytest.mark.parametrize("argv, platform, message", [
+    (["--device", "cuda"], "cpu", "--device cuda: this process runs on the JAX platform 'cpu'"),
+    (["--device", "npu"], "cpu", "--device npu"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "cpu", "--kv-cache-dtype fp8_e4m3: the KV pool is stored in the model's dtype, float32"),
+    (["--kv-cache-dtype", "bfloat16"], "cpu", "give auto or float32"),
+    (["--kv-cache-dtype", "float32"], "tpu", "bfloat16 here"),
+])
+def test_device_and_kv_cache_dtype_outside_what_runs_are_clear_errors(argv, platform, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServerArgs.from_cli(argv).resolved(platform)
+
+
+def test_tokenizer_mode_other_than_auto_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        ServerArgs.from_cli(["--tokenizer-mode", "slow"])
+    assert e.value.code == 2 and "--tokenizer-mode" in capsys.readouterr().err

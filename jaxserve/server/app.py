@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxserve
 from jaxserve.config import ServerArgs
-from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.engine.engine_loop import EngineLoad, EngineLoop
 from jaxserve.model.tokenizer import tokenizer_files_path
 from jaxserve.server import native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
@@ -205,8 +205,22 @@ async def get_server_info(request: Request) -> Response:
         "engine_error": engine_loop.error,
         "max_queued_requests": engine_loop.max_queued_requests,
         "num_rejected_requests": {"queue_full": load.num_rejected_queue_full, "queue_timeout": load.num_queue_timeouts},
+        "internal_states": [internal_state(load, args.get("speculative_algorithm"))],
     }
     return JSONResponse(info)
+
+
+def internal_state(load: EngineLoad, speculative_algorithm: str | None) -> dict[str, Any]:
+    """SGLang's per-DP-rank `internal_states` entry (sglang/srt/managers/scheduler_components/
+    internal_state.py), the keys its benchmarks read: `last_gen_throughput` (tokens/s over the last
+    decode log interval, as `gen_throughput` on /metrics) and, with speculative decoding once a draft
+    was verified, `avg_spec_accept_length` (mean tokens per verifying sequence-forward, lifetime).
+    From the engine's snapshot; an engine without one reports 0.0 and no accept length."""
+    snap = load.snapshot
+    state: dict[str, Any] = {"last_gen_throughput": float(snap.gen_throughput) if snap is not None else 0.0}
+    if speculative_algorithm and snap is not None and snap.counters.num_spec_verifications > 0:
+        state["avg_spec_accept_length"] = float(snap.spec_accept_length)
+    return state
 
 
 async def get_load(request: Request) -> Response:

@@ -1,4 +1,6 @@
-"""`--api-key`: every request must carry `Authorization: Bearer KEY`, except liveness probes.
+"""`--api-key`: every request must carry `Authorization: Bearer KEY` (the scheme in any case), except
+probes and scrapes: paths starting /health, /ready or /metrics, as SGLang 0.5.23 (srt/utils/auth.py)
+lets them through so that Kubernetes probes and Prometheus need no secret.
 
 A pure ASGI middleware (Starlette's BaseHTTPMiddleware would wrap streamed responses and hide the
 client's disconnect from them).
@@ -13,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.server.errors import error_body
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")  # by prefix, as SGLang: /health_generate too
 
 
 class APIKeyMiddleware:
@@ -21,14 +23,15 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"].startswith(OPEN_PATH_PREFIXES):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self._expected):
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        # compare_digest even for a wrong scheme: the time taken does not tell which part was wrong
+        if not (hmac.compare_digest(token, self._expected) and scheme.lower() == b"bearer"):
             body = error_body("invalid or missing API key (send 'Authorization: Bearer KEY')", 401, code="invalid_api_key")
             await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return

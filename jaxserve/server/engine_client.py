@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
+import logging
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence, TypeVar
 
 from starlette.requests import Request
@@ -30,6 +31,7 @@ from jaxserve.engine.queue_admission import QueueReservation
 
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -81,6 +83,7 @@ class RequestGroup:
         self._access = _ACCESS_RECORD.get()
         self._first_of_prompt: set[str] = set()  # one rid per submitted prompt: its prompt counts once
         self._reservation: QueueReservation | None = None
+        self._log_requests = engine_loop.server_args.log_requests
 
     @contextlib.contextmanager
     def reserved(self, num_sequences: int, field: str) -> Iterator[None]:
@@ -121,6 +124,8 @@ class RequestGroup:
                     self._access.completion_tokens += out.meta.completion_tokens
                     if out.rid in self._first_of_prompt:
                         self._access.prompt_tokens += out.meta.prompt_tokens
+                if self._log_requests:
+                    _log_finished(out)
             yield out
 
     async def wait(self) -> list[StepOutput]:
@@ -133,6 +138,14 @@ class RequestGroup:
         """Abort every unfinished sequence (a no-op once all have finished)."""
         for rid in list(self._unfinished):
             self._engine_loop.abort(rid)
+
+
+def _log_finished(out: StepOutput) -> None:
+    """--log-requests: one info line per finished sequence."""
+    m = out.meta
+    reason = (m.finish_reason or {}).get("type")
+    logger.info("request finished rid=%s prompt_tokens=%d completion_tokens=%d cached_tokens=%d finish_reason=%s "
+                "e2e_latency=%.3fs", out.rid, m.prompt_tokens, m.completion_tokens, m.cached_tokens, reason, m.e2e_latency)
 
 
 @contextlib.asynccontextmanager

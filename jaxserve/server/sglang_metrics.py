@@ -67,6 +67,11 @@ SCHEDULER_GAUGES: tuple[MetricName, ...] = (
                "jaxserve_kv_evictable_tokens", "kv_evictable_tokens"),
     MetricName("sglang:kv_available_tokens", _G, "KV tokens free or evictable", None, "kv_available_tokens"),
     MetricName("sglang:max_total_num_tokens", _G, "KV pool capacity in tokens", None, "kv_total_tokens"),
+    MetricName("sglang:spec_accept_length", _G, "Speculative decoding: mean tokens per verifying sequence-forward "
+               "(accepted drafts + 1), lifetime; 0 without speculative decoding", "jaxserve_spec_accept_length",
+               "spec_accept_length"),
+    MetricName("sglang:spec_accept_rate", _G, "Speculative decoding: accepted / proposed draft tokens, lifetime",
+               "jaxserve_spec_accept_rate", "spec_accept_rate"),
     MetricName("sglang:num_retracted_requests_total", _C, "Requests retracted to free KV pages",
                "jaxserve_num_retracted_requests_total", "num_retracted_requests"),
 )

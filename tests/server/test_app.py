@@ -37,6 +37,15 @@ def test_api_key(engine_loop):
             assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
         assert client.post("/generate", json={"text": "hi"}).status_code == 401
         assert client.get("/health").status_code == 200  # liveness probes need no key
+        # as SGLang 0.5.23: /health*, /ready* and /metrics* need no key; everything else does
+        assert client.get("/health_generate").status_code == 200
+        assert client.get("/metrics").status_code == 404  # let through (the fake engine has no metrics)
+        assert client.get("/get_load").status_code == 401
+        assert client.get("/healthz_not_a_route").status_code == 404  # let through, then not found
+        for scheme in ("bearer", "BEARER", "Bearer"):  # the scheme in any case (RFC 7235)
+            assert client.get("/get_load", headers={"Authorization": f"{scheme} secret"}).status_code == 200
+        for value in ("Basic secret", "Bearer  secret", "Bearersecret", "bearer Secret"):
+            assert client.get("/get_load", headers={"Authorization": value}).status_code == 401
         r = client.get("/v1/models", headers={"Authorization": "Bearer secret"})
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "fake-model"
         info = client.get("/get_server_info", headers={"Authorization": "Bearer secret"}).json()
@@ -146,3 +155,28 @@ def test_a_slow_request_preparation_does_not_block_the_server(engine_loop):
         release.set()
         assert slow.result(timeout=30).status_code == 200
     assert released_in_time == [True], "the other request waited for the slow one's tokenizing"
+
+
+@pytest.mark.parametrize("log_requests", [True, False])
+def test_log_requests_logs_one_line_per_finished_sequence(caplog, log_requests):
+    import dataclasses
+    import logging
+
+    engine = FakeEngine()
+    engine.args = dataclasses.replace(engine.args, log_requests=log_requests)
+    loop = EngineLoop(engine).start()
+    try:
+        with TestClient(create_app(loop, engine.args)) as client, caplog.at_level(logging.INFO):
+            r = client.post("/generate", json={"text": "hi", "rid": "r1",
+                                               "sampling_params": {"max_new_tokens": 3, "n": 2}})
+            assert r.status_code == 200
+    finally:
+        loop.shutdown()
+    lines = sorted(rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("request finished"))
+    if not log_requests:
+        assert lines == []
+        return
+    assert len(lines) == 2  # one per sequence of n=2
+    for line, rid in zip(lines, ("r1-0", "r1-1")):
+        assert line.startswith(f"request finished rid={rid} prompt_tokens=2 completion_tokens=3 cached_tokens=0 "
+                               "finish_reason=length e2e_latency="), line

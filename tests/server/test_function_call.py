@@ -194,3 +194,44 @@ def test_unknown_tool_call_parser_fails_at_start_up():
         create_app(loop, ServerArgs(model_path="/models/fake-model", tool_call_parser="hermes"))
     finally:
         loop.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fake_client():
+    from starlette.testclient import TestClient
+
+    loop = EngineLoop(FakeEngine()).start()
+    with TestClient(create_app(loop, ServerArgs(model_path="/models/fake-model"))) as client:
+        yield client
+    loop.shutdown()
+
+
+def _tool(name: str = "f", parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("tools, param, message", [
+    ([_tool("x</tool_call>y")], "tools[0].function.name", "must be 1 to 64 of a-z"),
+    ([_tool("ok"), _tool("")], "tools[1].function.name", "must be 1 to 64 of a-z"),
+    ([_tool("a" * 65)], "tools[0].function.name", "must be 1 to 64 of a-z"),
+    ([_tool("a", {"type": "bogus"})], "tools[0].function.parameters", "invalid JSON schema: Invalid type: bogus"),
+    ([_tool("ok"), _tool("b", {"type": "integer", "minimum": 5, "maximum": 3})], "tools[1].function.parameters",
+     "invalid JSON schema: Unsatisfiable schema"),
+    ([_tool("a", {"type": "object", "properties": {"s": {"type": "string", "pattern": "("}}})],
+     "tools[0].function.parameters", "invalid JSON schema: regex parse error"),
+])
+@pytest.mark.parametrize("choice", ["auto", "required", None])
+def test_bad_tool_name_or_schema_is_a_400_whatever_tool_choice(fake_client, tools, param, message, choice):
+    body = {"messages": [{"role": "user", "content": "call it"}], "max_tokens": 4, "tools": tools}
+    if choice is not None:
+        body["tool_choice"] = choice
+    r = fake_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"] and len(err["message"]) < 300, err
+
+
+def test_good_tool_names_pass_the_check():
+    from jaxserve.server.function_call.plan import check_tools
+
+    check_tools([Tool.model_validate(_tool(n)) for n in ("a", "get-weather_2", "Z" * 64)] + TOOLS)

@@ -154,3 +154,47 @@ def test_log_metrics_false_leaves_a_request_out(http):
     after = scrape(http)
     assert total(after, "sglang:num_requests_total") - total(before, "sglang:num_requests_total") == 1
     assert total(after, "jaxserve_num_requests_total") - total(before, "jaxserve_num_requests_total") == 2
+
+
+def test_internal_states_last_gen_throughput_is_the_gauge(http):
+    http.post("/generate", json={"text": "throughput", "sampling_params": {"max_new_tokens": 4}})
+    wait_idle(http)
+    states = http.get("/server_info").json()["internal_states"]
+    samples = scrape(http)
+    assert len(states) == 1 and "avg_spec_accept_length" not in states[0]  # no speculative decoding
+    assert states[0]["last_gen_throughput"] == samples["jaxserve_gen_throughput"][0][1]
+    assert http.get("/get_server_info").json()["internal_states"][0].keys() == states[0].keys()
+
+
+@pytest.fixture(scope="module")
+def spec_http(tiny_model_dir, tmp_path_factory):
+    import httpx
+
+    from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess
+
+    proc = ServerProcess(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--speculative-algorithm", "NGRAM",
+                          "--speculative-num-draft-tokens", "4", "--disable-speculative-adaptive"],
+                         tmp_path_factory.mktemp("spec") / "server.log")
+    proc.wait_healthy()
+    with httpx.Client(base_url=proc.url, timeout=120) as client:
+        yield client
+    proc.stop()
+
+
+def test_speculative_accept_length_and_rate_under_sglang_names(spec_http):
+    text = "a b c d e f a b c d e f a b c d e f a b c d e f"  # repeats: n-gram drafts to verify
+    for _ in range(2):
+        spec_http.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
+    wait_idle(spec_http)
+    samples = scrape(spec_http)
+    verified = samples["jaxserve_spec_verifications_total"][0][1]
+    drafted = samples["jaxserve_spec_draft_tokens_total"][0][1]
+    accepted = samples["jaxserve_spec_accepted_tokens_total"][0][1]
+    assert verified > 0 and drafted > 0
+    for name, want in (("sglang:spec_accept_length", (accepted + verified) / verified),
+                       ("sglang:spec_accept_rate", accepted / drafted)):
+        [(labels, value)] = samples[name]
+        assert labels.keys() == set(SCHEDULER_LABELS)
+        assert value == pytest.approx(want) and value == samples[name.replace("sglang:", "jaxserve_")][0][1]
+    [state] = spec_http.get("/server_info").json()["internal_states"]
+    assert state["avg_spec_accept_length"] == pytest.approx((accepted + verified) / verified)

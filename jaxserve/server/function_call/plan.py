@@ -5,8 +5,11 @@ their OpenAI ids."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
 from typing import Any, Iterable
+
+from llguidance import LLMatcher
 
 from jaxserve.server.errors import APIError
 from jaxserve.server.function_call.parsers import ParsedCall, ToolCallParser, get_parser
@@ -24,8 +27,9 @@ class ToolPlan:
 
 
 def tool_plan(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
-    """Check tools / tool_choice. Raises APIError (400) naming the field."""
+    """Check tools (`check_tools`) and tool_choice. Raises APIError (400) naming the field."""
     parser = get_parser(parser_name)
+    check_tools(req.tools or [])
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     if choice == "none" or (choice == "auto" and not req.tools):  # "auto" with nothing to call: no calls
         return ToolPlan(None, parser, None)
@@ -47,6 +51,38 @@ def tool_plan(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
         raise APIError(f"tool_choice {_choice_name(choice)} constrains the output itself: drop response_format / "
                        "regex / json_schema / ebnf", 400, param="tool_choice", code="invalid_value")
     return ToolPlan(list(req.tools), parser, parser.grammar(forced))
+
+
+# OpenAI's rule for a function name; it also keeps a name from closing a format's tags ("x</tool_call>y")
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_MAX_SCHEMA_ERROR_CHARS = 200
+
+
+def check_tools(tools: list[Tool]) -> None:
+    """Each function name matches OpenAI's ^[a-zA-Z0-9_-]{1,64}$ and each `parameters` is a JSON schema
+    llguidance compiles (the grammar a forced call uses), whatever tool_choice is.
+
+    Raises:
+        APIError: 400 with param "tools[i].function.name" or "tools[i].function.parameters".
+    """
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if not FUNCTION_NAME.fullmatch(fn.name):
+            raise APIError(f"function name {fn.name!r} must be 1 to 64 of a-z, A-Z, 0-9, _ and -", 400,
+                           param=f"tools[{i}].function.name", code="invalid_value")
+        if fn.parameters is None:
+            continue
+        # tokenizer-free: the schema's own errors ("Invalid type: bogus", "Unsatisfiable schema: ...")
+        try:
+            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(fn.parameters))
+        except (TypeError, ValueError) as e:
+            error = str(e) or type(e).__name__
+        if error:
+            error = " ".join(error.split())  # llguidance's regex errors span lines
+            if len(error) > _MAX_SCHEMA_ERROR_CHARS:
+                error = error[:_MAX_SCHEMA_ERROR_CHARS] + " ..."
+            raise APIError(f"invalid JSON schema: {error}", 400, param=f"tools[{i}].function.parameters",
+                           code="invalid_value")
 
 
 def _choice_name(choice: Any) -> str:
