@@ -102,7 +102,8 @@ def pool_budget(
             fraction covers both; with tensor parallelism, one device's share).
         platform: "cpu", "gpu" or "tpu".
         available_bytes: free memory of one device (the least free of the mesh), or on CPU the
-            available RAM (`available_memory_bytes()`).
+            available RAM (`available_memory_bytes()`, read after the weights are loaded: on CPU the
+            fraction is of what the weights leave, so they are not subtracted again).
 
     On accelerators the budget is one device's; on CPU, the whole pool's (see the module docstring).
     """
