@@ -216,7 +216,7 @@ class ServerArgs:
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"), group="model")
     context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)", group="model")
-    mem_fraction_static: float | None = _flag(None, "share of device memory for weights + KV pool on GPU/TPU (default 0.85); on CPU, the share of the RAM still available once the weights are loaded that goes to the KV pool (default: min(1.5 GiB, a tenth of it))", group="memory")
+    mem_fraction_static: float | None = _flag(None, "share of device memory for weights + KV pool on GPU/TPU; on CPU, the share of the RAM still available once the weights are loaded that goes to the KV pool (default: 0.85 on GPU/TPU; on CPU the KV pool gets min(1.5 GiB, a tenth of that RAM))", group="memory")
     max_total_tokens: int | None = _flag(None, "KV pool size in tokens; overrides --mem-fraction-static; a new size compiles the shape buckets once (default: sized from memory, see --mem-fraction-static)", group="memory")
     max_running_requests: int | None = _flag(None, "max concurrently decoding requests (default 64 on CPU, 256 elsewhere)", group="scheduling")
     max_prefill_tokens: int = _flag(16384, "max new tokens in one prefill batch", group="scheduling")
