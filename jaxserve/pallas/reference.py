@@ -7,6 +7,8 @@ to the whole batch's KV or to the bucket's padding.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int32
@@ -15,8 +17,7 @@ from jaxserve.pallas.metadata import AttentionMetadata
 
 _MASK_VALUE = -1e30
 KV_BLOCK_TOKENS = 256  # keys per inner-loop step of the XLA path; measured best of 128/256/1024 on CPU
-# finest chunk of a query block's last keys (`kv_chunk_tiers`); 32 against 64 measured equal on a
-# verification after 512 cached tokens, and finer tiers add a loop per block (issue 20's fourth pass)
+# smallest last chunk of a query block's keys (`kv_chunk_tiers`): two pages of 16 tokens
 KV_TAIL_TOKENS = 32
 
 
@@ -46,10 +47,9 @@ def kv_chunk_tiers(page_size: int, pages_per_seq: int, kv_block: int, kv_tail: i
     then halves of it down to `kv_tail` tokens (each rounded down to whole pages, at least one page,
     the largest no wider than the page table).
 
-    A query block's keys, rounded up to the smallest tier, are covered by as many largest chunks as fit,
-    then by at most one chunk of each smaller tier (the binary digits of the rest): a block computes at
-    most `kv_tail - 1` keys past its last causal position, and at most `len(tiers) - 1` more loop steps
-    than with the largest chunks alone.
+    A query block's keys are covered by whole chunks of the largest tier, then one last chunk of the
+    smallest tier that holds the rest: as many loop steps as with the largest chunks alone, and at
+    most half of that last chunk (or `kv_tail - 1` keys) computed past the block's causal end.
     """
     largest = max(1, min(kv_block // page_size, pages_per_seq))
     smallest = max(1, min(kv_tail // page_size, largest))
@@ -82,10 +82,10 @@ def ragged_paged_attention_xla(
     blocks of `kv_block` tokens of its own sequence keeps a running max, denominator and output in
     float32 (the online softmax), and stops at the block's last causal position. So a block reads only
     the KV it attends to: the pages a shorter sequence leaves unused in the bucket are never read, and
-    a prefill does about half the work of a full square. The keys past the last whole `kv_block` are
-    taken in halving chunks down to `kv_tail` tokens: a 16-row block after 512 cached tokens computes
-    544 keys, not 768 (on CPU the block's dots are bound by arithmetic: a speculative verification's
-    attention took 20-25% less time, docs/benchmarks.md, issue 20's fourth pass).
+    a prefill does about half the work of a full square. A block's last chunk is the smallest of
+    `kv_chunk_tiers` (`kv_block` tokens halved down to `kv_tail`) that holds its remaining keys: a
+    16-row block after 512 cached tokens computes 544 keys, not 768, in as many loop steps (on CPU a
+    block's dots are bound by arithmetic; docs/benchmarks.md, issue 20's fourth pass).
     The loop over blocks stops after the batch's real ones (the builder packs them first), so a
     bucket's padding blocks cost nothing: a speculative verification of one sequence runs in a
     16-token bucket with 16 sequence slots, 16 padding blocks that a map over all blocks spent about
@@ -103,7 +103,6 @@ def ragged_paged_attention_xla(
     page_table = jnp.pad(meta.page_table, ((0, 0), (0, tiers[0])))
     row_offset = jnp.tile(jnp.arange(block_q, dtype=jnp.int32), group)  # [G * Bq] query row of each row
     rows = group * block_q
-    finest = tiers[-1] * page_size
 
     def attend_block(b, out):
         seq, q_start, num_q = meta.block_seq_id[b], meta.block_q_start[b], meta.block_num_q[b]
@@ -113,7 +112,6 @@ def ragged_paged_attention_xla(
         q_blk = q_blk.transpose(1, 2, 0, 3).reshape(num_kv_heads, rows, head_dim)
         q_pos = q_start + row_offset
         kv_end = q_start + num_q  # causal: keys at positions < kv_end
-        keys_end = (kv_end + finest - 1) // finest * finest
 
         def kv_step(num_pages, tier_start):
             chunk = num_pages * page_size
@@ -142,11 +140,14 @@ def ragged_paged_attention_xla(
             jnp.zeros((num_kv_heads, rows), jnp.float32),
             jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32),
         )
-        start = jnp.int32(0)
-        for num_pages in tiers:  # every tier after the first runs 0 or 1 steps
-            num_chunks = (keys_end - start) // (num_pages * page_size)
-            carry = jax.lax.fori_loop(0, num_chunks, kv_step(num_pages, start), carry)
-            start = start + num_chunks * (num_pages * page_size)
+        largest = tiers[0] * page_size
+        num_full = (kv_end - 1) // largest  # whole largest chunks before the last chunk
+        carry = jax.lax.fori_loop(0, num_full, kv_step(tiers[0], 0), carry)
+        # the last chunk: the smallest tier that holds the rest (1..largest keys)
+        rest = kv_end - num_full * largest
+        tier = jnp.sum(jnp.asarray([n * page_size for n in tiers]) >= rest) - 1
+        last = [functools.partial(kv_step(n, num_full * largest), 0) for n in tiers]
+        carry = jax.lax.switch(tier, last, carry)
         _, denom, acc = carry
         res = (acc / jnp.maximum(denom, 1e-30)[..., None]).reshape(num_kv_heads, group, block_q, head_dim)
         res = res.transpose(2, 0, 1, 3).reshape(block_q, num_heads, head_dim)

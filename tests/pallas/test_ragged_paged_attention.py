@@ -277,7 +277,7 @@ def _abstract_args(
 @needs_embedded_triton_ir
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_q", [1, 16])
+@pytest.mark.parametrize("block_q", [1, 4, 16])  # 4: the small verification buckets' blocks
 def test_lowers_for_cuda(block_q, head_dim, group):
     """Every bucket lowers to a Triton kernel that passes Triton's verifier with dots of M, N, K >= 16.
 
