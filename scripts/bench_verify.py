@@ -7,12 +7,9 @@ cached ones) and verification steps of 1 + K tokens (the last token + a K-token 
 the machine's speed hits them alike:
 
     xla           `jaxserve.pallas.reference.ragged_paged_attention_xla`, what the engine runs: the loop
-                  over query blocks stops after the batch's real ones, a block's last keys are taken in
-                  halving chunks down to 32 tokens, and the 2-8 token buckets have blocks of their size.
-    whole-chunks  the XLA path before issue 20's fourth pass: every key chunk is 256 tokens (a block
-                  computes up to 255 keys past its end) and every extend bucket has 16-row blocks.
+                  over query blocks stops after the batch's real ones.
     padded-map    the same online softmax mapped over every query block of the bucket, padding blocks
-                  included, whole chunks and 16-row blocks (the XLA path before issue 20's third pass).
+                  included (the XLA path before issue 20's third pass; kept here as the baseline).
 
 The break-even accept length of K is verify(K) / decode: speculation pays when the mean tokens
 emitted per verification (`spec_accept_length`) exceeds it.
@@ -24,7 +21,6 @@ emitted per verification (`spec_accept_length`) exceeds it.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 
@@ -33,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import bench_model
-from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, BatchEntry, ModelRunner
+from jaxserve.engine.model_runner import BatchEntry, ModelRunner
 from jaxserve.model.loader import load_model
 from jaxserve.pallas.reference import _MASK_VALUE, KV_BLOCK_TOKENS, ragged_paged_attention_xla
 
@@ -83,30 +79,17 @@ def padded_map_attention(q, k_pool, v_pool, layer, meta, sm_scale, kv_block=KV_B
     return out.reshape(num_blocks * block_q, num_heads, head_dim)[meta.token_out_idx].astype(q.dtype)
 
 
-class Block16Runner(ModelRunner):
-    """The runner as before issue 20's fourth pass: 16-row query blocks in every extend bucket."""
-
-    def extend_block_q(self, num_tokens: int) -> int:
-        return EXTEND_BLOCK_Q
+ATTENTION = {"xla": ragged_paged_attention_xla, "padded-map": padded_map_attention}
 
 
-# name -> (attention function, runner class)
-ATTENTION = {
-    "xla": (ragged_paged_attention_xla, ModelRunner),
-    "whole-chunks": (functools.partial(ragged_paged_attention_xla, kv_tail=KV_BLOCK_TOKENS), Block16Runner),
-    "padded-map": (padded_map_attention, Block16Runner),
-}
-
-
-def runner_with(config, params, variant: str, max_seqs: int, context: int) -> ModelRunner:
-    """`bench_model.jax_runner`'s host-loop runner with the attention function and runner class of
-    `variant` (an `ATTENTION` key); the extend buckets start at 2 tokens, as with `--speculative-algorithm`."""
-    attn_fn, runner_cls = ATTENTION[variant]
+def runner_with(config, params, attn_fn, max_seqs: int, context: int) -> ModelRunner:
+    """`bench_model.jax_runner`'s host-loop runner with another attention function; the extend buckets
+    start at 2 tokens, as with `--speculative-algorithm`."""
     ps = bench_model.PAGE_SIZE
     shape = (config.num_layers, max_seqs * (context // ps + 1) + 1, ps, config.num_kv_heads, config.head_dim)
-    return runner_cls(config, params, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
-                      attn_fn=attn_fn, max_running_requests=max_seqs, max_extend_tokens=context,
-                      context_length=context + ps, layer_loop="host", min_extend_tokens=2)
+    return ModelRunner(config, params, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+                       attn_fn=attn_fn, max_running_requests=max_seqs, max_extend_tokens=context,
+                       context_length=context + ps, layer_loop="host", min_extend_tokens=2)
 
 
 def main() -> None:
@@ -124,7 +107,7 @@ def main() -> None:
     n = args.prompt_len
     prompt = [int(x) for x in np.random.default_rng(0).integers(3, config.vocab_size, size=n)]
     pages = list(range(1, n // bench_model.PAGE_SIZE + 3))
-    runners = {name: runner_with(config, params, name, args.max_seqs, n + 2 * bench_model.PAGE_SIZE)
+    runners = {name: runner_with(config, params, ATTENTION[name], args.max_seqs, n + 2 * bench_model.PAGE_SIZE)
                for name in args.attention}
     for r in runners.values():
         r.forward([BatchEntry(prompt, 0, pages)])

@@ -7,8 +7,6 @@ to the whole batch's KV or to the bucket's padding.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int32
@@ -17,8 +15,6 @@ from jaxserve.pallas.metadata import AttentionMetadata
 
 _MASK_VALUE = -1e30
 KV_BLOCK_TOKENS = 256  # keys per inner-loop step of the XLA path; measured best of 128/256/1024 on CPU
-# smallest last chunk of a query block's keys (`kv_chunk_tiers`): two pages of 16 tokens
-KV_TAIL_TOKENS = 32
 
 
 def write_kv(
@@ -42,24 +38,6 @@ def write_kv(
     return k_pool, v_pool
 
 
-def kv_chunk_tiers(page_size: int, pages_per_seq: int, kv_block: int, kv_tail: int) -> tuple[int, ...]:
-    """Pages per KV chunk of each tier of the XLA path's key loop, largest first: `kv_block` tokens,
-    then halves of it down to `kv_tail` tokens (each rounded down to whole pages, at least one page,
-    the largest no wider than the page table).
-
-    A query block's keys are covered by whole chunks of the largest tier, then one last chunk of the
-    smallest tier that holds the rest: as many loop steps as with the largest chunks alone, and at
-    most half of that last chunk (or `kv_tail - 1` keys) computed past the block's causal end.
-    """
-    largest = max(1, min(kv_block // page_size, pages_per_seq))
-    smallest = max(1, min(kv_tail // page_size, largest))
-    tiers = []
-    while largest >= smallest:
-        tiers.append(largest)
-        largest //= 2
-    return tuple(tiers)
-
-
 def ragged_paged_attention_xla(
     q: Float[Array, "T H D"],
     k_pool: Float[Array, "L N ps KVH D"],
@@ -68,28 +46,23 @@ def ragged_paged_attention_xla(
     meta: AttentionMetadata,
     sm_scale: float,
     kv_block: int = KV_BLOCK_TOKENS,
-    kv_tail: int = KV_TAIL_TOKENS,
 ) -> Float[Array, "T H D"]:
     """Causal attention of each packed query token over its sequence's KV in layer `layer` of the pool.
 
     The K/V of this step's tokens must already be written (see `write_kv`). Query heads are grouped over
     kv heads (GQA, `H = KVH * G`). Rows of padding tokens are zero.
     `kv_block` is the number of keys per inner-loop step (static; rounded down to whole pages, at
-    least one page), `kv_tail` the finest chunk of a block's last keys (`kv_chunk_tiers`); `sm_scale`
-    is usually head_dim ** -0.5.
+    least one page); `sm_scale` is usually head_dim ** -0.5.
 
     Algorithm: flash attention (Dao et al., 2022) run as XLA loops. For each query block, a loop over
     blocks of `kv_block` tokens of its own sequence keeps a running max, denominator and output in
     float32 (the online softmax), and stops at the block's last causal position. So a block reads only
     the KV it attends to: the pages a shorter sequence leaves unused in the bucket are never read, and
-    a prefill does about half the work of a full square. A block's last chunk is the smallest of
-    `kv_chunk_tiers` (`kv_block` tokens halved down to `kv_tail`) that holds its remaining keys: a
-    16-row block after 512 cached tokens computes 544 keys, not 768, in as many loop steps (on CPU a
-    block's dots are bound by arithmetic; docs/benchmarks.md, issue 20's fourth pass).
-    The loop over blocks stops after the batch's real ones (the builder packs them first), so a
-    bucket's padding blocks cost nothing: a speculative verification of one sequence runs in a
-    16-token bucket with 16 sequence slots, 16 padding blocks that a map over all blocks spent about
-    a fifth of its attention time on (docs/benchmarks.md, issue 20's third pass).
+    a prefill does about half the work of a full square. The loop over blocks stops after the batch's
+    real ones (the builder packs them first), so a bucket's padding blocks cost nothing: a speculative
+    verification of one sequence runs in a 16-token bucket with 16 sequence slots, 16 padding blocks
+    that a map over all blocks spent about a fifth of its attention time on (docs/benchmarks.md,
+    issue 20's third pass).
     Materializing every block's whole KV bucket at once was 1.5-17x slower on CPU (docs/benchmarks.md,
     `scripts/bench_attention.py`).
     """
@@ -97,10 +70,11 @@ def ragged_paged_attention_xla(
     _, _, page_size, num_kv_heads, _ = k_pool.shape
     group = num_heads // num_kv_heads
     num_blocks, block_q = meta.block_token_idx.shape
-    tiers = kv_chunk_tiers(page_size, meta.page_table.shape[1], kv_block, kv_tail)
-    # Pad the page table by one largest chunk: the extra entries read the dummy page and are masked,
-    # and no chunk's dynamic_slice runs past the end (it would be clamped, reading the wrong pages).
-    page_table = jnp.pad(meta.page_table, ((0, 0), (0, tiers[0])))
+    pages_per_seq = meta.page_table.shape[1]
+    pages_per_chunk = max(1, min(kv_block // page_size, pages_per_seq))
+    chunk = pages_per_chunk * page_size
+    # Pad the page table to whole chunks; the extra entries read the dummy page and are masked.
+    page_table = jnp.pad(meta.page_table, ((0, 0), (0, -pages_per_seq % pages_per_chunk)))
     row_offset = jnp.tile(jnp.arange(block_q, dtype=jnp.int32), group)  # [G * Bq] query row of each row
     rows = group * block_q
 
@@ -112,43 +86,30 @@ def ragged_paged_attention_xla(
         q_blk = q_blk.transpose(1, 2, 0, 3).reshape(num_kv_heads, rows, head_dim)
         q_pos = q_start + row_offset
         kv_end = q_start + num_q  # causal: keys at positions < kv_end
+        num_chunks = (kv_end + chunk - 1) // chunk
 
-        def kv_step(num_pages, tier_start):
-            chunk = num_pages * page_size
+        def kv_step(c, carry):
+            run_max, denom, acc = carry
+            pages = jax.lax.dynamic_slice(page_table[seq], (c * pages_per_chunk,), (pages_per_chunk,))
+            # Index the pool directly: slicing out the layer first would copy the whole layer.
+            k = k_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim)
+            v = v_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim)
+            s = jnp.einsum("krd,skd->krs", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
+            kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            s = jnp.where(kv_pos[None, None, :] <= q_pos[None, :, None], s, _MASK_VALUE)
+            new_max = jnp.maximum(run_max, s.max(axis=-1))
+            p = jnp.exp(s - new_max[..., None])
+            rescale = jnp.exp(run_max - new_max)
+            denom = denom * rescale + p.sum(axis=-1)
+            pv = jnp.einsum("krs,skd->krd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            return new_max, denom, acc * rescale[..., None] + pv
 
-            def step(c, carry):
-                run_max, denom, acc = carry
-                first = tier_start + c * chunk
-                pages = jax.lax.dynamic_slice(page_table[seq], (first // page_size,), (num_pages,))
-                # Index the pool directly: slicing out the layer first would copy the whole layer.
-                k = k_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim)
-                v = v_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim)
-                s = jnp.einsum("krd,skd->krs", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
-                kv_pos = first + jnp.arange(chunk, dtype=jnp.int32)
-                s = jnp.where(kv_pos[None, None, :] <= q_pos[None, :, None], s, _MASK_VALUE)
-                new_max = jnp.maximum(run_max, s.max(axis=-1))
-                p = jnp.exp(s - new_max[..., None])
-                rescale = jnp.exp(run_max - new_max)
-                denom = denom * rescale + p.sum(axis=-1)
-                pv = jnp.einsum("krs,skd->krd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-                return new_max, denom, acc * rescale[..., None] + pv
-
-            return step
-
-        carry = (
+        init = (
             jnp.full((num_kv_heads, rows), _MASK_VALUE, jnp.float32),
             jnp.zeros((num_kv_heads, rows), jnp.float32),
             jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32),
         )
-        largest = tiers[0] * page_size
-        num_full = (kv_end - 1) // largest  # whole largest chunks before the last chunk
-        carry = jax.lax.fori_loop(0, num_full, kv_step(tiers[0], 0), carry)
-        # the last chunk: the smallest tier that holds the rest (1..largest keys)
-        rest = kv_end - num_full * largest
-        tier = jnp.sum(jnp.asarray([n * page_size for n in tiers]) >= rest) - 1
-        last = [functools.partial(kv_step(n, num_full * largest), 0) for n in tiers]
-        carry = jax.lax.switch(tier, last, carry)
-        _, denom, acc = carry
+        _, denom, acc = jax.lax.fori_loop(0, num_chunks, kv_step, init)
         res = (acc / jnp.maximum(denom, 1e-30)[..., None]).reshape(num_kv_heads, group, block_q, head_dim)
         res = res.transpose(2, 0, 1, 3).reshape(block_q, num_heads, head_dim)
         # rows past the block's last query go to row T, which the scatter drops

@@ -27,7 +27,7 @@ from jax._src.lib import version as _jaxlib_version
 from jaxserve.pallas import ATTENTION_BACKENDS, get_attention_backend
 from jaxserve.pallas.metadata import AttentionMetadata, build_attention_metadata, num_blocks_for
 from jaxserve.pallas.ragged_paged_attention import ragged_paged_attention
-from jaxserve.pallas.reference import kv_chunk_tiers, ragged_paged_attention_xla
+from jaxserve.pallas.reference import ragged_paged_attention_xla
 
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
@@ -277,7 +277,7 @@ def _abstract_args(
 @needs_embedded_triton_ir
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_q", [1, 4, 16])  # 4: the small verification buckets' blocks
+@pytest.mark.parametrize("block_q", [1, 16])
 def test_lowers_for_cuda(block_q, head_dim, group):
     """Every bucket lowers to a Triton kernel that passes Triton's verifier with dots of M, N, K >= 16.
 
@@ -368,33 +368,3 @@ def test_xla_path_on_verification_buckets(seqs):
     num_new = sum(ext for _, ext in seqs)
     _assert_close(out[:num_new], _numpy_attention(q, seqs, seq_kv, 0.125), TOLERANCE["float32"])
     assert not out[num_new:].any()
-
-
-def test_kv_chunk_tiers_halve_down_to_the_tail():
-    assert kv_chunk_tiers(16, 256, 256, 32) == (16, 8, 4, 2)
-    assert kv_chunk_tiers(64, 256, 256, 32) == (4, 2, 1)  # never less than one page
-    assert kv_chunk_tiers(16, 4, 256, 32) == (4, 2)  # never wider than the page table
-    assert kv_chunk_tiers(16, 256, 256, 256) == (16,)  # one tier: whole chunks only
-
-
-@pytest.mark.parametrize("block_q", [2, 4, 8, 16])
-@pytest.mark.parametrize(("page_size", "kv_block", "kv_tail"), [(16, 256, 32), (8, 64, 8), (16, 64, 64)])
-def test_xla_path_key_tiers(block_q, page_size, kv_block, kv_tail):
-    """Prefixes whose keys end inside each tier of `kv_chunk_tiers` (and on its boundaries), in query
-    blocks of the small verification buckets' sizes, against the float64 brute force."""
-    seqs = [(240, 5), (17, 3), (490, 8), (256, 1), (0, 2), (31, 1), (95, 2)]
-    q, k_pool, v_pool, layer, host_meta, seq_kv = _make_batch(
-        seqs, page_size=page_size, group=3, head_dim=64, dtype="float32", block_q=block_q, seed=5
-    )
-    attn = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.125, kv_block=kv_block, kv_tail=kv_tail))
-    out = np.asarray(attn(q, k_pool, v_pool, layer, host_meta.to_device()))
-    num_new = sum(ext for _, ext in seqs)
-    _assert_close(out[:num_new], _numpy_attention(q, seqs, seq_kv, 0.125), TOLERANCE["float32"])
-    assert not out[num_new:].any()
-
-
-@pytest.mark.parametrize("block_q", [4, 8])
-def test_kernel_in_small_verification_blocks(block_q):
-    """The 2-8 token extend buckets run in query blocks of their size: the kernel (interpret mode), the
-    XLA path and the brute force agree there too."""
-    _check([(300, 5), (40, 2), (7, 1)], page_size=16, group=3, head_dim=64, dtype="float32", block_q=block_q, seed=7)
