@@ -92,10 +92,6 @@ class SpeculativeStats:
 class NgramSpeculator:
     """Draft policy of n-gram speculative decoding (see the module docstring); the engine counts."""
 
-    # On a tie of match lengths the request's own match is drafted rather than the store's (measured:
-    # docs/benchmarks.md, issue 20's fourth pass).
-    store_wins_ties = False
-
     def __init__(self, config: SpeculativeConfig, tree: RadixCache):
         self.config = config
         self.tree = tree
@@ -166,13 +162,14 @@ class NgramSpeculator:
         return draft[:k]
 
     def ngram_match(self, req: Req, k: int) -> tuple[NgramMatch, bool]:
-        """The longer of the request's own n-gram match and the store's (`store_wins_ties` on a tie),
-        and whether it is the store's."""
+        """The longer of the request's own n-gram match and the store's, and whether it is the store's.
+        A tie goes to the request's own match (the store's drafts at ties accepted 0.8 tokens against
+        4.9: docs/benchmarks.md, issue 20's fourth pass)."""
         own = ngram_match(req.fill_ids, k, self.config.max_match_len)
         if self.store is None or own.match_len >= self.config.max_match_len:
             return own, False
         other = self.store.match(req.fill_ids, k, req.namespace)
-        if other.match_len > own.match_len or (self.store_wins_ties and other.match_len == own.match_len and other.draft):
+        if other.match_len > own.match_len:
             return other, True
         return own, False
 
