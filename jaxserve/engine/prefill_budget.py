@@ -224,7 +224,8 @@ class PrefillBudget:
         steps ran); until then it is tried when the buckets below allow a first try
         (`_first_try_fits`), from the bottom up: a first try beside 7 decodes over 3x their step is 7
         long ITLs, and first tries of the 64-token bucket straight from the budget's estimate gave 11
-        of a 650-ITL run's 17 (docs/benchmarks.md). Measured at 8 concurrent requests: the linear
+        of a 650-ITL run's 17 (docs/benchmarks.md, Third pass), from the line through the two buckets
+        below 7 of 22 in a served copy-heavy run (Fifth pass). Measured at 8 concurrent requests: the linear
         per-token estimate and the 32-token minimum put 7 decodes + 57 prefill tokens into the
         64-token bucket, 3.5x a decode step."""
         up = next((t for t in buckets if t >= num_decodes + cap), num_decodes + cap)
@@ -245,21 +246,23 @@ class PrefillBudget:
 
     def _first_try_fits(self, num_decodes: int, below: Sequence[int], bucket: int, limit: float) -> bool:
         """Whether an unmeasured `bucket` may be tried: the smallest always; the next one when the one
-        below keeps the bound; a larger one when the line through the two measured buckets below it
-        (seconds against tokens) keeps the bound at `bucket` too. Measured: the 64-token bucket beside
-        7 decodes, tried because the 32-token one kept the bound, took 4.0x a decode step; the line
-        through 16 and 32 (107 and 141 ms) said 208 ms against a bound of 150 ms."""
+        below keeps the bound; a larger one when the prefill part of the largest bucket below (its cost
+        less the decode step of `num_decodes`), scaled in proportion to the tokens, keeps the bound at
+        `bucket` too. Proportion over-estimates a larger bucket (seconds per prompt token fall with the
+        bucket: 3.2 ms at 32 and 64 tokens, 2.5 at 128, 1.7-2.1 at 512, docs/benchmarks.md), so a first
+        try that is over the bound is rare. The line through the two buckets below, the rule before, was
+        under: beside 7 decodes the 16- and 32-token buckets took 107 and 141 ms, the line said 208 ms
+        at 64 tokens, it measured 240 (served, 7 long ITLs per such try, the Fifth pass); proportion
+        says 60 + 2 x 81 = 222 ms."""
         if not below:
             return True
-        costs = [self.mixed_seconds(num_decodes, t) for t in below[-2:]]
-        if costs[-1] is None or costs[-1] > limit:
+        cost = self.mixed_seconds(num_decodes, below[-1])
+        if cost is None or cost > limit:
             return False
         if len(below) < 2:
             return True
-        if costs[0] is None:
-            return False
-        slope = (costs[1] - costs[0]) / (below[-1] - below[-2])
-        return costs[1] + slope * (bucket - below[-1]) <= limit
+        decode = self.decode_seconds(num_decodes) or 0.0
+        return decode + max(cost - decode, 0.0) * bucket / below[-1] <= limit
 
 
 def _record(steps: dict, key, seconds: float) -> None:

@@ -52,8 +52,8 @@ def test_step_bucket_steps_down_from_buckets_measured_over_the_bound():
     assert b.step_tokens(7, 32, buckets) == 16  # nothing measured beside 7 decodes: the smallest first
     b.observe(7, 9, 0.080, step_bucket=16)  # 1.6x
     assert b.step_tokens(7, 32, buckets) == 32  # then one bucket up
-    b.observe(7, 25, 0.085, step_bucket=32)  # 1.7x: within the bound, and the line through 16 and 32
-    assert b.step_tokens(7, 32, buckets) == 64  # says 95 ms at 64: tried
+    b.observe(7, 25, 0.072, step_bucket=32)  # 1.44x: within the bound, and its prefill part (22 ms)
+    assert b.step_tokens(7, 32, buckets) == 64  # doubled says 94 ms at 64: tried
     b.observe(7, 57, 0.180, step_bucket=64)  # 3.6x a decode step
     assert b.step_tokens(7, 32, buckets) == 64  # one step is not enough to judge it: tried again
     b.observe(7, 57, 0.180, step_bucket=64)
@@ -69,9 +69,11 @@ def test_step_bucket_steps_down_from_buckets_measured_over_the_bound():
     assert b.step_tokens(15, 8, buckets) == 16  # nothing measured beside 15 decodes: the smallest
 
 
-def test_first_try_of_a_larger_bucket_needs_the_line_through_two_below():
+def test_first_try_of_a_larger_bucket_scales_the_bucket_below():
     """The measured case: beside 7 decodes (60 ms) at ratio 2.5 the 16- and 32-token buckets took 107
-    and 141 ms; their line says 208 ms at 64, over the 150 ms bound, so 64 is not tried."""
+    and 141 ms (64 then measured 240); the 32-token step's prefill part (81 ms) doubled says 222 ms at
+    64, over the 150 ms bound, so 64 is not tried. Where the line through 16 and 32 is flat (120, 125
+    ms: 135 at 64) proportion still says 190: not tried; a 32-token step at 100 ms (140) is."""
     b = PrefillBudget(itl_ratio=2.5, min_tokens=32, max_tokens=512)
     b.observe(7, 0, 0.060)
     b.observe(7, 9, 0.107, step_bucket=16)
@@ -81,6 +83,12 @@ def test_first_try_of_a_larger_bucket_needs_the_line_through_two_below():
     b.observe(7, 25, 0.160, step_bucket=32)
     b.observe(7, 25, 0.160, step_bucket=32)  # 32's median of three steps over the bound
     assert b.step_tokens(7, 32, (16, 32, 64)) == 16
+    for cost_32, expected in ((0.125, 32), (0.100, 64)):
+        flat = PrefillBudget(itl_ratio=2.5, min_tokens=32, max_tokens=512)
+        flat.observe(7, 0, 0.060)
+        flat.observe(7, 9, 0.120, step_bucket=16)
+        flat.observe(7, 25, cost_32, step_bucket=32)
+        assert flat.step_tokens(7, 40, (16, 32, 64)) == expected
 
 
 def test_bucket_costs_are_medians_of_recent_steps():
