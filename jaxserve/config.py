@@ -288,9 +288,10 @@ class ServerArgs:
     min_prefill_budget: int = _flag(32, "fewest prefill tokens a step with running decodes may take (so prompts always progress)", group="scheduling")
     prefill_decode_stall_fraction: float = _flag(
         0.01,
-        "share of decode tokens (0 to 1) that long steps (over 3x a decode step, or --prefill-decode-itl-ratio if larger) may "
-        "delay: a step takes a whole chunk while such steps have delayed at most this share of the decode tokens since the engine "
-        "was last idle (a P99 bound leaves 1 percent); 0 keeps the bound on every step",
+        "share of ITLs (0 to 1) that long steps (over 3x a decode step, or --prefill-decode-itl-ratio if larger) may "
+        "delay: each request grants this share of its max_new_tokens when it is queued (the part an early finish did not use is "
+        "taken back), and a step takes a whole chunk while that credit, since the engine was last idle, pays one long ITL per "
+        "running decode (a P99 bound leaves 1 percent); 0 keeps the bound on every step",
         group="scheduling",
     )
     speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request, in recent requests and in the radix cache) (default: none, one token per decode step)", choices=("NGRAM",), group="speculative")

@@ -24,9 +24,8 @@ Two options make the run arrive as a served one does (docs/benchmarks.md, "Fourt
 `--served-idle` sends bench_serving's one warm-up request before each workload and then runs the
 served loop's idle step (an `Engine.step()` with nothing to run: the stall credit restarts from 0), and
 `--served-arrivals` runs a workload's first step with its first request alone (served, the others
-arrive over HTTP while that step runs). `--trial-credit-on-admission` is an experiment, not the
-engine's rule: the stall credit is earned when a request is first admitted, stall_fraction x its
-max_new_tokens, instead of per decode token (`trial_credit_on_admission`).
+arrive over HTTP while that step runs). (The Fourth pass's `--trial-credit-on-admission` experiment
+is gone: the engine now grants the stall credit per request when it is queued, PrefillBudget.admit_request.)
 """
 
 from __future__ import annotations
@@ -45,8 +44,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode_latency  # noqa: E402
-
-from jaxserve.engine.prefill_budget import STALL_CREDIT_WINDOW  # noqa: E402
 
 LONG_ITL_FACTOR = 3.0  # the issue's bound: P99 ITL <= 3x the median
 
@@ -76,32 +73,6 @@ class ReqTrace:
     prompt_len: int
     prefill_steps: int = 0
     arrivals: list[tuple[float, int, int]] = field(default_factory=list)  # (time, tokens, step index)
-
-
-def trial_credit_on_admission(engine) -> None:
-    """Experiment on this engine's scheduler (docs/benchmarks.md, "Fourth pass"): a request's whole
-    stall credit (stall_fraction x max_new_tokens) is earned when it is first admitted, so a busy
-    period's first wave can pay for whole-chunk steps; decode tokens earn nothing more. The cap and
-    the charges are unchanged. Exact only for requests that run to max_new_tokens (the benchmarks'
-    ignore_eos): an early finish would keep credit it never earned."""
-    sched = engine.scheduler
-    pb = sched.prefill_budget
-    account, admit = pb._account_stall, sched._admit_waiting
-
-    def account_without_earning(num_decodes, num_prefill_tokens, seconds, batch_size):
-        if pb.enabled and pb.stall_fraction > 0 and num_decodes:
-            pb.stall_credit -= pb.stall_fraction * num_decodes  # cancels what `account` earns (below its cap)
-        account(num_decodes, num_prefill_tokens, seconds, batch_size)
-
-    def admit_with_credit(adder):
-        waiting = set(map(id, sched.waiting))
-        admit(adder)
-        for req, _ in adder.entries:
-            if id(req) in waiting and req.num_retractions == 0 and pb.enabled and pb.stall_fraction > 0:
-                earned = pb.stall_fraction * req.sampling_params.max_new_tokens
-                pb.stall_credit = min(pb.stall_fraction * STALL_CREDIT_WINDOW, pb.stall_credit + earned)
-
-    pb._account_stall, sched._admit_waiting = account_without_earning, admit_with_credit
 
 
 def run_trace(engine, rows, concurrency: int, first_alone: bool = False) -> tuple[list[Step], dict[str, ReqTrace]]:
@@ -268,8 +239,6 @@ def main(argv=None) -> None:
     p.add_argument("--output-file", default=None, help="append one JSON line per (variant, workload) with the summary and every step")
     p.add_argument("--served-idle", action="store_true", help="before each workload: one warm-up request, then an idle step")
     p.add_argument("--served-arrivals", action="store_true", help="a workload's first step runs its first request alone")
-    p.add_argument("--trial-credit-on-admission", action="store_true",
-                   help="experiment: the stall credit is earned at admission (stall_fraction x max_new_tokens)")
     args = p.parse_args(argv)
 
     from jaxserve.config import ServerArgs
@@ -280,8 +249,6 @@ def main(argv=None) -> None:
     for v in args.variants:
         name, _, flags = v.partition("=")
         engine = Engine(ServerArgs.from_cli(shlex.split(args.server_flags) + shlex.split(flags)))
-        if args.trial_credit_on_admission:
-            trial_credit_on_admission(engine)
         engine.generate("warm-up", {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
         for w in args.workloads:
             bargs = bench_serving.parse_args(bench_decode_latency.workload_argv(w, 0, args.seed))

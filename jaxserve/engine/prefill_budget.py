@@ -18,22 +18,28 @@ run, the longer a decode step and the larger the chunk they can absorb. Issue 20
 
 The goal is a bound on the P99 ITL, not on every ITL, so a few steps may exceed it: the stall
 allowance (`stall_fraction`, `--prefill-decode-stall-fraction`) lets a step take a whole chunk while
-the steps measured over the bound have delayed at most that fraction of all decode tokens. It is a
-token bucket (the idea of a leaky-bucket rate limiter, applied to latency-SLO error budgets): every
-decode token earns `stall_fraction` of a credit, every decode token of a step measured over
-`LONG_ITL_RATIO` (3, the goal's own factor; `itl_ratio` if larger) x its decode step spends one, and
-a step may ignore the budget when its running decodes can all be paid for. Credit is capped at
-`STALL_CREDIT_WINDOW` decode tokens' worth, so a long quiet spell does not bank a burst of stalls,
-and its positive part is dropped when the engine goes idle (`end_busy_period`), so a short run
-cannot spend what an earlier one earned. Measured at 8 concurrent requests (docs/benchmarks.md,
-"Third pass", idle slot): before these rules the credit was in debt and never paid for a step; with
-them, in-process, copy-heavy prompts are admitted in one whole-chunk step and lose no throughput
-against no budget (P99 / median ITL 2.16), served 4-21% over four invocations; random prompts stay
-9-18% under no budget, because their short outputs give a run too few ITLs to pay for a stall per
-admission. That in-process run started its copy-heavy workload with the credit its random one had
-banked and all eight first requests queued; run as served ones arrive (an idle step, so credit 0,
-and the first request's step alone, the Fourth pass) it loses 16%, served 11-13%: while the first
-request decodes, the other seven are prefilled under the bound with no credit yet.
+the steps measured over the bound have delayed at most that fraction of all ITLs. It is a token
+bucket (the idea of a leaky-bucket rate limiter, applied to latency-SLO error budgets) whose credit is
+granted per request, in advance: a request that enters the queue (`admit_request`) brings
+`stall_fraction` x the ITLs it may have (max_new_tokens - 1), and when it finishes
+(`finish_request`) the part it did not earn (a stop before max_new_tokens, an abort) is taken back.
+Every decode token of a step measured over `LONG_ITL_RATIO` (3, the goal's own factor; `itl_ratio` if
+larger) x its decode step spends one, and a step may ignore the budget when its running decodes can
+all be paid for. Over a busy period of requests that run to max_new_tokens, the steps the credit paid
+for delay at most `stall_fraction` of the period's ITLs; a request that stops early can have lent
+credit that a stall spent before the take-back, and the take-back's debt then blocks the period's
+later stalls (the excess is at most the unearned grants of the requests live at the last stall).
+Granted in advance, a busy period's first wave can pay for its prompts: served, the first request
+runs alone and the others arrive while it runs, and with credit earned per decode token (the Third
+and Fourth passes, docs/benchmarks.md) the wave was prefilled 10-30 tokens per step beside the 1-5
+decodes then running, about half of the bound's throughput loss; a whole-chunk step beside one
+decode is one long ITL. Credit is capped at `STALL_CREDIT_WINDOW` ITLs' worth, so a deep queue does
+not bank a burst of stalls, and it restarts from 0 when the engine goes idle (`end_busy_period`), so
+a short run cannot spend what an earlier one earned. Measured served at 8 concurrent requests
+against no bound (docs/benchmarks.md, "Fifth pass", three invocations in the idle slot): copy-heavy
+prompts +5.3, -4.2 and +8.4% output tok/s with P99 / median ITL 1.28-1.36 (the Fourth pass: -11..-13%),
+random ones -3.0, -5.4 and -13.1% with 2.05-2.77; a run of 650 ITLs has 6.5 long ones to spend, and
+its P99 stays under 3x the median only with at most 6.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from typing import Sequence
 
 # weight of the newest step in the moving average of seconds per prefill token: about the last ten count
 EMA_WEIGHT = 0.1
-# the stall credit never exceeds stall_fraction x this many decode tokens (16 stalled tokens at 1%)
+# the stall credit never exceeds stall_fraction x this many ITLs (16 stalled tokens at 1%)
 STALL_CREDIT_WINDOW = 1600
 # issue 20's goal: P99 ITL at most 3x the median, so an ITL over 3x a decode step is a long one
 LONG_ITL_RATIO = 3.0
@@ -64,8 +70,8 @@ class PrefillBudget:
         itl_ratio: the bound on a chunk step / a decode-only step (> 1); 0 turns the bound off.
         min_tokens: the least a step with decodes may prefill (prompts always progress).
         max_tokens: the most (the chunk size).
-        stall_fraction: the share of decode tokens (0 to 1) that long steps (`long_ratio`) may delay;
-            0: every step keeps the bound.
+        stall_fraction: the share of ITLs (0 to 1) that long steps (`long_ratio`) may delay, granted
+            per request in advance (`admit_request`, `finish_request`); 0: every step keeps the bound.
     """
 
     def __init__(self, itl_ratio: float, min_tokens: int, max_tokens: int, stall_fraction: float = 0.0):
@@ -81,6 +87,8 @@ class PrefillBudget:
         self._decode_steps: dict[int, collections.deque[float]] = {}
         self._mixed_steps: dict[tuple[int, int], collections.deque[float]] = {}
         self._seconds_per_token: float | None = None
+        # request id -> (credit granted when it was queued, its max_new_tokens), until it finishes
+        self._grants: dict[str, tuple[float, int]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -103,14 +111,39 @@ class PrefillBudget:
         self._seconds_per_token = _ema(self._seconds_per_token, per_token)
 
     def _account_stall(self, num_decodes: int, num_prefill_tokens: int, seconds: float, batch_size: int) -> None:
-        if not self.enabled or self.stall_fraction <= 0 or num_decodes == 0:
+        if not self._grants_credit or num_decodes == 0 or not num_prefill_tokens:
             return
-        cap = self.stall_fraction * STALL_CREDIT_WINDOW
-        self.stall_credit = min(cap, self.stall_credit + self.stall_fraction * num_decodes)
         reference = self.reference_seconds(num_decodes, batch_size)
         # an unmeasured decode step counts the chunk step as long: the credit never pays less than it lost
-        if num_prefill_tokens and (reference is None or seconds > self.long_ratio * reference):
+        if reference is None or seconds > self.long_ratio * reference:
             self.stall_credit -= num_decodes  # each running decode waited one long ITL
+
+    @property
+    def _grants_credit(self) -> bool:
+        return self.enabled and self.stall_fraction > 0
+
+    def admit_request(self, rid: str, max_new_tokens: int) -> None:
+        """A request entered the queue: it brings `stall_fraction` of a credit per ITL it may have
+        (`max_new_tokens` - 1), up to the cap (`STALL_CREDIT_WINDOW`). Once per request: a retracted
+        request queued again (same `rid`) brings nothing more."""
+        if not self._grants_credit or rid in self._grants:
+            return
+        cap = self.stall_fraction * STALL_CREDIT_WINDOW
+        grant = max(0.0, min(self.stall_fraction * max(0, max_new_tokens - 1), cap - self.stall_credit))
+        self._grants[rid] = (grant, max_new_tokens)
+        self.stall_credit += grant
+
+    def finish_request(self, rid: str, num_output_tokens: int) -> None:
+        """A request finished (or was aborted) after `num_output_tokens` tokens: the credit it was
+        granted for ITLs it did not have (`max_new_tokens` - `num_output_tokens`) is taken back, up to
+        what it was granted (a grant the cap cut takes back no more than it gave). Unknown `rid`s
+        (never queued, or queued while the budget was off) are ignored."""
+        entry = self._grants.pop(rid, None)
+        if entry is None:
+            return
+        grant, max_new_tokens = entry
+        unearned = self.stall_fraction * max(0, max_new_tokens - max(1, num_output_tokens))
+        self.stall_credit -= min(grant, unearned)
 
     @property
     def long_ratio(self) -> float:
@@ -121,11 +154,13 @@ class PrefillBudget:
 
     def end_busy_period(self) -> None:
         """The engine has nothing to run: the stall credit starts again from 0, so that the steps of one
-        busy period delay at most `stall_fraction` of that period's own decode tokens. A credit banked
+        busy period delay at most `stall_fraction` of that period's own ITLs. A credit banked
         earlier let a short run have more long ITLs than its share (the cap of 16 plus 1% of a
         2,032-ITL run, docs/benchmarks.md); a debt from one period's first tries of unmeasured
-        buckets is not held against the next."""
+        buckets is not held against the next. Every request has finished by then, so no grant is
+        outstanding (any left, from a request that never reached `finish_request`, is dropped)."""
         self.stall_credit = 0.0
+        self._grants.clear()
 
     def can_stall(self, num_decodes: int) -> bool:
         """Whether a step beside `num_decodes` running decodes may take a whole chunk, over the bound:
@@ -192,7 +227,8 @@ class PrefillBudget:
         steps ran); until then it is tried when the buckets below allow a first try
         (`_first_try_fits`), from the bottom up: a first try beside 7 decodes over 3x their step is 7
         long ITLs, and first tries of the 64-token bucket straight from the budget's estimate gave 11
-        of a 650-ITL run's 17 (docs/benchmarks.md). Measured at 8 concurrent requests: the linear
+        of a 650-ITL run's 17 (docs/benchmarks.md, Third pass), from the line through the two buckets
+        below 7 of 22 in a served copy-heavy run (Fifth pass). Measured at 8 concurrent requests: the linear
         per-token estimate and the 32-token minimum put 7 decodes + 57 prefill tokens into the
         64-token bucket, 3.5x a decode step."""
         up = next((t for t in buckets if t >= num_decodes + cap), num_decodes + cap)
@@ -213,21 +249,23 @@ class PrefillBudget:
 
     def _first_try_fits(self, num_decodes: int, below: Sequence[int], bucket: int, limit: float) -> bool:
         """Whether an unmeasured `bucket` may be tried: the smallest always; the next one when the one
-        below keeps the bound; a larger one when the line through the two measured buckets below it
-        (seconds against tokens) keeps the bound at `bucket` too. Measured: the 64-token bucket beside
-        7 decodes, tried because the 32-token one kept the bound, took 4.0x a decode step; the line
-        through 16 and 32 (107 and 141 ms) said 208 ms against a bound of 150 ms."""
+        below keeps the bound; a larger one when the prefill part of the largest bucket below (its cost
+        less the decode step of `num_decodes`), scaled in proportion to the tokens, keeps the bound at
+        `bucket` too. Proportion over-estimates a larger bucket (seconds per prompt token fall with the
+        bucket: 3.2 ms at 32 and 64 tokens, 2.5 at 128, 1.7-2.1 at 512, docs/benchmarks.md), so a first
+        try that is over the bound is rare. The line through the two buckets below, the rule before, was
+        under: beside 7 decodes the 16- and 32-token buckets took 107 and 141 ms, the line said 208 ms
+        at 64 tokens, it measured 240 (served, 7 long ITLs per such try, the Fifth pass); proportion
+        says 60 + 2 x 81 = 222 ms."""
         if not below:
             return True
-        costs = [self.mixed_seconds(num_decodes, t) for t in below[-2:]]
-        if costs[-1] is None or costs[-1] > limit:
+        cost = self.mixed_seconds(num_decodes, below[-1])
+        if cost is None or cost > limit:
             return False
         if len(below) < 2:
             return True
-        if costs[0] is None:
-            return False
-        slope = (costs[1] - costs[0]) / (below[-1] - below[-2])
-        return costs[1] + slope * (bucket - below[-1]) <= limit
+        decode = self.decode_seconds(num_decodes) or 0.0
+        return decode + max(cost - decode, 0.0) * bucket / below[-1] <= limit
 
 
 def _record(steps: dict, key, seconds: float) -> None:

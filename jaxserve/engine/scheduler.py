@@ -10,7 +10,8 @@ pending they alternate, so a long chunked prompt never stalls running streams. W
 (`--enable-mixed-chunk`, the CPU default) the decodes ride in the same forward as the prefill chunk.
 While decodes run, a step's prefill tokens are capped by `PrefillBudget` (measured step times), so a
 chunk delays the running streams' next token by a bounded factor (`--prefill-decode-itl-ratio`),
-except for the few steps the stall allowance pays for (`--prefill-decode-stall-fraction`).
+except for the few steps the stall allowance pays for (`--prefill-decode-stall-fraction`), which each
+request grants when it is queued (`add`) and takes back in part when it finishes early (`finish`).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Scheduler:
     def add(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
+        self.prefill_budget.admit_request(req.rid, req.sampling_params.max_new_tokens)  # once: not on a retraction
 
     @property
     def num_running(self) -> int:
@@ -295,6 +297,7 @@ class Scheduler:
             self.cache.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.prefill_budget.finish_request(req.rid, len(req.output_ids))
         req.status = ReqStatus.FINISHED
 
 
