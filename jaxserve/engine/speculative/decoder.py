@@ -10,12 +10,14 @@ The step itself is `verify_step.py`; this module owns the proposals:
 - `should_speculate`: decode-only steps of at most `--speculative-max-batch-size` requests.
   Verification multiplies the tokens of a step by up to K + 1: on a batch-1 decode, which reads every
   weight for one token, the extra tokens are nearly free; a full batch is already compute-bound.
-  Within such a step, `policy.DraftPolicy` keeps a request's draft only where its measured
-  acceptance pays for the measured cost of verifying it.
+  Within such a step, `policy.DraftPolicy` cuts each request's draft to the length (0 included)
+  that gives the step the most tokens per second, by the measured cost of each verification bucket
+  and the measured distribution of accepted lengths.
 - `propose`: the radix tree's continuation of the request's exact prefix (another request's output
   after the same prompt) when there is one, else the longer of two n-gram matches of the request's
-  suffix: `ngram_match` over its own tokens and `NgramStore.match` over recent finished requests'
-  tokens (`--speculative-ngram-capacity`; the request's own match wins a tie).
+  suffix: `ngram_match` over its own tokens and `NgramStore.match` over recent requests'
+  tokens (`--speculative-ngram-capacity`; the request's own match wins a tie). The store is fed as
+  requests decode (`propose_batch`: every STORE_FEED_EVERY tokens) and when they finish.
 - `constrain_draft`: a grammar-constrained request's draft is cut at the first token its grammar
   rejects, and its bitmask rows are the grammar's states along the draft.
 """
