@@ -64,7 +64,7 @@ def brute_force_survival(history, num_draft):
 def test_survival_counts_against_the_decayed_empirical_distribution():
     rng = np.random.default_rng(0)
     for _ in range(50):
-        # at most 10: the oldest keeps weight 0.8^9 > MIN_AT_RISK, so no position is extrapolated
+        # at most 10: the oldest keeps weight ACCEPT_DECAY^9 > MIN_AT_RISK, so none is extrapolated
         history = [(15, int(rng.integers(0, 15))) for _ in range(int(rng.integers(1, 11)))]
         counts = AcceptCounts()
         for d, a in history:
@@ -282,7 +282,7 @@ def test_engine_verifies_the_chosen_prefix_of_a_draft(tiny_model_dir, prompt_and
     assert out.finished and out.output_ids == ref
     # the whole draft once, then its useful part; 1 once to measure the 2-token bucket (unmeasured,
     # costed at a decode step) and where max_new_tokens leaves room for 1; the whole draft again once
-    # its evidence on positions 3-4 has decayed (MIN_AT_RISK: after ~14 verifications of 2)
+    # its evidence on positions 3-4 has decayed (MIN_AT_RISK: after ~58 verifications of 2)
     assert lens[0] == 4 and set(lens[1:]) <= {1, 2, 4} and lens.count(2) >= 0.8 * len(lens), lens
     assert lens.count(4) <= 1 + len(lens) // 12, lens
     eng.flush_cache()

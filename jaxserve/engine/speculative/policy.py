@@ -55,8 +55,10 @@ import numpy as np
 
 # weight of the newest step in the moving averages of step costs
 COST_EMA_WEIGHT = 0.2
-# weight an older verification keeps in `AcceptCounts` at each newer one (memory ~5 verifications)
-ACCEPT_DECAY = 0.8
+# weight an older verification keeps in `AcceptCounts` at each newer one (memory ~20 verifications:
+# with 0.8, ~5, copy-heavy TPOT at one request was 10.1-12.1 ms against 9.2-10.0 with 0.95 and
+# main's 9.6-9.8; docs/benchmarks.md, issue 20's fifth pass)
+ACCEPT_DECAY = 0.95
 # below this decayed weight a draft position counts as untested (its pass rate is extrapolated)
 MIN_AT_RISK = 0.05
 MIN_PROBE_STEPS = 8
@@ -70,7 +72,7 @@ class AcceptCounts:
     it (draft length >= j and the j - 1 before it accepted) and `passed[j-1]` those that accepted it.
     P(A >= j) is the product of the pass rates up to j (the Kaplan-Meier estimator; Kaplan & Meier
     1958), each older verification weighted down by ACCEPT_DECAY per newer one. A position no
-    verification tested lately (weight < MIN_AT_RISK: none in the last ~14) takes the pass rate of
+    verification tested lately (weight < MIN_AT_RISK: none in the last ~58) takes the pass rate of
     the last one tested, so the lengths a request's drafts are cut short of are retried now and then.
     """
 
