@@ -241,8 +241,8 @@ class ModelRunner:
         every compiled program returns its pools and activations with fixed shardings (GSPMD inserts
         the all-reduces after the row-parallel projections). None (or a 1-device mesh): one device. `min_extend_tokens`: the
         smallest extend bucket (speculative verification adds 2, 4 and 8 tokens: a sequence's last
-        token + its draft in one query block of the bucket's size; at batch 1 on CPU a verification costs 1.6x
-        (4-token bucket) to 2.3x (16-token bucket) a decode step, docs/benchmarks.md).
+        token + its draft in one query block of the bucket's size; at batch 1 on CPU a verification costs
+        1.25x (4-token bucket) to 2.1x (16-token bucket) a decode step, docs/benchmarks.md).
 
         Raises:
             ValueError: `layer_loop` is neither "scan" nor "host"."""
@@ -338,8 +338,9 @@ class ModelRunner:
     def extend_block_q(self, num_tokens: int) -> int:
         """Query-block rows of an extend bucket of `num_tokens` tokens: EXTEND_BLOCK_Q, or the bucket's
         tokens when fewer (the 2-, 4- and 8-token buckets of speculative verification). A block's rows
-        are all computed, so a 5-token verification in 16-row blocks paid for 16 rows; on CPU its
-        attention took ~30% less time in 8-row blocks (docs/benchmarks.md, issue 20's fourth pass)."""
+        are all computed, so a 3-token verification in a 16-row block paid for 16 rows: on CPU its
+        attention took 11.5 against 20.4 ms over 30 layers in a 4-row block (docs/benchmarks.md, issue
+        20's fifth pass)."""
         return min(num_tokens, EXTEND_BLOCK_Q)
 
     def all_buckets(self) -> list[BucketKey]:

@@ -168,8 +168,8 @@ def sample(logits: Float[Array, "S V"], batch: SamplingBatch, flags: SamplerFlag
 def first_argmax(x: Float[Array, "S V"]) -> Int32[Array, " S"]:
     """`jnp.argmax(x, axis=-1)` exactly (the first maximum; the first NaN where a row has one), as a max
     and a min over an index iota. XLA:CPU runs argmax as one (value, index) reduction that it does
-    not vectorize: over SmolLM2's 49,152-token vocabulary it took 0.25 ms for 1 row, 1.8 ms for 16
-    and 6.9 ms for 64, this 0.06, 0.40 and 1.7 ms (docs/benchmarks.md, issue 20's fifth pass)."""
+    not vectorize: over SmolLM2's 49,152-token vocabulary it took 0.29 ms for 1 row, 1.86 ms for 16
+    and 7.2 ms for 64, this 0.07, 0.41 and 2.4 ms (docs/benchmarks.md, issue 20's fifth pass)."""
     vocab_size = x.shape[-1]
     row_max = jnp.max(x, axis=-1, keepdims=True)  # XLA:CPU's vectorized max may skip a NaN
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
