@@ -12,10 +12,12 @@ the machine's speed hits them alike:
                   included (the XLA path before issue 20's third pass; kept here as the baseline).
 
 The break-even accept length of K is verify(K) / decode: speculation pays when the mean tokens
-emitted per verification (`spec_accept_length`) exceeds it.
+emitted per verification (`spec_accept_length`) exceeds it. A prefill step of the prompt's first
+--prefill-len tokens (no cached prefix; it rewrites the same K/V) is timed beside them, so a change
+that makes verification cheaper shows what it does to prefill in the same invocation.
 
     python scripts/bench_verify.py [--draft-tokens 2 4 8 12 15] [--attention xla padded-map]
-                                   [--repeats 10] [--stat min|median] [--output-file F.json]
+                                   [--prefill-len 128] [--repeats 10] [--stat min|median] [--output-file F.json]
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4, 8, 12, 15])
     ap.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--prefill-len", type=int, default=128, help="tokens of the timed prefill step (0: none)")
     ap.add_argument("--max-seqs", type=int, default=64, help="sequence bucket limit (the server's CPU default)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--stat", choices=("median", "min"), default="median")
@@ -113,16 +116,19 @@ def main() -> None:
         r.forward([BatchEntry(prompt, 0, pages)])
     stat = min if args.stat == "min" else statistics.median
 
-    def step(runner, tokens, num_logits):
-        entries = [BatchEntry(tokens, n, pages, num_logits=num_logits)]
+    def step(runner, tokens, num_logits, prefix_len):
+        entries = [BatchEntry(tokens, prefix_len, pages, num_logits=num_logits)]
         return lambda: runner.forward(entries).block_until_ready()
 
-    cases = [("decode", [prompt[-1]], 1)] + [(f"verify K={k}", prompt[-1 - k:], k + 1) for k in args.draft_tokens]
+    # (name, new tokens, logits rows, cached tokens before them)
+    cases = [("decode", [prompt[-1]], 1, n)] + [(f"verify K={k}", prompt[-1 - k:], k + 1, n) for k in args.draft_tokens]
+    if args.prefill_len:
+        cases.append((f"prefill {args.prefill_len}", prompt[: args.prefill_len], 1, 0))
     first = next(iter(runners.values()))
     outs = {name: np.asarray(r.forward([BatchEntry(prompt[-13:], n, pages, num_logits=13)])) for name, r in runners.items()}
     for name, o in outs.items():  # every variant computes the same logits
         np.testing.assert_allclose(o[:13], outs[next(iter(outs))][:13], rtol=2e-4, atol=2e-4)
-    fns = {(att, name): step(r, toks, nl) for att, r in runners.items() for name, toks, nl in cases}
+    fns = {(att, name): step(r, toks, nl, pre) for att, r in runners.items() for name, toks, nl, pre in cases}
     times = bench_model.timed_alternating(fns, args.repeats, stat)
     print(f"\njax {jax.__version__} on {jax.default_backend()}; batch 1, {n} tokens cached; {args.stat} of {args.repeats}; "
           f"sequence bucket limit {first.max_seqs}\n")
@@ -130,7 +136,7 @@ def main() -> None:
           + " | ".join(f"{a} / its decode" for a in runners) + " |")
     print("|---" * (1 + 2 * len(runners)) + "|")
     rows = []
-    for name, _, _ in cases:
+    for name, *_ in cases:
         ms = [times[(a, name)] * 1e3 for a in runners]
         rel = [times[(a, name)] / times[(a, "decode")] for a in runners]
         print(f"| {name} | " + " | ".join(f"{m:.1f}" for m in ms) + " | " + " | ".join(f"{x:.2f}" for x in rel) + " |")

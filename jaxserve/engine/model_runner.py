@@ -13,7 +13,7 @@ Buckets:
                    query blocks of 1 row.
     extend steps   (prefill chunks, possibly mixed with decodes): T from `extend_token_buckets` (powers
                    of two, plus 1.5x steps from 128 tokens so a prompt pads by at most a third),
-                   S = min(T, max S bucket); query blocks of EXTEND_BLOCK_Q rows.
+                   S = min(T, max S bucket); query blocks of min(T, EXTEND_BLOCK_Q) rows.
     both           P (page-table width per sequence) in powers of two from MIN_PAGE_BUCKET_TOKENS of
                    context up to the context length.
 Attention cost does not depend on P: both attention backends loop over each sequence's own pages up
@@ -241,8 +241,8 @@ class ModelRunner:
         every compiled program returns its pools and activations with fixed shardings (GSPMD inserts
         the all-reduces after the row-parallel projections). None (or a 1-device mesh): one device. `min_extend_tokens`: the
         smallest extend bucket (speculative verification adds 2, 4 and 8 tokens: a sequence's last
-        token + its draft in one 16-row query block; at batch 1 on CPU a verification costs 1.7x
-        (4-token bucket) to 2.3x (16-token bucket) a decode step, docs/benchmarks.md).
+        token + its draft in one query block of the bucket's size; at batch 1 on CPU a verification costs
+        1.25x (4-token bucket) to 2.1x (16-token bucket) a decode step, docs/benchmarks.md).
 
         Raises:
             ValueError: `layer_loop` is neither "scan" nor "host"."""
@@ -333,13 +333,21 @@ class ModelRunner:
         s = min(t, self.max_seqs)
         if num_seqs > s:
             raise ValueError(f"{num_seqs} sequences exceed bucket {s}")
-        return BucketKey(t, s, pages, EXTEND_BLOCK_Q)
+        return BucketKey(t, s, pages, self.extend_block_q(t))
+
+    def extend_block_q(self, num_tokens: int) -> int:
+        """Query-block rows of an extend bucket of `num_tokens` tokens: EXTEND_BLOCK_Q, or the bucket's
+        tokens when fewer (the 2-, 4- and 8-token buckets of speculative verification). A block's rows
+        are all computed, so a 3-token verification in a 16-row block paid for 16 rows: on CPU its
+        attention took 11.5 against 20.4 ms over 30 layers in a 4-row block (docs/benchmarks.md, issue
+        20's fifth pass)."""
+        return min(num_tokens, EXTEND_BLOCK_Q)
 
     def all_buckets(self) -> list[BucketKey]:
         pages = pow2_range(self.min_pages, self.max_pages)
         decode = [BucketKey(s, s, p, 1) for s in pow2_range(1, self.max_seqs) for p in pages]
         extend = [
-            BucketKey(t, min(t, self.max_seqs), p, EXTEND_BLOCK_Q)
+            BucketKey(t, min(t, self.max_seqs), p, self.extend_block_q(t))
             for t in self.extend_tokens
             for p in pages
         ]

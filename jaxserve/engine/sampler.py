@@ -157,12 +157,25 @@ def sample(logits: Float[Array, "S V"], batch: SamplingBatch, flags: SamplerFlag
         x = apply_logit_bias(x, batch.logit_bias_ids, batch.logit_bias_values)
     if flags.use_bitmask:
         x = jnp.where(unpack_bitmask(batch.bitmask, x.shape[1]), x, -jnp.inf)
-    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    greedy_tokens = first_argmax(x)
     if flags.all_greedy:
         next_tokens = greedy_tokens
     else:
         next_tokens = _sample_rows(x, batch, flags, greedy_tokens)
     return _logprob_outputs(logits, next_tokens, batch.logprob_token_ids, flags)
+
+
+def first_argmax(x: Float[Array, "S V"]) -> Int32[Array, " S"]:
+    """`jnp.argmax(x, axis=-1)` exactly (the first maximum; the first NaN where a row has one), as a max
+    and a min over an index iota. XLA:CPU runs argmax as one (value, index) reduction that it does
+    not vectorize: over SmolLM2's 49,152-token vocabulary it took 0.29 ms for 1 row, 1.86 ms for 16
+    and 7.2 ms for 64, this 0.07, 0.41 and 2.4 ms (docs/benchmarks.md, issue 20's fifth pass)."""
+    vocab_size = x.shape[-1]
+    row_max = jnp.max(x, axis=-1, keepdims=True)  # XLA:CPU's vectorized max may skip a NaN
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    # NaNs rank below every maximum (index - V < 0), so the first NaN wins where a row has one
+    first = jnp.min(jnp.where(jnp.isnan(x), iota - vocab_size, jnp.where(x == row_max, iota, vocab_size)), axis=-1)
+    return jnp.where(first < 0, first + vocab_size, first)
 
 
 def apply_penalties(logits: Float[Array, "S V"], batch: SamplingBatch) -> Float[Array, "S V"]:

@@ -161,6 +161,11 @@ class Attention(nnx.Module):
         qkv = wqkv.reshape(-1, wqkv.shape[-1]) @ x  # [KVH (G + 2) D, T]
         if self.bqkv is not None:
             qkv = qkv + self.bqkv[...].reshape(-1)[:, None]
+        # the barrier keeps the dot W @ x: without it XLA:CPU folds the transpose below into the dot,
+        # which then runs as x^T @ W^T, a slower kernel at T > 1 (30 layers' QKV and output
+        # projections: 13.3 against 8.1 ms at T = 4, 17.5 against 9.9 at T = 16; the same at T = 1;
+        # docs/benchmarks.md, issue 20's fifth pass)
+        qkv = jax.lax.optimization_barrier(qkv)
         # transpose the 2-D result, then split the heads: a 3-D transpose(2, 0, 1) of [KVH, (G + 2) D, T]
         # cost ~1 ms more per layer at T = 512 on XLA:CPU (docs/benchmarks.md, "Flax NNX model ...")
         qkv = qkv.T.reshape(num_tokens, nkv, -1)  # [T, KVH, (G + 2) D]: the per-token layout attention reads

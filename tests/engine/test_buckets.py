@@ -66,3 +66,13 @@ def test_layers_per_call_is_the_largest_divisor_within_the_limit(num_layers, mos
 
 def test_layers_per_call_of_common_depths():
     assert [layers_per_call(n) for n in (30, 32, 24, 28, 22, 2)] == [5, 4, 4, 4, 2, 2]
+
+
+def test_small_extend_buckets_have_blocks_of_their_size():
+    """Speculative verification's 2-8 token buckets: query blocks as wide as the bucket, not 16 rows."""
+    pool = jnp.zeros((1, 2, PAGE_SIZE, 1, 8), jnp.float32)
+    runner = ModelRunner(None, None, pool, pool, attn_fn=None, max_running_requests=8, max_extend_tokens=512,
+                         context_length=1024, min_extend_tokens=2)
+    assert [runner.bucket_for(lens, 4).block_q for lens in ([2], [3], [1, 4], [6, 1, 1], [9], [300])] == [2, 4, 8, 8, 16, 16]
+    assert {(b.num_tokens, b.block_q) for b in runner.all_buckets() if b.block_q > 1 and b.num_tokens <= 16} == {
+        (2, 2), (4, 4), (8, 8), (16, 16)}

@@ -16,6 +16,7 @@ from jaxserve.engine.sampler import (
     apply_penalties,
     bitmask_width,
     build_sampling_batch,
+    first_argmax,
     sample,
 )
 
@@ -271,3 +272,21 @@ def test_builder_rejects_bad_input():
         build_sampling_batch([SamplingParams()], [0], [0], None, np.zeros((1, 2), np.int32), 1, V)
     with pytest.raises(ValueError):
         SamplerFlags(num_top_logprobs=2)
+
+
+def test_first_argmax_is_numpys_argmax_with_ties_infinities_and_nans():
+    """The greedy pick's max-then-min-index form against numpy's argmax (its first maximum; NumPy, like
+    jnp.argmax, returns the first NaN of a row that has one), on rows with ties, -inf rows, +inf and
+    NaN, at the widths of a batch-1 decode and a 16-row verification over a 49,152-token vocabulary."""
+    rng = np.random.default_rng(0)
+    for num_rows, vocab_size in ((1, 49152), (16, 49152), (7, 100)):
+        x = rng.standard_normal((num_rows, vocab_size)).astype(np.float32)
+        x[0, [5, 9, vocab_size - 1]] = 50.0  # a three-way tie: the first wins
+        if num_rows > 1:
+            x[1] = -np.inf  # a row the bitmask closed entirely: token 0
+        if num_rows > 2:
+            x[2, [3, 17]] = [np.inf, np.nan]  # NaN beats +inf, as in numpy
+            x[3, [40, 41]] = np.inf
+            x[4] = np.round(x[4])  # many ties
+        got = np.asarray(jax.jit(first_argmax)(x))
+        np.testing.assert_array_equal(got, np.argmax(x, axis=-1))

@@ -163,7 +163,7 @@ seq_strategy = st.tuples(st.integers(0, 300), st.one_of(st.just(1), st.integers(
     group=st.sampled_from([1, 3, 4]),
     head_dim=st.sampled_from([64, 128]),
     dtype=st.sampled_from(["float32", "bfloat16"]),
-    block_q=st.sampled_from([1, 16]),
+    block_q=st.sampled_from([1, 2, 4, 8, 16]),  # 2-8: the small extend buckets' blocks
     seed=st.integers(0, 2**31 - 1),
 )
 def test_matches_references_on_random_ragged_batches(seqs, page_size, group, head_dim, dtype, block_q, seed):
@@ -277,7 +277,7 @@ def _abstract_args(
 @needs_embedded_triton_ir
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_q", [1, 16])
+@pytest.mark.parametrize("block_q", [1, 4, 16])  # 4: the small extend buckets' blocks
 def test_lowers_for_cuda(block_q, head_dim, group):
     """Every bucket lowers to a Triton kernel that passes Triton's verifier with dots of M, N, K >= 16.
 
@@ -356,13 +356,17 @@ def test_inside_shard_map_with_kv_heads_sharded():
     assert "SHARDED_OK" in result.stdout
 
 
-@pytest.mark.parametrize("seqs", [[(600, 13)], [(600, 16)], [(37, 3), (250, 13), (5, 1)]])
-def test_xla_path_on_verification_buckets(seqs):
+@pytest.mark.parametrize("seqs,block_q", [
+    ([(600, 13)], 16), ([(600, 16)], 16), ([(37, 3), (250, 13), (5, 1)], 16),
+    ([(600, 3)], 4), ([(511, 2)], 2), ([(300, 5)], 8), ([(37, 3), (250, 2), (5, 1)], 4),
+])
+def test_xla_path_on_verification_buckets(seqs, block_q):
     """Speculative verification's shape: K + 1 <= 16 query tokens after a long cached prefix, in a
-    16-token bucket with 8 sequence slots, so most query blocks are padding (the XLA path visits only
-    the real ones). Against the float64 brute force; padding rows come back zero."""
+    bucket with several sequence slots, so most query blocks are padding (the XLA path visits only
+    the real ones); the 2-, 4- and 8-token buckets have blocks of their size, which a sequence may
+    fill only in part. Against the float64 brute force; padding rows come back zero."""
     q, k_pool, v_pool, layer, host_meta, seq_kv = _make_batch(
-        seqs, page_size=16, group=3, head_dim=64, dtype="float32", block_q=16, seed=3
+        seqs, page_size=16, group=3, head_dim=64, dtype="float32", block_q=block_q, seed=3
     )
     out = np.asarray(_xla(q, k_pool, v_pool, layer, host_meta.to_device(), sm_scale=0.125))
     num_new = sum(ext for _, ext in seqs)
