@@ -2,10 +2,8 @@
 
 Fills an `NgramStore` of --capacity tokens past full (requests of --request-len random token ids
 over a 49,152-token vocabulary, SmolLM2's), then times `match` (a hit: a query ending in a stored
-window, and a miss), `feed` of one more request and the feed of a decoding request's segment
-(--segment-len tokens: `NgramSpeculator` feeds 32 new tokens + the 18 before them every 32 tokens,
-so a decoding request costs one such feed per 32 of its tokens). Prints microseconds per call
-(median of --repeats batches of 100 calls).
+window, and a miss) and `feed` of one more request. Prints microseconds per call (median of
+--repeats batches of 100 calls).
 
     python scripts/bench_ngram_store.py --capacity 10000000
 """
@@ -36,7 +34,6 @@ def main(argv=None) -> None:
     p.add_argument("--capacity", type=int, default=10_000_000)
     p.add_argument("--request-len", type=int, default=600, help="tokens per fed request (prompt + output)")
     p.add_argument("--num-draft", type=int, default=15)
-    p.add_argument("--segment-len", type=int, default=50, help="tokens per feed while a request decodes")
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
 
@@ -59,9 +56,6 @@ def main(argv=None) -> None:
     print(f"match, miss: {per_call_us(lambda: store.match(miss, args.num_draft), args.repeats):.1f} us")
     new = rng.integers(0, 49152, args.request_len)
     print(f"feed of {args.request_len} tokens: {per_call_us(lambda: store.feed(new), args.repeats):.1f} us")
-    segment = rng.integers(0, 49152, args.segment_len)
-    print(f"feed of a {args.segment_len}-token segment: "
-          f"{per_call_us(lambda: store.feed(segment, owner=1), args.repeats):.1f} us")
 
 
 if __name__ == "__main__":

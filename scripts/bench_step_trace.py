@@ -8,12 +8,6 @@ request's ITLs are the gaps between the steps that gave it tokens (spread over t
 step, as bench_serving does). Printed: median and P99 ITL, and the P99 tail's steps by kind.
 
     python scripts/bench_step_trace.py --flags "--max-total-tokens 16384" --concurrency 8 --num-prompts 24
-
-With --model-verify-cost "2:1.3,4:1.3,8:1.3,16:2.2" the draft policy is shown, in place of each
-verification step's measured seconds, that factor (per token bucket of the step) x the measured
-decode-only step of its batch, and the breakdown adds the run's modelled step time per output token
-(verifications at those costs, every other step as measured): what the policy would give with
-verifications of those costs. Acceptance does not depend on timing, so the model is exact up to it.
 """
 
 from __future__ import annotations
@@ -59,8 +53,6 @@ def main(argv=None) -> None:
     p.add_argument("--copy-output-len", type=int, default=128)
     p.add_argument("--breakdown", action="store_true",
                    help="print each step kind's share of the time per output token (speculation on)")
-    p.add_argument("--model-verify-cost", default="",
-                   help="TOKENS:FACTOR,...: verification costs the policy sees, as factors of the decode step")
     args = p.parse_args(argv)
 
     from jaxserve.config import ServerArgs
@@ -96,7 +88,7 @@ def main(argv=None) -> None:
         return last_batch[0]
 
     engine.scheduler.schedule = traced_schedule
-    probe = _SpecProbe(engine, parse_cost_factors(args.model_verify_cost))
+    probe = _SpecProbe(engine)
     pending = list(rows)
     arrivals: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
     steps = []
@@ -124,8 +116,7 @@ def main(argv=None) -> None:
                           "compiled": engine.runner.num_compiles_after_warmup > compiles, "gc_seconds": gc_s,
                           "num_running": len(running), "runner_seconds": probe.runner_seconds,
                           "num_draft": probe.num_draft, "num_accepted": engine.stats.num_spec_accepted_tokens - accepted,
-                          "why_no_draft": probe.why_no_draft(), "num_tokens": sum(len(o.new_token_ids) for o in outs),
-                          "verify_tokens": probe.verify_tokens, "modelled_seconds": probe.modelled_seconds})
+                          "why_no_draft": probe.why_no_draft(), "num_tokens": sum(len(o.new_token_ids) for o in outs)})
         for o in outs:
             if o.new_token_ids:
                 arrivals[o.rid].append((t1, len(o.new_token_ids)))
@@ -168,10 +159,6 @@ def main(argv=None) -> None:
     print(f"output tok/s {out_tokens / (steps[-1]['t0'] + steps[-1]['seconds'] - steps[0]['t0']):.1f}")
     if args.breakdown:
         print_breakdown(steps, out_tokens)
-        if args.model_verify_cost:
-            modelled = sum(s["modelled_seconds"] if s["verified"] else s["seconds"] for s in steps)
-            print(f"modelled step time per output token (verifications at {args.model_verify_cost} x decode): "
-                  f"{modelled * 1e3 / max(out_tokens, 1):.2f} ms")
         if probe.by_class:
             print("\naccepted draft tokens per verification by the draft's match-length class "
                   "(1: 1 token, 2: 2-3, 3: 4-7, 4: 8+ or a radix-tree continuation):")
@@ -179,11 +166,6 @@ def main(argv=None) -> None:
                 acc = [a for _, a in v]
                 print(f"  {cls}: {len(v)} verifications, drafted {np.mean([d for d, _ in v]):.1f}, accepted "
                       f"{np.mean(acc):.2f} (none accepted in {np.mean([a == 0 for a in acc]):.0%})")
-        if probe.chosen_lens:
-            print("draft lengths the policy chose (tokens: times, drafts of any length offered):",
-                  dict(sorted(probe.chosen_lens.items())))
-        buckets = collections.Counter(1 << max(0, s["verify_tokens"] - 1).bit_length() for s in steps if s["verified"])
-        print("verification steps by token bucket:", dict(sorted(buckets.items())))
         tpots = [(ev[-1][0] - ev[0][0]) / (sum(n for _, n in ev) - ev[0][1]) * 1e3
                  for ev in arrivals.values() if sum(n for _, n in ev) > ev[0][1]]
         print(f"median TPOT (first token to last, per request) {statistics.median(tpots):.2f} ms")
@@ -194,23 +176,14 @@ def main(argv=None) -> None:
               f"verified={s['verified']}, compiled={s['compiled']}, gc {s['gc_seconds'] * 1e3:.1f} ms")
 
 
-def parse_cost_factors(spec: str) -> dict[int, float]:
-    """"2:1.3,4:1.3" -> {2: 1.3, 4: 1.3} (token bucket -> factor of the decode step)."""
-    return {int(k): float(v) for k, v in (item.split(":") for item in spec.split(",") if item)}
-
-
 class _SpecProbe:
     """Wraps the engine's runner calls and draft proposals to record, per step, the seconds spent in
     `ModelRunner.forward` + `sample` (the device step with its dispatch; the sampled ids come back to
-    the host inside `sample`), the drafted tokens and why a decode step drafted nothing. With
-    `cost_factors`, verification steps are reported to the policy at factor x decode (see --help)."""
+    the host inside `sample`), the drafted tokens and why a decode step drafted nothing."""
 
-    def __init__(self, engine, cost_factors: dict[int, float] | None = None):
+    def __init__(self, engine):
         self.runner_seconds = 0.0
         self.num_draft = 0
-        self.verify_tokens = 0
-        self.modelled_seconds = 0.0
-        self.chosen_lens: collections.Counter = collections.Counter()  # the policy's lengths, drafts > 0
         self._raw: list[int] = []  # each request's draft length before the policy and the page check
         self._declined = 0
         runner = engine.runner
@@ -218,28 +191,12 @@ class _SpecProbe:
             setattr(runner, name, self._timed(getattr(runner, name)))
         spec = engine.speculator
         if spec is not None:
-            propose = spec.propose
+            propose, wants = spec.propose, spec.policy.wants_draft
             spec.propose = lambda req, k: self._note(self._raw, propose(req, k))
-            if hasattr(spec.policy, "choose"):  # this branch: a draft length per request
-                choose = spec.policy.choose
-                spec.policy.choose = lambda state, plan, n: self._note_choice(n, choose(state, plan, n))
-            else:  # main before the fifth pass: verify the whole draft or none
-                wants = spec.policy.wants_draft
-                spec.policy.wants_draft = lambda *a: self._note_policy(wants(*a))
+            spec.policy.wants_draft = lambda *a: self._note_policy(wants(*a))
             observe = spec.observe_verify
-            factors = cost_factors or {}
-
-            def observe_verify(drafts, seconds):
-                self.num_draft = sum(map(len, drafts))
-                self.verify_tokens = len(drafts) + self.num_draft
-                if factors:
-                    bucket = 1 << max(0, self.verify_tokens - 1).bit_length()
-                    decode = spec.policy.costs.decode_seconds(len(drafts)) or seconds
-                    seconds = factors.get(bucket, seconds / decode) * decode
-                self.modelled_seconds = seconds
-                return observe(drafts, seconds)
-
-            spec.observe_verify = observe_verify
+            spec.observe_verify = lambda drafts, seconds: (setattr(self, "num_draft", sum(map(len, drafts))),
+                                                           observe(drafts, seconds))[1]
             record = spec.record
             spec.record = lambda req, nd, na: (self._note_class(req, nd, na), record(req, nd, na))[1]
         self._spec = spec
@@ -270,15 +227,8 @@ class _SpecProbe:
         self._declined += not ok
         return ok
 
-    def _note_choice(self, draft_len: int, choice):
-        if draft_len:
-            self._declined += choice.num_tokens == 0
-            self.chosen_lens[choice.num_tokens] += 1
-        return choice
-
     def reset(self) -> None:
         self.runner_seconds, self.num_draft, self._raw, self._declined = 0.0, 0, [], 0
-        self.verify_tokens, self.modelled_seconds = 0, 0.0
 
     def why_no_draft(self) -> str:
         if self._spec is None or self.num_draft:

@@ -10,6 +10,6 @@ from jaxserve.engine.speculative.decoder import (
 )
 from jaxserve.engine.speculative.ngram import ngram_draft
 from jaxserve.engine.speculative.ngram_store import NgramStore
-from jaxserve.engine.speculative.policy import AcceptCounts, DraftPolicy, DraftState, StepCosts
+from jaxserve.engine.speculative.policy import DraftPolicy, DraftState, StepCosts
 
-__all__ = ["AcceptCounts", "DraftPolicy", "DraftState", "NgramSpeculator", "NgramStore", "StepCosts", "SpeculativeConfig", "SpeculativeStats", "constrain_draft", "constrain_drafts", "ngram_draft", "num_accepted"]
+__all__ = ["DraftPolicy", "DraftState", "NgramSpeculator", "NgramStore", "StepCosts", "SpeculativeConfig", "SpeculativeStats", "constrain_draft", "constrain_drafts", "ngram_draft", "num_accepted"]

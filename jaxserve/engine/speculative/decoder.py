@@ -10,14 +10,12 @@ The step itself is `verify_step.py`; this module owns the proposals:
 - `should_speculate`: decode-only steps of at most `--speculative-max-batch-size` requests.
   Verification multiplies the tokens of a step by up to K + 1: on a batch-1 decode, which reads every
   weight for one token, the extra tokens are nearly free; a full batch is already compute-bound.
-  Within such a step, `policy.DraftPolicy` cuts each request's draft to the length (0 included)
-  that gives the step the most tokens per second, by the measured cost of each verification bucket
-  and the measured distribution of accepted lengths.
+  Within such a step, `policy.DraftPolicy` keeps a request's draft only where its measured
+  acceptance pays for the measured cost of verifying it.
 - `propose`: the radix tree's continuation of the request's exact prefix (another request's output
   after the same prompt) when there is one, else the longer of two n-gram matches of the request's
-  suffix: `ngram_match` over its own tokens and `NgramStore.match` over recent requests'
-  tokens (`--speculative-ngram-capacity`; the request's own match wins a tie). The store is fed as
-  requests decode (`propose_batch`: every STORE_FEED_EVERY tokens) and when they finish.
+  suffix: `ngram_match` over its own tokens and `NgramStore.match` over recent finished requests'
+  tokens (`--speculative-ngram-capacity`; the request's own match wins a tie).
 - `constrain_draft`: a grammar-constrained request's draft is cut at the first token its grammar
   rejects, and its bitmask rows are the grammar's states along the draft.
 """
@@ -34,16 +32,10 @@ from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine.request import Req
 from jaxserve.engine.speculative.ngram import NgramMatch, ngram_match
-from jaxserve.engine.speculative.ngram_store import LEVELS, NgramStore
-from jaxserve.engine.speculative.policy import AcceptCounts, DraftPolicy, DraftState
+from jaxserve.engine.speculative.ngram_store import NgramStore
+from jaxserve.engine.speculative.policy import DraftPolicy, DraftState
 
 ALGORITHMS = ("NGRAM",)
-# A decoding request's tokens join the cross-request store at its first speculating step, then
-# every STORE_FEED_EVERY new tokens and at its finish (SGLang's NGRAM store is fed as requests decode
-# too), each feed repeating the tokens before its cut that the longest indexed window (16) and the
-# longest counted match (--speculative-ngram-max-trie-depth) need (`NgramSpeculator.feed_overlap`).
-STORE_FEED_EVERY = 32
-STORE_MAX_OWNER = (1 << 31) - 1  # owner ids are int32 in the store; 0 is nobody
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,30 +97,12 @@ class NgramSpeculator:
         self.tree = tree
         self.policy = DraftPolicy(config.adaptive)
         self.store = NgramStore(config.store_capacity, config.max_match_len) if config.store_capacity > 0 else None
-        self.store_accept_by_class: dict[int, AcceptCounts] = {}  # every request's DraftState shares it (policy.py)
-        self.feed_overlap = max(LEVELS[-1], config.max_match_len)
-        self._num_owners = 0
+        self.store_accept_by_class: dict[int, float] = {}  # every request's DraftState shares it (policy.py)
 
     def observe_finished(self, req: Req) -> None:
-        """A request finished: what the cross-request store does not hold yet of its tokens joins it."""
-        self._feed_store(req, 1)
-
-    def _feed_store(self, req: Req, min_new_tokens: int) -> None:
-        """Append `req`'s tokens past those already in the store (all of them the first time), once at
-        least `min_new_tokens` are new, with the `feed_overlap` tokens before them again (a feed is a
-        segment of its own in the store: the overlap keeps windows and match lengths across the cut)."""
-        if self.store is None:
-            return
-        state = self._draft_state(req)
-        tokens = req.fill_ids
-        if len(tokens) - state.store_fed_len < (min_new_tokens if state.store_fed_len else 1):
-            return
-        if not state.store_owner:
-            self._num_owners = self._num_owners % STORE_MAX_OWNER + 1
-            state.store_owner = self._num_owners
-        start = max(0, state.store_fed_len - self.feed_overlap)
-        self.store.feed(tokens[start:], req.namespace, owner=state.store_owner)
-        state.store_fed_len = len(tokens)
+        """A request finished: its prompt + output join the cross-request store."""
+        if self.store is not None:
+            self.store.feed(req.fill_ids, req.namespace)
 
     def flush(self) -> None:
         """Forget the cross-request store (with the radix cache's flush)."""
@@ -145,7 +119,7 @@ class NgramSpeculator:
 
     def observe_verify(self, drafts: Sequence[Sequence[int]], seconds: float) -> None:
         """A verification step over `drafts` (one per request) took `seconds`."""
-        self.policy.costs.observe_verify(len(drafts), len(drafts) + sum(len(d) for d in drafts), seconds)
+        self.policy.costs.observe_verify(len(drafts), sum(len(d) for d in drafts), seconds)
 
     def record(self, req: Req, num_draft: int, num_accepted: int) -> None:
         """`req`'s draft of `num_draft` tokens had `num_accepted` accepted."""
@@ -159,18 +133,14 @@ class NgramSpeculator:
         max_new_tokens and the context, and all requests' tokens share the verify step's `max_rows`
         logits rows (one per verified token)."""
         rows_left = max_rows - len(reqs)
-        plan = self.policy.plan(len(reqs))
         drafts = []
         for req in reqs:
-            self._feed_store(req, STORE_FEED_EVERY)
             room = min(rows_left, req.remaining_new_tokens() - 1, context_length - req.fill_len)
             draft = self.propose(req, room) if room > 0 else []
-            choice = self.policy.choose(self._draft_state(req), plan, len(draft))
-            draft = draft[: choice.num_tokens]
+            if draft and not self.policy.wants_draft(self._draft_state(req), len(reqs), len(draft)):
+                draft = []
             if draft and not grow(req, req.kv_len + 1 + len(draft)):
                 draft = []
-            if draft:
-                plan.add(choice)
             rows_left -= len(draft)
             drafts.append(draft)
         return drafts
@@ -198,7 +168,7 @@ class NgramSpeculator:
         own = ngram_match(req.fill_ids, k, self.config.max_match_len)
         if self.store is None or own.match_len >= self.config.max_match_len:
             return own, False
-        other = self.store.match(req.fill_ids, k, req.namespace, exclude_owner=self._draft_state(req).store_owner)
+        other = self.store.match(req.fill_ids, k, req.namespace)
         if other.match_len > own.match_len:
             return other, True
         return own, False

@@ -4,14 +4,12 @@ SGLang 0.5.23's NGRAM speculation keeps one store of recent tokens shared by all
 the last `--speculative-ngram-max-trie-depth` tokens of every decoding request, bounded by
 `--speculative-ngram-capacity` tokens) and looks each request's suffix up in it. A request that
 writes what an earlier one wrote (the same JSON keys, the same edited code line, a stock phrase)
-then gets a draft where its own text has none. This store holds segments of requests' text (prompt
-+ output; `NgramSpeculator` feeds a decoding request's new tokens every 32, with the few before them
-again, and the rest at its finish) in the order they were fed, the oldest evicted first:
+then gets a draft where its own text has none. This store holds whole finished requests (prompt +
+output) instead, in arrival order, the oldest evicted first:
 
-- `tokens`: a ring of `capacity` token ids (int32; -1 separates one segment from the next, so no
+- `tokens`: a ring of `capacity` token ids (int32; -1 separates one request from the next, so no
   match and no draft crosses a boundary), `namespaces` the small id of each position's namespace
-  (the radix tree keeps namespaces apart; drafts do too), `owners` the int32 id of the request that
-  fed it (a request's lookups skip its own segments: its own n-gram match already covers them).
+  (the radix tree keeps namespaces apart; drafts do too).
 - For each window length n in `LEVELS` (2, 4, 8, 16 tokens), an open-addressing table from a hash of
   (namespace, the n tokens) to the ring index of the latest position where such a window ended. A
   collision overwrites the slot (the store is a cache: a lost entry is a missed draft, never a wrong
@@ -19,13 +17,13 @@ again, and the rest at its finish) in the order they were fed, the oldest evicte
   no match. The tables grow with the store (doubling; two slots per token held, at least 4096).
 - `match(suffix)`: from the longest level down, the first window that matches the suffix's last n
   tokens; its exact match length is counted back from there (up to `max_match_len`), and the draft
-  is the tokens after it up to the end of that segment. So the match found is the latest
+  is the tokens after it up to the end of that request's text. So the match found is the latest
   one of the longest level that has one, not always the longest match in the store (one found at
   level n is the latest of those at least n long).
 
 Cost: `match` is a few numpy calls on at most 16 + `max_match_len` + K tokens per level, O(1) in
-the store's size; `feed` is O(len(tokens) x sum(LEVELS)) vectorized; memory is 12 bytes per token
-for the ring and 4 x len(LEVELS) per table slot, up to ~44 bytes per token in all (~0.65 GB at
+the store's size; `feed` is O(len(tokens) x sum(LEVELS)) vectorized; memory is 8 bytes per token
+for the ring and 4 x len(LEVELS) per table slot, up to ~40 bytes per token in all (~0.6 GB at
 SGLang's default capacity of 10,000,000 tokens, once that many have been fed: the arrays grow with
 use).
 """
@@ -71,7 +69,6 @@ class NgramStore:
         size = min(self.capacity, MIN_TABLE_SLOTS)
         self.tokens = np.full(size, SEPARATOR, dtype=np.int32)
         self.namespaces = np.zeros(size, dtype=np.int32)
-        self.owners = np.zeros(size, dtype=np.int32)
         self.end = 0  # absolute position after the newest token; live positions: [end - len(tokens), end)
         self._namespace_ids: dict[Hashable, int] = {}
         self._tables = {n: np.full(_table_slots(size), -1, dtype=np.int32) for n in LEVELS}
@@ -81,31 +78,27 @@ class NgramStore:
         """Tokens held now (separators included; at most `capacity`)."""
         return min(self.end, len(self.tokens))
 
-    def feed(self, tokens: Sequence[int] | Int[np.ndarray, " N"], namespace: Hashable = None, owner: int = 0) -> None:
-        """Append a segment of one request's tokens (prompt + output ids) after a separator, evicting
-        the oldest tokens beyond `capacity`. Of a sequence longer than the store, the last capacity - 1
-        tokens. `owner`: an int32 id of the request (0: none) that `match` can exclude."""
+    def feed(self, tokens: Sequence[int] | Int[np.ndarray, " N"], namespace: Hashable = None) -> None:
+        """Append one request's tokens (prompt + output ids) after a separator, evicting the oldest
+        tokens beyond `capacity`. Of a sequence longer than the store, the last capacity - 1 tokens."""
         arr = np.asarray(tokens, dtype=np.int32).reshape(-1)[-(self.capacity - 1):]
         if len(arr) == 0:
             return
         ns = self._namespace_ids.setdefault(namespace, len(self._namespace_ids))
         self._reserve(self.end + 1 + len(arr))
         start = self.end + 1
-        self._write(self.end, np.array([SEPARATOR], dtype=np.int32), 0, 0)
-        self._write(start, arr, ns, owner)
+        self._write(self.end, np.array([SEPARATOR], dtype=np.int32), 0)
+        self._write(start, arr, ns)
         self.end = start + len(arr)
         self._index(arr, start, ns)
 
-    def match(self, tokens: Sequence[int] | Int[np.ndarray, " N"], num_draft: int, namespace: Hashable = None,
-              exclude_owner: int = 0) -> NgramMatch:
+    def match(self, tokens: Sequence[int] | Int[np.ndarray, " N"], num_draft: int, namespace: Hashable = None) -> NgramMatch:
         """The draft that followed the latest stored window equal to the end of `tokens`.
 
         Args:
             tokens: a request's tokens so far (only the last max(LEVELS) + max_match_len are read).
             num_draft: most draft tokens (K).
             namespace: only text fed under the same namespace matches.
-            exclude_owner: a window fed by this owner (not 0) is no match at its level (a request's
-                own text: its own n-gram match covers it).
 
         Returns:
             Up to `num_draft` tokens (fewer where the stored request's text ends) and the match length
@@ -125,8 +118,6 @@ class NgramStore:
                 continue
             pos = self.end - 1 - (self.end - 1 - index) % size  # the live position at that ring index
             if pos - n + 1 < oldest or int(self.namespaces[index]) != ns:
-                continue
-            if exclude_owner and int(self.owners[index]) == exclude_owner:
                 continue
             if not np.array_equal(self._read(pos - n + 1, n), tail[-n:]):
                 continue
@@ -166,7 +157,7 @@ class NgramStore:
             return
         new_size = min(self.capacity, max(2 * size, 1 << max(new_end - 1, 1).bit_length()))
         # positions are all < size before the ring first wraps, so their slot index is unchanged
-        for name in ("tokens", "namespaces", "owners"):
+        for name in ("tokens", "namespaces"):
             old = getattr(self, name)
             grown = np.full(new_size, SEPARATOR if name == "tokens" else 0, dtype=np.int32)
             grown[:size] = old
@@ -182,11 +173,10 @@ class NgramStore:
             if hi > lo:
                 self._index(live[lo:hi], int(lo), int(self.namespaces[lo]))
 
-    def _write(self, pos: int, arr: np.ndarray, ns: int, owner: int) -> None:
+    def _write(self, pos: int, arr: np.ndarray, ns: int) -> None:
         idx = (pos + np.arange(len(arr))) % len(self.tokens)
         self.tokens[idx] = arr
         self.namespaces[idx] = ns
-        self.owners[idx] = owner
 
     def _read(self, pos: int, n: int) -> np.ndarray:
         return self.tokens[(pos + np.arange(n)) % len(self.tokens)]
