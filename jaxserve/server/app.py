@@ -44,11 +44,14 @@ from jaxserve.engine.engine_loop import EngineLoad, EngineLoop
 from jaxserve.model.tokenizer import tokenizer_files_path
 from jaxserve.server import native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
+from jaxserve.server.chat_template import load_chat_template
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response, parse_json_body, unavailable_response
 from jaxserve.server.field_types import describe
 from jaxserve.server.function_call import get_parser
+from jaxserve.server.metrics import mark_unlogged
 from jaxserve.server.openapi import openapi_document
+from jaxserve.server.reasoning import reasoning_format
 
 access_logger = logging.getLogger("jaxserve.access")
 
@@ -129,12 +132,14 @@ async def health(request: Request) -> Response:
 
 
 async def health_generate(request: Request) -> Response:
-    """Generate one token; 503 when the engine cannot do it within HEALTH_GENERATE_TIMEOUT_S."""
+    """Generate one token; 503 when the engine cannot do it within HEALTH_GENERATE_TIMEOUT_S. The probe
+    is left out of `--log-requests` and of the sglang:* request metrics (SGLang's log_metrics=False)."""
     engine_loop: EngineLoop = request.app.state.engine_loop
     if not engine_loop.is_running:
         return error_response("the engine loop is not running", 503, code="unavailable")
-    group = RequestGroup(engine_loop)
+    group = RequestGroup(engine_loop, is_probe=True)
     group.submit(engine_loop.tokenize("ping") or [0], {"max_new_tokens": 1, "temperature": 0})
+    mark_unlogged(request, group.rids)  # SGLang's probe is log_metrics=False too
     try:
         outputs = await asyncio.wait_for(group.wait(), HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:
@@ -289,6 +294,8 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
     get_parser(server_args.tool_call_parser)  # an unknown --tool-call-parser fails at start-up (ValueError)
+    chat_template = load_chat_template(server_args.chat_template)  # so do the two below
+    reasoning = reasoning_format(server_args.reasoning_parser)
     model_name = served_model_name(server_args, engine_loop.model_path)
     metrics = None
     if not server_args.disable_metrics and engine_loop.load().snapshot is not None:
@@ -303,6 +310,8 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     app.state.engine_loop = engine_loop
     app.state.server_args = server_args
     app.state.model_name = model_name
+    app.state.chat_template = chat_template
+    app.state.reasoning_format = reasoning
     app.state.serving_metrics = metrics
     app.state.openapi = openapi_document()
     return app

@@ -91,6 +91,8 @@ def from_engine_error(e: SamplingParamsError | RequestError, rename: Mapping[str
             code = "unknown_parameter"
             if (hint := hint_for("sampling_params", field)) is not None:
                 message += f"; {hint}"
+    elif message.startswith("must "):  # a bare predicate ("must be in [0, 20], got 25"): say whose
+        message = f"{field}: {message}"
     for engine_name, api_name in (rename or {}).items():
         if "_" in engine_name:  # a field name, not a word: "must be <= max_new_tokens" -> "<= max_tokens"
             message = re.sub(rf"\b{engine_name}\b", api_name, message)

@@ -296,12 +296,38 @@ def _return_freed_memory() -> None:
         pass
 
 
+def check_start_up_args(args: ServerArgs) -> None:
+    """The flag checks that argparse cannot make, made before any port binds or model loads: the
+    --chat-template file, and (for one process: --dp-size 1, --nnodes 1) the flags that depend on the JAX
+    platform (--device, --kv-cache-dtype), against `jax.default_backend()`. `main` reports a failure
+    as argparse does: `serve.py: error: ...` and exit status 2.
+
+    Raises:
+        ValueError: the first bad flag, named.
+    """
+    from jaxserve.server.chat_template import load_chat_template
+
+    load_chat_template(args.chat_template)
+    if args.dp_size == 1 and args.nnodes == 1:  # a launcher's workers (or ranks) check their own platform
+        import jax  # the process that serves imports it next anyway
+
+        args.check_platform_flags(jax.default_backend())
+
+
 def main(argv: list[str] | None = None) -> None:
     """scripts/serve.py and `python -m jaxserve.server`: one server, or with `--dp-size N` N workers
     behind sglang-router (dp_launcher.py)."""
     from jaxserve.server.function_call.parsers import PARSERS  # the one table of names; imports no jax
 
-    args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:], choices={"tool_call_parser": tuple(PARSERS)})
+    from jaxserve.server.reasoning import REASONING_PARSERS
+
+    args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:],
+                               choices={"tool_call_parser": tuple(PARSERS), "reasoning_parser": tuple(REASONING_PARSERS)})
+    try:
+        check_start_up_args(args)
+    except ValueError as e:
+        print(f"serve.py: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     if args.dp_size > 1:
         from jaxserve.server.dp_launcher import launch_data_parallel
 
