@@ -1,6 +1,7 @@
 """`launch_server(server_args)`: what `python scripts/serve.py` and `python -m jaxserve.server` run.
 
-Order: configure logging, bind the port (so a port in use fails in a second, not after loading),
+Order: check the flags (`main`: argparse, then `check_start_up_args`; exit 2 with one line), configure
+logging, check the model path, bind the port (so a port in use fails in a second, not after loading),
 load the model and compile (the engine shows progress bars), start the engine loop, then serve the
 Starlette app with uvicorn and print one line saying where.
 
