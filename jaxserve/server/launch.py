@@ -300,8 +300,9 @@ def _return_freed_memory() -> None:
 def check_start_up_args(args: ServerArgs) -> None:
     """The flag checks that argparse cannot make, made before any port binds or model loads: the
     --chat-template file, and (for one process: --dp-size 1, --nnodes 1) the flags that depend on the JAX
-    platform (--device, --kv-cache-dtype), against `jax.default_backend()`. `main` reports a failure
-    as argparse does: `serve.py: error: ...` and exit status 2.
+    platform (--device, --kv-cache-dtype, against `jax.default_backend()`) and on its devices (--tp-size,
+    against the visible ones). `main` reports a failure as argparse does: `serve.py: error: ...` and
+    exit status 2.
 
     Raises:
         ValueError: the first bad flag, named.
@@ -312,7 +313,10 @@ def check_start_up_args(args: ServerArgs) -> None:
     if args.dp_size == 1 and args.nnodes == 1:  # a launcher's workers (or ranks) check their own platform
         import jax  # the process that serves imports it next anyway
 
+        from jaxserve.parallel.mesh import make_mesh
+
         args.check_platform_flags(jax.default_backend())
+        make_mesh(args.tp_size)  # raises when --tp-size is more than the visible devices
 
 
 def main(argv: list[str] | None = None) -> None:

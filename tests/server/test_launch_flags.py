@@ -235,6 +235,7 @@ def test_start_up_argument_errors_come_before_the_port_binds(tmp_path):
         (["--device", "tpu"], "--device tpu: this process runs on the JAX platform 'cpu'"),
         (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3: the KV pool is stored in the model's dtype"),
         (["--chat-template", "chatml"], "--chat-template chatml: no such file"),
+        (["--tp-size", "64"], "--tp-size 64 needs 64 devices"),
         (["--reasoning-parser", "r2d2"], "argument --reasoning-parser: invalid choice: 'r2d2'"),
     ]
     try:
