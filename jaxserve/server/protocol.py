@@ -151,7 +151,7 @@ class CompletionRequest(_OpenAISampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None  # accepted only equal to n (`openai_api.check_best_of`)
+    best_of: int | None = None  # accepted only equal to n (`openai_checks.check_best_of`)
 
 
 class ContentPart(_Request):
