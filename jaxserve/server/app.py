@@ -4,7 +4,8 @@ Routes:
     POST /generate                 SGLang's native API (native_api.py)
     POST /v1/completions           OpenAI (openai_api.py)
     POST /v1/chat/completions
-    GET  /v1/models
+    GET  /v1/models                the served model (models_api.py)
+    GET  /v1/models/{model}        its card; 404 for another name
     GET  /metrics                  Prometheus metrics (metrics.py), unless --disable-metrics
     GET  /health                   200 while the engine loop runs
     GET  /health_generate          runs one token through the engine
@@ -42,7 +43,7 @@ import jaxserve
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoad, EngineLoop
 from jaxserve.model.tokenizer import tokenizer_files_path
-from jaxserve.server import native_api, openai_api
+from jaxserve.server import models_api, native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.chat_template import load_chat_template
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
@@ -281,7 +282,8 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/generate", native_api.generate, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
-        Route("/v1/models", openai_api.models, methods=["GET"]),
+        Route("/v1/models", models_api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", models_api.retrieve_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/get_model_info", get_model_info, methods=["GET"]),

@@ -1,4 +1,4 @@
-"""OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+"""OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions (GET /v1/models: models_api.py).
 
 Sampling fields map onto the engine's `SamplingParams` as SGLang's OpenAI layer maps them
 (max_tokens / max_completion_tokens -> max_new_tokens, min_tokens -> min_new_tokens,
@@ -50,8 +50,6 @@ from jaxserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    ModelCard,
-    ModelList,
     PromptTokensDetails,
     TokenLogprob,
     ToolCallDelta,
@@ -571,11 +569,3 @@ def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: s
         finish=finish,
         usage=lambda usage: _chunk_event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)),
     )
-
-
-# ---- /v1/models -----------------------------------------------------------------------------------
-async def models(request: Request) -> Response:
-    """GET /v1/models: the one served model."""
-    engine_loop = request.app.state.engine_loop
-    card = ModelCard(id=request.app.state.model_name, root=engine_loop.model_path, max_model_len=engine_loop.context_length)
-    return JSONResponse(ModelList(data=[card]).model_dump())
