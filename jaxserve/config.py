@@ -417,6 +417,8 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag of the first bad value."""
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError(f"--served-model-name must not be empty, got {self.served_model_name!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

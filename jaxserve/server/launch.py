@@ -301,12 +301,14 @@ def check_start_up_args(args: ServerArgs) -> None:
     """The flag checks that argparse cannot make, made before any port binds or model loads: the
     --chat-template file, and (for one process: --dp-size 1, --nnodes 1) the flags that depend on the JAX
     platform (--device, --kv-cache-dtype, against `jax.default_backend()`) and on its devices (--tp-size,
-    against the visible ones). `main` reports a failure as argparse does: `serve.py: error: ...` and
+    against the visible ones), and --context-length against the model's trained length (SGLang's rule,
+    engine/context_length.py). `main` reports a failure as argparse does: `serve.py: error: ...` and
     exit status 2.
 
     Raises:
         ValueError: the first bad flag, named.
     """
+    from jaxserve.engine.context_length import resolve_context_length, trained_context_length
     from jaxserve.server.chat_template import load_chat_template
 
     load_chat_template(args.chat_template)
@@ -317,6 +319,8 @@ def check_start_up_args(args: ServerArgs) -> None:
 
         args.check_platform_flags(jax.default_backend())
         make_mesh(args.tp_size)  # raises when --tp-size is more than the visible devices
+    if args.context_length is not None and (trained := trained_context_length(args.model_path)) is not None:
+        resolve_context_length(args.context_length, trained, default_cap=trained)  # raises above the model's
 
 
 def main(argv: list[str] | None = None) -> None:

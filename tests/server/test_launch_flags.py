@@ -231,12 +231,15 @@ def test_start_up_argument_errors_come_before_the_port_binds(tmp_path):
     taken.listen()
     port = str(taken.getsockname()[1])
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", None)  # the --context-length case needs the refusal
     cases = [
         (["--device", "tpu"], "--device tpu: this process runs on the JAX platform 'cpu'"),
         (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3: the KV pool is stored in the model's dtype"),
         (["--chat-template", "chatml"], "--chat-template chatml: no such file"),
         (["--tp-size", "64"], "--tp-size 64 needs 64 devices"),
         (["--reasoning-parser", "r2d2"], "argument --reasoning-parser: invalid choice: 'r2d2'"),
+        (["--served-model-name", ""], "--served-model-name must not be empty"),
+        (["--context-length", "100000"], "--context-length 100000 is greater than the model's context length 8192"),
     ]
     try:
         procs = [subprocess.Popen([sys.executable, str(SERVE), *argv, "--port", port], cwd=str(REPO), env=env,
