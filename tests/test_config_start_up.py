@@ -38,6 +38,12 @@ def test_sglangs_variable_turns_the_refusal_into_a_warning(value, caplog):
     assert "greater than the model's context length 8192" in caplog.text
 
 
+def test_the_engine_api_only_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.context_length"):
+        assert resolve_context_length(4096, 1024, 8192, environ={}, refuse_longer=False) == 4096
+    assert "greater than the model's context length 1024" in caplog.text
+
+
 def test_within_the_trained_length_and_the_default():
     assert resolve_context_length(8192, 8192, 4096, environ={}) == 8192
     assert resolve_context_length(100, 8192, 4096, environ={}) == 100

@@ -7,7 +7,7 @@ trained length give wrong outputs, so the default is to refuse. Without the flag
 default: the model's length capped at MAX_DEFAULT_CONTEXT (a CPU memory reason, docs/api.md).
 
 `trained_context_length` reads that length from the checkpoint's metadata alone (no weights), so that
-serve.py refuses a too long `--context-length` before its port binds; the Engine checks it again.
+serve.py refuses a too long `--context-length` before its port binds; the Engine API only warns.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _TRUE = frozenset({"1", "true", "yes", "y"})  # the values SGLang's EnvBool read
 
 
 def resolve_context_length(requested: int | None, max_position_embeddings: int, default_cap: int,
-                           environ: Mapping[str, str] = os.environ) -> int:
+                           environ: Mapping[str, str] = os.environ, refuse_longer: bool = True) -> int:
     """The context length in tokens.
 
     Args:
@@ -32,17 +32,21 @@ def resolve_context_length(requested: int | None, max_position_embeddings: int, 
         max_position_embeddings: the model's trained length (tokens).
         default_cap: the most tokens the default takes (jaxserve's MAX_DEFAULT_CONTEXT).
         environ: where SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is read.
+        refuse_longer: False makes a longer `requested` a warning whatever the variable says (the
+            Engine API, whose callers, tests with tiny checkpoints among them, choose lengths on purpose;
+            serve.py refuses before it builds an Engine).
 
     Raises:
-        ValueError: `requested` is above `max_position_embeddings` and the variable is not true.
+        ValueError: `requested` is above `max_position_embeddings`, the variable is not true and
+            `refuse_longer` is set.
     """
     if requested is None:
         return min(max_position_embeddings, default_cap)
     if requested > max_position_embeddings:
         msg = (f"--context-length {requested} is greater than the model's context length {max_position_embeddings} "
                "(max_position_embeddings); positions past it may give wrong outputs.")
-        if environ.get(ALLOW_LONGER_ENV, "").strip().lower() in _TRUE:
-            logger.warning("%s Served anyway (%s is set).", msg, ALLOW_LONGER_ENV)
+        if not refuse_longer or environ.get(ALLOW_LONGER_ENV, "").strip().lower() in _TRUE:
+            logger.warning("%s Used anyway.", msg)
         else:
             raise ValueError(f"{msg} To allow it, set the environment variable {ALLOW_LONGER_ENV}=1")
     return requested
