@@ -1,5 +1,6 @@
 """Data parallelism behind the real sglang-router 0.3.2: `serve.py --dp-size 2` (tiny checkpoint, small
-pools) starts two workers and the router; requests go through the router as through one server.
+pools) starts two workers and the router; single requests go through the router as through one server,
+and what the router parses away or answers itself (docs/scaling.md's table) is checked too.
 
 One launcher serves the module (round_robin, so the counters show both workers used); the
 cache_aware test puts a second real router, with that policy, in front of the same two workers. The
