@@ -338,6 +338,10 @@ class ServerArgs:
     tokenizer_mode: str = _flag("auto", "auto only (SGLang's default): the fast tokenizer (tokenizers library)", choices=("auto",), group="model")
     device: str | None = _flag(None, "the JAX platform in use (cpu, gpu or cuda, tpu), checked at start-up; another is an error: the platform is chosen by JAX_PLATFORMS (default: JAX's default backend)", group="model")
     watchdog_timeout: float = _flag(300.0, "accepted for SGLang command lines; changes nothing: jaxserve has no watchdog, so a step that hangs is not detected (a step that raises ends the engine: the process exits 1, or with --keep-alive-on-engine-error stays up with /health at 503)", group="scheduling")
+    # SGLang launch flags of the chat route and the tokenizer (jaxserve/server/chat_template.py, reasoning.py)
+    chat_template: str | None = _flag(None, "a Jinja chat template file (.jinja, or any file but .json) that replaces the model's own for /v1/chat/completions, rendered by transformers' apply_chat_template; SGLang's built-in template names and its .json conversation templates are refused at start-up (default: the tokenizer's template)", group="model")
+    reasoning_parser: str | None = _flag(None, "split the model's <think>...</think> reasoning from its answer in chat replies: message.reasoning_content and delta.reasoning_content (SGLang's names: deepseek-r1 and qwen3, and their aliases) (default: none, the reasoning stays in content)", group="structured_output")
+    skip_tokenizer_init: bool = _flag(False, "SGLang's: /generate takes input_ids only (text is a 400 naming text) and its outputs carry output_ids and no text; the OpenAI routes refuse text prompts and chat. The tokenizer is still loaded: stop strings and grammars use it", group="model")
 
     def resolved(self, platform: str) -> "ServerArgs":
         """A copy with the auto (None) values filled in for `platform` ("cpu", "gpu", "tpu").
@@ -357,7 +361,7 @@ class ServerArgs:
             speculative_num_draft_tokens=self.speculative_num_draft_tokens or (15 if self.speculative_algorithm else None),
         )
         args.validate()
-        args._check_platform_flags(platform)
+        args.check_platform_flags(platform)
         cap = args.max_verified_draft_tokens()
         if args.speculative_algorithm is not None and args.speculative_num_draft_tokens > cap:
             # SGLang accepts any value; like its other resolved flags, say the value used
@@ -371,8 +375,13 @@ class ServerArgs:
             args = dataclasses.replace(args, speculative_num_draft_tokens=cap)
         return args
 
-    def _check_platform_flags(self, platform: str) -> None:
-        """--device and --kv-cache-dtype against the platform (SGLang's spellings: DEVICE_PLATFORMS, KV_CACHE_DTYPES)."""
+    def check_platform_flags(self, platform: str) -> None:
+        """--device and --kv-cache-dtype against the JAX platform ("cpu", "gpu", "tpu"; SGLang's spellings:
+        DEVICE_PLATFORMS, KV_CACHE_DTYPES).
+
+        Raises:
+            ValueError: naming the flag and the value to give instead.
+        """
         if self.device is not None and DEVICE_PLATFORMS.get(self.device.lower()) != platform:
             raise ValueError(f"--device {self.device}: this process runs on the JAX platform {platform!r} "
                              f"(choose it with JAX_PLATFORMS); give --device {platform} or leave the flag out")
@@ -409,6 +418,8 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the flag of the first bad value."""
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError(f"--served-model-name must not be empty, got {self.served_model_name!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -29,6 +29,7 @@ from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_back
 from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
+from jaxserve.engine.context_length import resolve_context_length
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, ModelRunner
@@ -78,7 +79,8 @@ class Engine:
         self.mesh = make_mesh(args.tp_size)
         self.model_config, params = replicate_kv_heads(self.model_config, params, plan.kv_replicas)
         cfg = self.model_config
-        self.context_length = args.context_length or min(cfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+        self.context_length = resolve_context_length(args.context_length, cfg.max_position_embeddings, MAX_DEFAULT_CONTEXT,
+                                                     refuse_longer=False)  # serve.py refused it already
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
         )

@@ -309,6 +309,7 @@ class ModelRunner:
         self._step_exec: dict[tuple[BucketKey, bool], Callable] = {}
         self._sample_exec: dict[tuple, Callable] = {}
         self.warmed_up = False
+        self.precompiled = False  # precompile() ran (False under --disable-precompile)
         self.num_compiles_after_warmup = 0
         self.compile_seconds = 0.0
 
@@ -505,7 +506,9 @@ class ModelRunner:
             if feature_variant:
                 logger.info("compiled %s on first use (%.2f s)", what, time.perf_counter() - t0)
             else:
-                logger.warning("compiled %s while serving (%.2f s); precompile covers the usual buckets", what, time.perf_counter() - t0)
+                # under --disable-precompile a compile on first use is what was asked for: no warning
+                logger.log(logging.WARNING if self.precompiled else logging.DEBUG,
+                           "compiled %s while serving (%.2f s); precompile covers the usual buckets", what, time.perf_counter() - t0)
         return exe
 
     def dummy_entries(self, key: BucketKey) -> list[BatchEntry]:
@@ -557,6 +560,7 @@ class ModelRunner:
         self.compile_seconds += time.perf_counter() - t0
         bar.close()
         self.warmed_up = True
+        self.precompiled = True
 
     def mark_warmed_up(self) -> None:
         self.warmed_up = True

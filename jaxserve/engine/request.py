@@ -13,6 +13,7 @@ import numpy as np
 import regex
 
 from jaxserve.constrained import GrammarSpec
+from jaxserve.engine.field_types import SAMPLING_FIELD_TYPES, first_type_error
 
 _INT_MAX = 2**31 - 1
 # OpenAI's limits for logit_bias: at most 300 token ids, each biased by a value in [-100, 100].
@@ -78,13 +79,13 @@ class SamplingParams:
         """
         d = dict(d or {})
         names = {f.name for f in dataclasses.fields(SamplingParams)}
+        if (problem := first_type_error(d)) is not None:  # the JSON types, as the HTTP routes word them
+            raise SamplingParamsError(*problem)
         alias = d.pop("sampling_seed", None)
         unknown = sorted(set(d) - names)
         if unknown:
             raise SamplingParamsError(unknown[0], "unknown sampling parameter")
         if alias is not None:
-            if not isinstance(alias, int) or isinstance(alias, bool):
-                raise SamplingParamsError("sampling_seed", f"must be an integer, got {alias!r}")
             if d.get("seed") is not None and d["seed"] != alias:
                 raise SamplingParamsError("sampling_seed", f"is another name of seed; both given and different ({alias} != {d['seed']})")
             d["seed"] = alias
@@ -104,19 +105,17 @@ class SamplingParams:
         return params
 
     def validate(self) -> None:
-        """Raise `SamplingParamsError` naming the first invalid field."""
-        _check_type("max_new_tokens", self.max_new_tokens, int)
-        _check_type("min_new_tokens", self.min_new_tokens, int)
-        _check_type("top_k", self.top_k, int)
-        _check_type("n", self.n, int)
+        """Raise `SamplingParamsError` naming the first invalid field (types: the table of
+        `engine/field_types.py`, the same message as from_dict and the HTTP routes)."""
+        values = {name: getattr(self, name) for name in SAMPLING_FIELD_TYPES if hasattr(self, name)}
+        if (problem := first_type_error(values)) is not None:
+            raise SamplingParamsError(*problem)
+        for name, value in values.items():
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT_MAX and name != "seed":
+                raise SamplingParamsError(name, f"must be between -{_INT_MAX} and {_INT_MAX}, got {value}")
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
-            _check_type(name, getattr(self, name), (int, float))
             if not math.isfinite(getattr(self, name)):
                 raise SamplingParamsError(name, f"must be a finite number, got {getattr(self, name)}")
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
-            _check_type(name, getattr(self, name), bool)
-        if self.seed is not None:
-            _check_type("seed", self.seed, int)
         if self.max_new_tokens < 0:
             raise SamplingParamsError("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
@@ -151,7 +150,6 @@ class SamplingParams:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise SamplingParamsError("stop_token_ids", "must be non-negative integers")
         if self.stream_interval is not None:
-            _check_type("stream_interval", self.stream_interval, int)
             if self.stream_interval < 1:
                 raise SamplingParamsError("stream_interval", f"must be >= 1, got {self.stream_interval}")
         _check_stop_regex(self.stop_regex)
@@ -224,15 +222,6 @@ def _logit_bias_pairs(value: Any) -> tuple[tuple[Any, Any], ...]:
             raise SamplingParamsError("logit_bias", f"keys must be integer token ids, got {key!r}")
         pairs.append((token, float(bias) if isinstance(bias, int) and not isinstance(bias, bool) else bias))
     return tuple(sorted(pairs, key=lambda p: p[0]))
-
-
-def _check_type(name: str, value: Any, types) -> None:
-    if isinstance(value, bool) and types in (int, (int, float)):
-        raise SamplingParamsError(name, f"must be a number, got {value!r}")
-    if not isinstance(value, types):
-        raise SamplingParamsError(name, f"has the wrong type {type(value).__name__}")
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT_MAX and name != "seed":
-        raise SamplingParamsError(name, f"must be between -{_INT_MAX} and {_INT_MAX}, got {value}")
 
 
 def grammar_spec(params: SamplingParams) -> GrammarSpec | None:

@@ -4,7 +4,8 @@ Routes:
     POST /generate                 SGLang's native API (native_api.py)
     POST /v1/completions           OpenAI (openai_api.py)
     POST /v1/chat/completions
-    GET  /v1/models
+    GET  /v1/models                the served model (models_api.py)
+    GET  /v1/models/{model}        its card; 404 for another name
     GET  /metrics                  Prometheus metrics (metrics.py), unless --disable-metrics
     GET  /health                   200 while the engine loop runs
     GET  /health_generate          runs one token through the engine
@@ -42,13 +43,16 @@ import jaxserve
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoad, EngineLoop
 from jaxserve.model.tokenizer import tokenizer_files_path
-from jaxserve.server import native_api, openai_api
+from jaxserve.server import models_api, native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
+from jaxserve.server.chat_template import load_chat_template
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response, parse_json_body, unavailable_response
 from jaxserve.server.field_types import describe
 from jaxserve.server.function_call import get_parser
+from jaxserve.server.metrics import mark_unlogged
 from jaxserve.server.openapi import openapi_document
+from jaxserve.server.reasoning import reasoning_format
 
 access_logger = logging.getLogger("jaxserve.access")
 
@@ -129,12 +133,14 @@ async def health(request: Request) -> Response:
 
 
 async def health_generate(request: Request) -> Response:
-    """Generate one token; 503 when the engine cannot do it within HEALTH_GENERATE_TIMEOUT_S."""
+    """Generate one token; 503 when the engine cannot do it within HEALTH_GENERATE_TIMEOUT_S. The probe
+    is left out of `--log-requests` and of the sglang:* request metrics (SGLang's log_metrics=False)."""
     engine_loop: EngineLoop = request.app.state.engine_loop
     if not engine_loop.is_running:
         return error_response("the engine loop is not running", 503, code="unavailable")
-    group = RequestGroup(engine_loop)
+    group = RequestGroup(engine_loop, is_probe=True)
     group.submit(engine_loop.tokenize("ping") or [0], {"max_new_tokens": 1, "temperature": 0})
+    mark_unlogged(request, group.rids)  # SGLang's probe is log_metrics=False too
     try:
         outputs = await asyncio.wait_for(group.wait(), HEALTH_GENERATE_TIMEOUT_S)
     except asyncio.TimeoutError:
@@ -276,7 +282,8 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/generate", native_api.generate, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
-        Route("/v1/models", openai_api.models, methods=["GET"]),
+        Route("/v1/models", models_api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", models_api.retrieve_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/get_model_info", get_model_info, methods=["GET"]),
@@ -289,6 +296,8 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
     get_parser(server_args.tool_call_parser)  # an unknown --tool-call-parser fails at start-up (ValueError)
+    chat_template = load_chat_template(server_args.chat_template)  # so do the two below
+    reasoning = reasoning_format(server_args.reasoning_parser)
     model_name = served_model_name(server_args, engine_loop.model_path)
     metrics = None
     if not server_args.disable_metrics and engine_loop.load().snapshot is not None:
@@ -303,6 +312,8 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     app.state.engine_loop = engine_loop
     app.state.server_args = server_args
     app.state.model_name = model_name
+    app.state.chat_template = chat_template
+    app.state.reasoning_format = reasoning
     app.state.serving_metrics = metrics
     app.state.openapi = openapi_document()
     return app

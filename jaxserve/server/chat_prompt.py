@@ -39,8 +39,10 @@ def check_prefill(req: ChatCompletionRequest) -> None:
                        param="continue_final_message", code="invalid_value")
 
 
-def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, parser: ToolCallParser, tools: list[Tool] | None) -> str:
-    """The prompt text of `req` (`tools`: those to show the model, None for none).
+def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, parser: ToolCallParser, tools: list[Tool] | None,
+                template: str | None = None) -> str:
+    """The prompt text of `req` (`tools`: those to show the model, None for none); `template` is the
+    `--chat-template` text that replaces the tokenizer's own (None: the tokenizer's).
 
     Raises:
         APIError: no messages, non-text content, no chat template, or the template rejects the
@@ -48,7 +50,8 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, parser: ToolCallPars
     """
     if not req.messages:
         raise APIError("messages must contain at least one message", 400, param="messages", code="invalid_value")
-    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        template = getattr(tokenizer, "chat_template", None)
     if template is None:
         raise APIError("the model has no chat template; use /v1/completions", 400, param="messages", code="invalid_value")
     check_prefill(req)
@@ -76,7 +79,7 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest, parser: ToolCallPars
     else:
         kwargs["add_generation_prompt"] = req.add_generation_prompt is not False
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template, **kwargs)
     except Exception as e:  # the template rejects the conversation (roles out of order, ...)
         raise APIError(f"the chat template rejected the messages: {e}", 400, param="messages", code="invalid_value") from None
 

@@ -71,9 +71,10 @@ class RequestGroup:
     Create it inside the event loop. `submit` validates synchronously (raises like `EngineLoop.submit`;
     it may run on the preprocessing thread, before the group is iterated); iterate the group to receive
     every `StepOutput` until all sequences have finished; `abort()` stops the unfinished ones.
+    `is_probe`: the server's own request (/health_generate), which `--log-requests` does not log.
     """
 
-    def __init__(self, engine_loop: EngineLoop):
+    def __init__(self, engine_loop: EngineLoop, is_probe: bool = False):
         self._engine_loop = engine_loop
         self._event_loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
@@ -83,7 +84,7 @@ class RequestGroup:
         self._access = _ACCESS_RECORD.get()
         self._first_of_prompt: set[str] = set()  # one rid per submitted prompt: its prompt counts once
         self._reservation: QueueReservation | None = None
-        self._log_requests = engine_loop.server_args.log_requests
+        self._log_requests = engine_loop.server_args.log_requests and not is_probe
 
     @contextlib.contextmanager
     def reserved(self, num_sequences: int, field: str) -> Iterator[None]:

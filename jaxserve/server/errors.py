@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse
 
 from jaxserve.engine.engine import RequestError
 from jaxserve.engine.engine_loop import EngineUnavailableError
+from jaxserve.engine.field_types import TYPE_ERROR_MARKERS
 from jaxserve.engine.request import SamplingParamsError
 
 # Hints for the mistakes new users make most, keyed by (where, field): "sampling_params" for a key
@@ -37,8 +38,9 @@ FIELD_HINTS: dict[tuple[str, str], str] = {
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "stop", "seed", "n", "frequency_penalty",
                     "presence_penalty", "repetition_penalty", "ignore_eos", "regex", "json_schema")
 FIELD_HINTS.update({("generate", f): f"{f} goes inside sampling_params" for f in _SAMPLING_FIELDS})
-# substrings of SamplingParamsError messages that report a wrong type (docs/api.md: code invalid_type)
-_TYPE_ERROR_MARKERS = ("has the wrong type", "must be a number", "must be a list", "must be strings")
+# substrings of SamplingParamsError messages that report a wrong type (docs/api.md: code invalid_type):
+# the type table's wording (engine/field_types.py) and the value checks' own
+_TYPE_ERROR_MARKERS = (*TYPE_ERROR_MARKERS, "must be a list", "must be strings")
 
 
 def hint_for(where: str, field: str) -> str | None:
@@ -91,6 +93,8 @@ def from_engine_error(e: SamplingParamsError | RequestError, rename: Mapping[str
             code = "unknown_parameter"
             if (hint := hint_for("sampling_params", field)) is not None:
                 message += f"; {hint}"
+    elif message.startswith("must "):  # a bare predicate ("must be in [0, 20], got 25"): say whose
+        message = f"{field}: {message}"
     for engine_name, api_name in (rename or {}).items():
         if "_" in engine_name:  # a field name, not a word: "must be <= max_new_tokens" -> "<= max_tokens"
             message = re.sub(rf"\b{engine_name}\b", api_name, message)

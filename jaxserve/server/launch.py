@@ -1,6 +1,7 @@
 """`launch_server(server_args)`: what `python scripts/serve.py` and `python -m jaxserve.server` run.
 
-Order: configure logging, bind the port (so a port in use fails in a second, not after loading),
+Order: check the flags (`main`: argparse, then `check_start_up_args`; exit 2 with one line), configure
+logging, check the model path, bind the port (so a port in use fails in a second, not after loading),
 load the model and compile (the engine shows progress bars), start the engine loop, then serve the
 Starlette app with uvicorn and print one line saying where.
 
@@ -296,12 +297,46 @@ def _return_freed_memory() -> None:
         pass
 
 
+def check_start_up_args(args: ServerArgs) -> None:
+    """The flag checks that argparse cannot make, made before any port binds or model loads: the
+    --chat-template file, and (for one process: --dp-size 1, --nnodes 1) the flags that depend on the JAX
+    platform (--device, --kv-cache-dtype, against `jax.default_backend()`) and on its devices (--tp-size,
+    against the visible ones), and --context-length against the model's trained length (SGLang's rule,
+    engine/context_length.py). `main` reports a failure as argparse does: `serve.py: error: ...` and
+    exit status 2.
+
+    Raises:
+        ValueError: the first bad flag, named.
+    """
+    from jaxserve.engine.context_length import resolve_context_length, trained_context_length
+    from jaxserve.server.chat_template import load_chat_template
+
+    load_chat_template(args.chat_template)
+    if args.dp_size == 1 and args.nnodes == 1:  # a launcher's workers (or ranks) check their own platform
+        import jax  # the process that serves imports it next anyway
+
+        from jaxserve.parallel.mesh import make_mesh
+
+        args.check_platform_flags(jax.default_backend())
+        make_mesh(args.tp_size)  # raises when --tp-size is more than the visible devices
+    if args.context_length is not None and (trained := trained_context_length(args.model_path)) is not None:
+        resolve_context_length(args.context_length, trained, default_cap=trained)  # raises above the model's
+
+
 def main(argv: list[str] | None = None) -> None:
     """scripts/serve.py and `python -m jaxserve.server`: one server, or with `--dp-size N` N workers
     behind sglang-router (dp_launcher.py)."""
     from jaxserve.server.function_call.parsers import PARSERS  # the one table of names; imports no jax
 
-    args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:], choices={"tool_call_parser": tuple(PARSERS)})
+    from jaxserve.server.reasoning import REASONING_PARSERS
+
+    args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:],
+                               choices={"tool_call_parser": tuple(PARSERS), "reasoning_parser": tuple(REASONING_PARSERS)})
+    try:
+        check_start_up_args(args)
+    except ValueError as e:
+        print(f"serve.py: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     if args.dp_size > 1:
         from jaxserve.server.dp_launcher import launch_data_parallel
 

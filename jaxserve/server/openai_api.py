@@ -1,4 +1,4 @@
-"""OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+"""OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions (GET /v1/models: models_api.py).
 
 Sampling fields map onto the engine's `SamplingParams` as SGLang's OpenAI layer maps them
 (max_tokens / max_completion_tokens -> max_new_tokens, min_tokens -> min_new_tokens,
@@ -33,6 +33,7 @@ from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, pre
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.function_call.plan import ToolPlan, tool_calls_out, tool_plan
 from jaxserve.server.function_call.streaming import CallStart, Content, StreamEvent, ToolCallStreamer
+from jaxserve.server.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
 from jaxserve.server.native_api import failure_of
 from jaxserve.server.protocol import (
     ChatCompletionChoice,
@@ -49,8 +50,6 @@ from jaxserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    ModelCard,
-    ModelList,
     PromptTokensDetails,
     TokenLogprob,
     ToolCallDelta,
@@ -60,7 +59,7 @@ from jaxserve.server.protocol import (
 )
 from jaxserve.server.metrics import mark_streaming
 from jaxserve.server.field_types import check_field_types
-from jaxserve.server.request_checks import check_seed
+from jaxserve.server.openai_checks import check_best_of, check_chat_messages, check_openai_request, check_tokenizer_needed
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
 MAX_TOP_LOGPROBS = 20
@@ -113,52 +112,6 @@ def _json_schema_of(req: _OpenAISampling) -> str | None:
             400, param="response_format.json_schema.schema", code="invalid_value",
         )
     return json.dumps(inner)
-
-
-def check_openai_request(req: _OpenAISampling) -> None:
-    """Checks made on both endpoints: `stream_options` only with `stream: true` (OpenAI's rule); a
-    `seed` in the signed 64-bit range (`request_checks.check_seed`).
-
-    Raises:
-        APIError: 400 naming the field.
-    """
-    check_seed(req.seed)
-    if req.stream_options is not None and not req.stream:
-        raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options",
-                       code="invalid_value")
-
-
-def check_best_of(req: CompletionRequest) -> None:
-    """`best_of` on /v1/completions: OpenAI's rule best_of >= n (default n); generating best_of
-    candidates and returning the n best (best_of > n) is not implemented, so only best_of == n passes.
-
-    Raises:
-        APIError: 400 naming best_of.
-    """
-    if req.best_of is None or req.best_of == req.n:
-        return
-    if req.best_of < req.n:
-        raise APIError(f"best_of must be >= n, got best_of={req.best_of} and n={req.n}", 400, param="best_of",
-                       code="invalid_value")
-    raise APIError(f"best_of > n is not supported (got best_of={req.best_of}, n={req.n}); use n", 400,
-                   param="best_of", code="unsupported_parameter")
-
-
-def check_chat_messages(req: ChatCompletionRequest) -> None:
-    """Every message has `content`, except an assistant message that carries `tool_calls` (OpenAI's rule);
-    `best_of` is not a chat field.
-
-    Raises:
-        APIError: 400 naming `messages[i].content` or best_of.
-    """
-    if req.best_of is not None:
-        raise APIError("best_of is not a parameter of chat completions (it is one of /v1/completions); use n",
-                       400, param="best_of", code="unknown_parameter")
-    for i, msg in enumerate(req.messages):
-        if msg.content is None and not (msg.role == "assistant" and msg.tool_calls):
-            raise APIError(f"messages[{i}].content: field required for a {msg.role} message"
-                           + (" (an assistant message may leave it out only with tool_calls)" if msg.role == "assistant" else ""),
-                           400, param=f"messages[{i}].content", code="missing_required_parameter")
 
 
 def max_tokens_of(req: _OpenAISampling) -> tuple[int | None, str]:
@@ -327,6 +280,7 @@ async def completions(request: Request) -> Response:
         raise APIError("suffix is not supported", 400, param="suffix", code="unsupported_parameter")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise APIError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", 400, param="logprobs", code="invalid_value")
+    check_tokenizer_needed(request, "prompt", any(isinstance(p, str) for p in _completion_prompts(req.prompt)))
     max_tokens, max_field = max_tokens_of(req)
     prompt_logprobs = req.echo and req.logprobs is not None
     drop_output = prompt_logprobs and max_tokens == 0
@@ -486,6 +440,7 @@ async def chat_completions(request: Request) -> Response:
     req = ChatCompletionRequest.model_validate(body)
     check_openai_request(req)
     check_chat_messages(req)
+    check_tokenizer_needed(request, "messages", True)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", 400, param="top_logprobs", code="invalid_value")
@@ -502,15 +457,17 @@ async def chat_completions(request: Request) -> Response:
         renames["ebnf"] = "tool_choice"
 
     def prepare() -> None:  # on the preprocessing thread
-        ids = _tokenize(engine_loop, chat_prompt(tokenizer, req, plan.parser, plan.tools), "messages")
+        prompt = chat_prompt(tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
+        ids = _tokenize(engine_loop, prompt, "messages")
         max_new = max_tokens if max_tokens is not None else max(1, engine_loop.context_length - len(ids))
         _submit(group, renames, [(ids, rid, max_new)], req, req.logprobs, req.top_logprobs or 0, ebnf=plan.grammar)
 
     await preprocess(request, prepare)
     model = request.app.state.model_name
+    reasoning = request.app.state.reasoning_format if req.separate_reasoning else None
     if req.stream:
         mark_streaming(request, group.rids)
-        return SSEResponse(_chat_stream(group, req, f"chatcmpl-{rid}", model, tokenizer, plan))
+        return SSEResponse(_chat_stream(group, req, f"chatcmpl-{rid}", model, tokenizer, plan, reasoning))
     async with abort_on_disconnect(request, group):
         outputs = await group.wait()
     if (failure := _failure_response(outputs)) is not None:
@@ -520,12 +477,17 @@ async def chat_completions(request: Request) -> Response:
     for i, out in enumerate(outputs):
         reason, matched = finish_reason_of(out)
         logprobs = _chat_logprobs(out, 0, texts) if req.logprobs else None
-        message = ChatMessageOut(content=out.text)
+        text, reasoning_content = out.text, None
+        if reasoning is not None:
+            split = split_reasoning(reasoning, out.text)
+            text, reasoning_content = split.content, split.reasoning or None
+        message = ChatMessageOut(content=text, reasoning_content=reasoning_content)
         if plan.tools:
-            parsed = plan.parser.parse(out.text, plan.tools)
+            parsed = plan.parser.parse(text, plan.tools)
             if parsed.calls:
                 calls = parsed.calls if req.parallel_tool_calls else parsed.calls[:1]
-                message = ChatMessageOut(content=parsed.content, tool_calls=tool_calls_out(calls))
+                message = ChatMessageOut(content=parsed.content, reasoning_content=reasoning_content,
+                                         tool_calls=tool_calls_out(calls))
             reason = _chat_finish_reason(reason, bool(parsed.calls))
         choices.append(ChatCompletionChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason, matched_stop=matched))
     response = ChatCompletionResponse(id=f"chatcmpl-{rid}", model=model, choices=choices, usage=_usage(outputs, req.n))
@@ -533,10 +495,12 @@ async def chat_completions(request: Request) -> Response:
 
 
 def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: str, model: str,
-                 tokenizer: Any, plan: ToolPlan) -> AsyncIterator[str]:
-    """Chat chunks; with tools, text goes through a ToolCallStreamer per choice and each call is sent as
-    OpenAI's delta.tool_calls: {index, id, type, function.name} first, then its argument text (as it is
-    decoded for a forced call, in one piece once the call is complete otherwise)."""
+                 tokenizer: Any, plan: ToolPlan, reasoning: ReasoningFormat | None) -> AsyncIterator[str]:
+    """Chat chunks; with `reasoning` (--reasoning-parser), text goes through a ReasoningSplitter per choice
+    first and its reasoning is sent as delta.reasoning_content; with tools, the rest goes through a
+    ToolCallStreamer per choice and each call is sent as OpenAI's delta.tool_calls: {index, id, type,
+    function.name} first, then its argument text (as it is decoded for a forced call, in one piece once
+    the call is complete otherwise)."""
     texts = _TokenTexts(tokenizer)
     created = int(time.time())
     incremental = plan.grammar is not None  # a forced call is well-formed: stream its arguments as decoded
@@ -544,6 +508,7 @@ def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: s
                  if plan.tools else {})
     num_calls = dict.fromkeys(range(len(group.rids)), 0)
     skipping = dict.fromkeys(range(len(group.rids)), False)  # parallel_tool_calls false: a 2nd call is not sent
+    splitters = {i: ReasoningSplitter(reasoning) for i in range(len(group.rids))} if reasoning is not None else {}
 
     def chunk(i: int, delta: ChatDelta, logprobs=None, reason=None, matched=None) -> str:
         choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
@@ -569,13 +534,28 @@ def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: s
             out.insert(0, chunk(i, ChatDelta(), logprobs))
         return out
 
-    def delta(i: int, out: StepOutput, text: str, logprobs) -> list[str]:
+    def answer(i: int, text: str, logprobs) -> list[str]:
         if i not in streamers:
-            return [chunk(i, ChatDelta(content=text), logprobs)]
+            return [chunk(i, ChatDelta(content=text), logprobs)] if text or logprobs is not None else []
         return pieces(i, streamers[i].feed(text), logprobs)
 
+    def delta(i: int, out: StepOutput, text: str, logprobs) -> list[str]:
+        if i not in splitters:
+            return answer(i, text, logprobs)
+        split = splitters[i].feed(text)
+        events = [chunk(i, ChatDelta(reasoning_content=split.reasoning), logprobs)] if split.reasoning else []
+        return events + answer(i, split.content, None if events else logprobs)
+
     def finish(i: int, out: StepOutput, reason: str | None, matched: Any) -> list[str]:
-        events = pieces(i, streamers[i].finish(), None) if i in streamers else []
+        events = []
+        if i in splitters:  # the text held back in case it began a tag
+            split = splitters[i].finish()
+            if split.reasoning:
+                events.append(chunk(i, ChatDelta(reasoning_content=split.reasoning)))
+            if split.content:
+                events += answer(i, split.content, None)
+        if i in streamers:
+            events += pieces(i, streamers[i].finish(), None)
         return events + [chunk(i, ChatDelta(), None, _chat_finish_reason(reason, num_calls[i] > 0), matched)]
 
     def logprobs_since(out: StepOutput, start: int) -> ChatLogprobs | None:
@@ -589,11 +569,3 @@ def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: s
         finish=finish,
         usage=lambda usage: _chunk_event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage)),
     )
-
-
-# ---- /v1/models -----------------------------------------------------------------------------------
-async def models(request: Request) -> Response:
-    """GET /v1/models: the one served model."""
-    engine_loop = request.app.state.engine_loop
-    card = ModelCard(id=request.app.state.model_name, root=engine_loop.model_path, max_model_len=engine_loop.context_length)
-    return JSONResponse(ModelList(data=[card]).model_dump())

@@ -151,7 +151,7 @@ class CompletionRequest(_OpenAISampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None  # accepted only equal to n (`openai_api.check_best_of`)
+    best_of: int | None = None  # accepted only equal to n (`openai_checks.check_best_of`)
 
 
 class ContentPart(_Request):
@@ -220,7 +220,8 @@ class ChatCompletionRequest(_OpenAISampling):
     tools), "required" or {"type": "function", "function": {"name": ...}}). Assistant prefill (vLLM's
     and SGLang's extensions): `continue_final_message` continues the last (assistant) message instead
     of closing it; `add_generation_prompt` (default true) opens a new assistant turn;
-    `chat_template_kwargs` are extra variables of the chat template.
+    `chat_template_kwargs` are extra variables of the chat template. With `--reasoning-parser`,
+    `separate_reasoning` (SGLang's, default true) moves the reasoning into `reasoning_content`.
     """
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
@@ -233,6 +234,8 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: bool | None = None
     # SGLang's and vLLM's: extra variables of the chat template (Qwen3's enable_thinking, ...)
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's: with --reasoning-parser, false leaves the reasoning in content
+    separate_reasoning: bool = True
     # not a chat field (OpenAI refuses it); kept only to answer with a 400 that names it, and out of
     # /openapi.json, which documents what the route accepts
     best_of: SkipJsonSchema[Any] = None
@@ -313,6 +316,7 @@ class ToolCallDelta(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # SGLang's field, with --reasoning-parser
     tool_calls: list[ToolCall] | None = None
 
 
@@ -336,6 +340,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -1,5 +1,5 @@
-"""Range checks the API makes before a request reaches the engine: the sampling seed, on every
-route that has it. (`logprob_start_len` is the engine's check, `engine/logprob_start.py`, which
+"""Checks the API makes before a request reaches the engine: the sampling seed's range and
+`logit_bias` keys that name one token twice, on every route that has them. (`logprob_start_len` is the engine's check, `engine/logprob_start.py`, which
 the native API calls before submitting.)
 
 Seeds. OpenAI's published API schema and vLLM's request models bound `seed` to a signed 64-bit
@@ -14,6 +14,7 @@ tokens. Sequence i of `n` uses seed + i (mod 2**32 as well). -1 is an ordinary s
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from jaxserve.server.errors import APIError
@@ -33,3 +34,22 @@ def check_seed(value: Any, field: str = "seed") -> None:
     if isinstance(value, int) and not isinstance(value, bool) and not SEED_MIN <= value <= SEED_MAX:
         raise APIError(f"{field}: must be a 64-bit signed integer, in [-2**63, 2**63 - 1], got {value}", 400,
                        param=field, code="invalid_value")
+
+
+def check_logit_bias_keys(value: Any) -> None:
+    """Refuse a `logit_bias` object whose keys spell one token id twice ("028" and "28"): JSON keeps
+    both, and one bias would silently replace the other. Other mistakes pass (the engine names them).
+
+    Raises:
+        APIError: 400 naming logit_bias, code invalid_value.
+    """
+    if not isinstance(value, dict):
+        return
+    seen: dict[int, str] = {}
+    for key in value:
+        if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,10}", key):  # the keys the engine reads as ids
+            token = int(key)
+            if token in seen:
+                raise APIError(f"logit_bias: the keys {seen[token]!r} and {key!r} are the same token id {token}; "
+                               "give each token once", 400, param="logit_bias", code="invalid_value")
+            seen[token] = key

@@ -187,6 +187,7 @@ SAMPLING_FIELDS: tuple[Field, ...] = (
 
 _REQUEST = {f.name: f for f in REQUEST_FIELDS}
 _SAMPLING = {f.name: f for f in SAMPLING_FIELDS}
+SAMPLING_FIELD_NAMES = frozenset(_SAMPLING)  # what an error inside sampling_params can name
 
 
 def is_neutral(field: Field, value: Any) -> bool:
@@ -236,6 +237,6 @@ def check_sampling_params(params: Mapping[str, Any]) -> dict[str, Any]:
     `check_request`; `SamplingParams.from_dict` validates the rest).
 
     Raises:
-        APIError: as `check_request`; `param` is the bare field name, as for every sampling error.
+        APIError: as `check_request`; `param` is the bare field name (/generate prefixes its path).
     """
     return _check(_SAMPLING, params)

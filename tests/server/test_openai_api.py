@@ -181,3 +181,13 @@ def test_chat_refuses_best_of(http):
     r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "best_of": 2})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "best_of"
+
+
+def test_models_retrieve_the_served_name_and_404_otherwise(client, model, http):
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body == {"message": "The model 'no-such-model' does not exist", "type": "invalid_request_error",
+                              "param": "model", "code": "model_not_found"}
+    assert http.get("/v1/models/org/no-such-model").status_code == 404  # a slash in the name is the name's

@@ -230,7 +230,8 @@ def test_logit_bias_refusals(http, route, bias, message):
         body = {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": bias}
     r = http.post(route, json=body)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "logit_bias" and message in r.json()["error"]["message"]
+    param = "sampling_params.logit_bias" if route == "/generate" else "logit_bias"
+    assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
 
 
 def test_logit_bias_too_many_entries(http):

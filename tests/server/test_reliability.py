@@ -143,7 +143,8 @@ def test_sigterm_drains_running_streams_and_exits_zero(tiny_model_dir, tmp_path)
 
 @pytest.mark.parametrize("timeout_s", ["0.5"])
 def test_sigterm_past_the_shutdown_timeout_aborts_with_a_reason(tiny_model_dir, tmp_path, timeout_s):
-    server = _start(tiny_model_dir, tmp_path, "--shutdown-timeout", timeout_s, "--context-length", "4096")
+    server = _start(tiny_model_dir, tmp_path, "--shutdown-timeout", timeout_s, "--context-length", "4096",
+                    env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"})  # past the tiny model's 1024
     try:
         _warm(server.url)
         long = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
@@ -188,7 +189,8 @@ def test_keep_alive_on_engine_error_stays_up_answering_503(tiny_model_dir, tmp_p
 
 
 def test_a_second_sigterm_exits_at_once(tiny_model_dir, tmp_path):
-    server = _start(tiny_model_dir, tmp_path, "--shutdown-timeout", "300", "--context-length", "4096")
+    server = _start(tiny_model_dir, tmp_path, "--shutdown-timeout", "300", "--context-length", "4096",
+                    env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"})  # past the tiny model's 1024
     try:
         _warm(server.url)
         long = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}

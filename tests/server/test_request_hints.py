@@ -29,7 +29,7 @@ def _error(r, status=400) -> dict:
 
 def test_max_tokens_in_sampling_params_suggests_max_new_tokens(client):
     err = _error(client.post("/generate", json={"text": "hi", "sampling_params": {"max_tokens": 3}}))
-    assert err["param"] == "max_tokens" and err["code"] == "unknown_parameter"
+    assert err["param"] == "sampling_params.max_tokens" and err["code"] == "unknown_parameter"
     assert "did you mean max_new_tokens" in err["message"]
 
 
@@ -53,12 +53,12 @@ def test_get_on_a_post_route_is_a_405_naming_post(client):
 ])
 def test_a_wrong_type_is_invalid_type(client, params, field):
     err = _error(client.post("/generate", json={"text": "hi", "sampling_params": params}))
-    assert err["param"] == field and err["code"] == "invalid_type", err
+    assert err["param"] == f"sampling_params.{field}" and err["code"] == "invalid_type", err
 
 
 def test_a_value_out_of_range_stays_invalid_value(client):
     err = _error(client.post("/generate", json={"text": "hi", "sampling_params": {"top_p": 1.5}}))
-    assert err["param"] == "top_p" and err["code"] == "invalid_value"
+    assert err["param"] == "sampling_params.top_p" and err["code"] == "invalid_value"
 
 
 def test_one_token_reads_singular(client):

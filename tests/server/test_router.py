@@ -1,5 +1,6 @@
 """Data parallelism behind the real sglang-router 0.3.2: `serve.py --dp-size 2` (tiny checkpoint, small
-pools) starts two workers and the router; requests go through the router as through one server.
+pools) starts two workers and the router; single requests go through the router as through one server,
+and what the router parses away or answers itself (docs/scaling.md's table) is checked too.
 
 One launcher serves the module (round_robin, so the counters show both workers used); the
 cache_aware test puts a second real router, with that policy, in front of the same two workers. The
@@ -114,6 +115,27 @@ def test_native_chat_stream_and_flush_through_the_router(dp):
     assert r.status_code == 200, r.text
     for url in dp.worker_urls:
         assert httpx.get(url + "/get_server_info", timeout=10).json()["kv_pool"]["cached_tokens"] == 0
+
+
+def test_what_the_router_does_not_pass_through(dp):
+    """docs/scaling.md's table: the router parses /generate into its own types before a worker sees it."""
+    batch = httpx.post(dp.url + "/generate", json={"text": ["a", "b"], "sampling_params": GREEDY}, timeout=60)
+    assert batch.status_code == 422 and "invalid type: sequence, expected a string" in batch.text
+    assert httpx.post(dp.worker_urls[0] + "/generate", json={"text": ["a", "b"], "sampling_params": GREEDY},
+                      timeout=120).status_code == 200
+    dropped = httpx.post(dp.url + "/generate", timeout=120,
+                         json={"text": "a", "sampling_params": GREEDY, "bogus": 1, "max_new_tokens": 9})
+    assert dropped.status_code == 200 and dropped.json()["meta_info"]["completion_tokens"] == 4
+    assert httpx.post(dp.worker_urls[0] + "/generate", timeout=60,
+                      json={"text": "a", "sampling_params": GREEDY, "bogus": 1}).status_code == 400
+    wrong_type = httpx.post(dp.url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": "x"}},
+                            timeout=60)
+    assert wrong_type.status_code == 422
+    assert httpx.post(dp.url + "/generate", content=json.dumps({"text": "a"}), timeout=60).status_code == 415
+    assert httpx.get(dp.url + "/metrics", timeout=10).status_code == 404
+    assert httpx.get(dp.url + "/get_load", timeout=10).status_code == 404
+    assert httpx.get(dp.url + "/flush_cache", timeout=10).status_code == 405
+    assert "engine_stats" not in httpx.get(dp.url + "/get_server_info", timeout=10).json()
 
 
 def test_round_robin_sends_requests_to_both_workers(dp):

@@ -132,15 +132,15 @@ def test_all_neutral_values_in_one_request_match_a_plain_one(http):
         ({"image_data": "http://x/cat.png"}, "image_data", "unsupported_parameter"),
         ({"lora_path": "adapter-1"}, "lora_path", "unsupported_parameter"),
         ({"return_hidden_states": True}, "return_hidden_states", "unsupported_parameter"),
-        ({"sampling_params": {"structural_tag": "{}"}}, "structural_tag", "unsupported_parameter"),
-        ({"sampling_params": [{"beam_width": 4}]}, "beam_width", "unsupported_parameter"),
+        ({"sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag", "unsupported_parameter"),
+        ({"sampling_params": {"beam_width": 4}}, "sampling_params.beam_width", "unsupported_parameter"),
         ({"no_such_field": 1}, "no_such_field", "unknown_parameter"),
-        ({"sampling_params": {"no_such_param": 1}}, "no_such_param", "unknown_parameter"),
-        ({"sampling_params": {"stop_regex": "("}}, "stop_regex", "invalid_value"),
-        ({"sampling_params": {"stop_regex": "a*"}}, "stop_regex", "invalid_value"),
-        ({"sampling_params": {"stream_interval": 0}}, "stream_interval", "invalid_value"),
-        ({"sampling_params": {"sampling_seed": 1, "seed": 2}}, "sampling_seed", "invalid_value"),
-        ({"sampling_params": {"spaces_between_special_tokens": "no"}}, "spaces_between_special_tokens", "invalid_type"),
+        ({"sampling_params": {"no_such_param": 1}}, "sampling_params.no_such_param", "unknown_parameter"),
+        ({"sampling_params": {"stop_regex": "("}}, "sampling_params.stop_regex", "invalid_value"),
+        ({"sampling_params": {"stop_regex": "a*"}}, "sampling_params.stop_regex", "invalid_value"),
+        ({"sampling_params": {"stream_interval": 0}}, "sampling_params.stream_interval", "invalid_value"),
+        ({"sampling_params": {"sampling_seed": 1, "seed": 2}}, "sampling_params.sampling_seed", "invalid_value"),
+        ({"sampling_params": {"spaces_between_special_tokens": "no"}}, "sampling_params.spaces_between_special_tokens", "invalid_type"),
         ({"return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob", "invalid_value"),
     ],
 )
@@ -215,6 +215,27 @@ def test_per_prompt_logprob_fields_and_a_batch_rid_prefix(http):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_logprob"
     single = post(http, {"text": "one", "return_logprob": [True]})
     assert single.status_code == 400 and single.json()["error"]["param"] == "return_logprob"
+
+
+def test_one_prompt_takes_lists_only_with_n_above_1_as_sglang(http):
+    # SGLang 0.5.23 fails on a list of sampling_params for one prompt (it was accepted here, while
+    # return_logprob: [true] was a 400); with n > 1 it makes the prompt a batch of one, lists included
+    single = post(http, {"text": "one", "sampling_params": [{"max_new_tokens": 1}]})
+    assert single.status_code == 400 and single.json()["error"]["param"] == "sampling_params", single.text
+    body = {"text": "one", "sampling_params": [{**GREEDY, "max_new_tokens": 2, "n": 2}], "return_logprob": [True],
+            "top_logprobs_num": [1]}
+    outs = post(http, body).json()
+    assert len(outs) == 2 and all(len(o["meta_info"]["output_top_logprobs"]) == 2 for o in outs), outs
+
+
+def test_top_logprobs_num_without_return_logprob_returns_no_logprobs(http):
+    # SGLang ignores top_logprobs_num and token_ids_logprob without return_logprob; they returned logprobs here
+    out = post(http, {"text": "one", "sampling_params": {**GREEDY, "max_new_tokens": 2}, "top_logprobs_num": 2,
+                      "token_ids_logprob": [5]}).json()
+    assert not [k for k in out["meta_info"] if "logprob" in k], out["meta_info"]
+    asked = post(http, {"text": "one", "sampling_params": {**GREEDY, "max_new_tokens": 2}, "top_logprobs_num": 2,
+                        "return_logprob": True}).json()
+    assert len(asked["meta_info"]["output_top_logprobs"][0]) == 2
 
 
 def test_cache_salt_separates_cached_prefixes(http):

@@ -134,6 +134,7 @@ def test_every_metric_the_dashboard_queries_is_exported(http):
     exported = set(scrape(http))
     names = dashboard_metric_names()
     assert {"sglang:time_to_first_token_seconds_bucket", "sglang_radix_cache_nodes_total"} <= names
+    assert {"sglang:spec_accept_length", "sglang:spec_accept_rate"} <= names  # the speculative row
     assert names - exported == set()
 
 

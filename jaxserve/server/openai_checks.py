@@ -1,0 +1,73 @@
+"""Request checks of the OpenAI routes (/v1/completions, /v1/chat/completions) made before a request is
+prepared: OpenAI's own rules (`stream_options`, `best_of`, message `content`), the seed's range and
+`logit_bias` keys (`request_checks`), and `--skip-tokenizer-init`. Each raises an `APIError` (400)
+naming the field.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from jaxserve.server.errors import APIError
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from jaxserve.server.request_checks import check_logit_bias_keys, check_seed
+
+
+def check_openai_request(req: _OpenAISampling) -> None:
+    """Checks made on both endpoints: `stream_options` only with `stream: true` (OpenAI's rule); a
+    `seed` in the signed 64-bit range (`request_checks.check_seed`); `logit_bias` naming each token once.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    check_seed(req.seed)
+    check_logit_bias_keys(req.logit_bias)
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options",
+                       code="invalid_value")
+
+
+def check_tokenizer_needed(request: Request, field: str, needs_tokenizer: bool) -> None:
+    """`--skip-tokenizer-init` (SGLang's flag): a request that needs the tokenizer (a text prompt, a chat)
+    is refused, as SGLang refuses text once it has no tokenizer.
+
+    Raises:
+        APIError: 400 naming `field`.
+    """
+    if needs_tokenizer and request.app.state.server_args.skip_tokenizer_init:
+        raise APIError(f"{field}: the server runs with --skip-tokenizer-init, so it takes token ids only "
+                       "(input_ids on /generate, a list of ids as the completions prompt)", 400, param=field,
+                       code="invalid_value")
+
+
+def check_best_of(req: CompletionRequest) -> None:
+    """`best_of` on /v1/completions: OpenAI's rule best_of >= n (default n); generating best_of
+    candidates and returning the n best (best_of > n) is not implemented, so only best_of == n passes.
+
+    Raises:
+        APIError: 400 naming best_of.
+    """
+    if req.best_of is None or req.best_of == req.n:
+        return
+    if req.best_of < req.n:
+        raise APIError(f"best_of must be >= n, got best_of={req.best_of} and n={req.n}", 400, param="best_of",
+                       code="invalid_value")
+    raise APIError(f"best_of > n is not supported (got best_of={req.best_of}, n={req.n}); use n", 400,
+                   param="best_of", code="unsupported_parameter")
+
+
+def check_chat_messages(req: ChatCompletionRequest) -> None:
+    """Every message has `content`, except an assistant message that carries `tool_calls` (OpenAI's rule);
+    `best_of` is not a chat field.
+
+    Raises:
+        APIError: 400 naming `messages[i].content` or best_of.
+    """
+    if req.best_of is not None:
+        raise APIError("best_of is not a parameter of chat completions (it is one of /v1/completions); use n",
+                       400, param="best_of", code="unknown_parameter")
+    for i, msg in enumerate(req.messages):
+        if msg.content is None and not (msg.role == "assistant" and msg.tool_calls):
+            raise APIError(f"messages[{i}].content: field required for a {msg.role} message"
+                           + (" (an assistant message may leave it out only with tool_calls)" if msg.role == "assistant" else ""),
+                           400, param=f"messages[{i}].content", code="missing_required_parameter")

@@ -1,0 +1,48 @@
+"""One type table for the sampling fields (jaxserve/engine/field_types.py): the in-process engine
+(`SamplingParams.from_dict` and a directly built `SamplingParams`) and the HTTP routes
+(`server/field_types.check_field_types`) refuse a wrong JSON type with the same message. Before, the
+engine said "must be a number, got True" or "has the wrong type str" where the routes said
+"must be an integer, got true (a boolean)"."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.engine.field_types import SAMPLING_FIELD_TYPES, FieldType
+from jaxserve.engine.request import SamplingParams, SamplingParamsError
+from jaxserve.server.errors import APIError, from_engine_error
+from jaxserve.server.field_types import SAMPLING_FIELD_TYPES as ROUTE_FIELD_TYPES
+from jaxserve.server.field_types import check_field_types
+
+WRONG = {FieldType.INTEGER: [True, "7", 1.5], FieldType.NUMBER: ["0.5", False, [1]], FieldType.BOOLEAN: [1, "yes"],
+         FieldType.STRING_OR_STRINGS: [5, ["a", 1]], FieldType.INTEGERS: [3, [True], ["1"]]}
+CASES = [(name, value) for name, kind in SAMPLING_FIELD_TYPES.items() for value in WRONG[kind]]
+
+
+@pytest.mark.parametrize("name, value", CASES, ids=[f"{n}={v!r}" for n, v in CASES])
+def test_engine_and_routes_word_a_wrong_type_alike(name, value):
+    with pytest.raises(APIError) as route:
+        check_field_types({name: value})
+    with pytest.raises(SamplingParamsError) as engine:
+        SamplingParams.from_dict({name: value})
+    assert str(engine.value) == route.value.message and engine.value.field == name == route.value.param
+    assert route.value.message.startswith(f"{name}: must be {SAMPLING_FIELD_TYPES[name].value}, got ")
+    assert from_engine_error(engine.value).code == route.value.code == "invalid_type"
+    if name != "sampling_seed":  # not a field of the dataclass (from_dict's alias of seed)
+        with pytest.raises(SamplingParamsError) as built:
+            SamplingParams(**{name: value}).validate()
+        assert str(built.value) == route.value.message
+
+
+def test_openai_names_share_the_native_types():
+    assert ROUTE_FIELD_TYPES["max_tokens"] is ROUTE_FIELD_TYPES["max_completion_tokens"] is FieldType.INTEGER
+    assert ROUTE_FIELD_TYPES["min_tokens"] is FieldType.INTEGER
+    assert {k: v for k, v in ROUTE_FIELD_TYPES.items() if k in SAMPLING_FIELD_TYPES} == SAMPLING_FIELD_TYPES
+
+
+def test_right_types_pass_and_keep_their_range_checks():
+    SamplingParams.from_dict({"seed": -1, "stop": "x", "stop_token_ids": [2], "top_p": 1, "stream_interval": 2})
+    with pytest.raises(SamplingParamsError, match=r"^top_k: must be between -2147483647 and 2147483647, got 2147483648$"):
+        SamplingParams.from_dict({"top_k": 2**31})
+    with pytest.raises(SamplingParamsError, match=r"^temperature: must be a finite number, got inf$"):
+        SamplingParams.from_dict({"temperature": float("inf")})
