@@ -13,7 +13,8 @@ class BackendError(RuntimeError):
         status_code: the HTTP status (400 for invalid input, 5xx for a server failure); in-process
             validation errors are reported as 400 and engine failures as 500, like the HTTP server.
         message: the server's message (for jaxserve and SGLang, `error.message` of the JSON body).
-        param: the offending request field when the server names one (e.g. "regex"), else None.
+        param: the offending field when the server names one, as the program named it (e.g. "regex"
+            for `gen(regex=...)`, where /generate says `sampling_params.regex`), else None.
     """
 
     def __init__(self, status_code: int, message: str, param: str | None = None):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from typing import Any, Iterator
 
@@ -189,6 +190,14 @@ def _raise_for_status(response: httpx.Response) -> None:
     raise _error_of(body, response.status_code)
 
 
+def _gen_argument(param: Any) -> Any:
+    """The program's name for a field /generate names: jaxserve says `sampling_params.regex` (SGLang's
+    request layout), the program passed `gen(regex=...)`, and the in-process backend says `regex`."""
+    if isinstance(param, str):
+        return re.sub(r"^sampling_params(\[\d+\])?\.", "", param)
+    return param
+
+
 def _error_of(body: Any, status_code: int) -> BackendError:
     """BackendError from an error body: OpenAI's {"error": {...}}, {"message": ...}, or anything."""
     if isinstance(body, dict):
@@ -197,6 +206,6 @@ def _error_of(body: Any, status_code: int) -> BackendError:
             message = err.get("message") or err.get("detail") or json.dumps(body)
             code = err.get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else status_code
-            return BackendError(status, str(message), param=err.get("param"))
+            return BackendError(status, str(message), param=_gen_argument(err.get("param")))
         return BackendError(status_code, str(err))
     return BackendError(status_code, json.dumps(body))

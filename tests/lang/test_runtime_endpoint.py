@@ -34,10 +34,11 @@ def test_generate_sends_sglang_native_request():
     assert seen == [("/generate", {"text": "The capital is", "sampling_params": {"max_new_tokens": 4}}, "Bearer secret")]
 
 
-def test_http_400_raises_with_the_servers_message():
+@pytest.mark.parametrize("param", ["regex", "sampling_params.regex", "sampling_params[0].regex"])
+def test_http_400_raises_with_the_servers_message(param):
     def handler(request):
         body = {"error": {"message": "regex: invalid regex '(': missing )", "type": "invalid_request_error",
-                          "param": "regex", "code": "invalid_value"}}
+                          "param": param, "code": "invalid_value"}}
         return httpx.Response(400, json=body)
 
     @function
