@@ -41,18 +41,19 @@ def _wait_for_line(proc: ServerProcess, needle: str, timeout: float = READY_TIME
 
 
 def _launch(args: list[str], log_dir) -> ServerProcess:
-    """`serve.py ARGS --port P` for a free P whose next three ports are free too (the workers' and the
-    router's metrics), once it printed its ready line. Another process on this shared machine may
-    take one of those ports between the check and the bind: then once more on other ports."""
-    for attempt in range(2):
+    """`serve.py ARGS --port P` for a free P whose next three ports can be bound too (the workers' and
+    the router's metrics), once it printed its ready line. Another process on this shared machine may
+    take one of those ports between the check and the bind: then again on other ports."""
+    attempts = 3
+    for attempt in range(attempts):
         port = free_port()
-        while any(_taken(p) for p in range(port + 1, port + 4)):
+        while not all(_bindable(p) for p in range(port + 1, port + 4)):
             port = free_port()
         proc = ServerProcess(args, log_dir / f"launcher{attempt}.log", port=port)
         try:
             proc.ready_line = _wait_for_line(proc, "jaxserve ready")
         except RuntimeError:
-            if attempt == 0 and "cannot listen on" in proc.log():
+            if attempt < attempts - 1 and "cannot listen on" in proc.log():
                 proc.stop()
                 continue
             raise
@@ -70,11 +71,19 @@ def dp(tiny_model_dir, tmp_path_factory):
     proc.stop()
 
 
-def _taken(port: int) -> bool:
+def _bindable(port: int) -> bool:
+    """Whether the launcher could bind `port` now. A connect test is not enough: a port that is the
+    local end of another process's connection (the ephemeral range free_port draws from) accepts no
+    connection yet cannot be bound (seen in a clean-clone CI run: "cannot listen on", twice)."""
     import socket
 
     with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def _generate(url: str, text: str, params=GREEDY) -> dict:
