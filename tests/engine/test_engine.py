@@ -97,6 +97,9 @@ def test_scan_layer_loop_matches_host_loop(tiny_model_dir, solo_outputs):
 def test_seeded_sampling_is_batch_invariant(engine):
     params = {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.9, "seed": 1234}
     prompt = mixed_prompts(1, seed=7)[0]
+    # both compared calls extend the cached prompt: a cold prefill and a cached extend agree only to the
+    # last float bits, which can flip a temperature-1 draw over the tiny model's near-flat rows
+    engine.generate(prompt, {"max_new_tokens": 1})
     alone = engine.generate(prompt, params)["output_ids"]
     others = [{"max_new_tokens": 12, "temperature": 1.0, "seed": i} for i in range(5)]
     together = engine.generate(mixed_prompts(5, seed=8) + [prompt], others + [params])
