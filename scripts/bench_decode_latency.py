@@ -315,6 +315,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     base = shlex.split(args.server_flags)
     results = []
+    if not args.paired and not args.workloads:
+        p.error("give --workloads (or --paired)")
     if args.paired:
         if args.paired.split(":")[1] != "1":
             p.error("--paired runs one request at a time: give DATASET:1:NUM_PROMPTS")

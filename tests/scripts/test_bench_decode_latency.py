@@ -52,3 +52,8 @@ def test_paired_table(bench, capsys):
 def test_paired_refuses_concurrency_above_one(bench):
     with pytest.raises(SystemExit):
         bench.main(["--variants", "ngram=--speculative-algorithm NGRAM", "--paired", "copy-heavy:8:16"])
+
+
+def test_a_run_needs_workloads_or_paired(bench):
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "off="])
