@@ -185,7 +185,6 @@ def paired_overhead(name: str, flags: list[str], workload: str, seed: int, log_d
     from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
 
-    dataset, _, num = workload.split(":")
     port = free_port()
     proc = start_server(flags, port, log_dir / f"server_paired_{name}.log")
     served: list[float] = []
