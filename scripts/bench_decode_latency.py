@@ -3,8 +3,20 @@
 Issue 20's measurements in one invocation: (1) ITL at 8 concurrent requests with prefill chunks
 bounded or not, (2) n-gram speculation on against off on the copy-heavy and random workloads at 1
 and 8 concurrent requests, (3) the server's TPOT at one request against `Engine.generate`'s ITL on
-the same prompts, in-process (`--engine-itl`). Each variant is one server (`scripts/serve.py`,
-started and stopped here); its workloads run one after the other against it.
+the same prompts, in-process (`--engine-itl`; with `--engine-itl-per-variant` once per variant, with
+that variant's flags, right after its server stopped, and a served / in-process ratio per variant).
+Each variant is one server (`scripts/serve.py`, started and stopped here); its workloads run one after
+the other against it.
+
+    python scripts/bench_decode_latency.py --variants "off=" "ngram=--speculative-algorithm NGRAM" \
+        --workloads copy-heavy:1:6 --engine-itl copy-heavy:1:6 --engine-itl-per-variant
+
+`--paired WORKLOAD` measures (3) request by request instead: each prompt served, then through
+`Engine.generate` in this process, with both resident (`paired_overhead`), so a shared machine's
+drift between runs does not enter the ratio:
+
+    python scripts/bench_decode_latency.py --variants "off=" "ngram=--speculative-algorithm NGRAM" \
+        --paired copy-heavy:1:6 --paired-rounds 3
 
     python scripts/bench_decode_latency.py --variants "off=" "ngram=--speculative-algorithm NGRAM" \
         --workloads copy-heavy:1:6 copy-heavy:8:16 --output-file docs/bench/spec.jsonl
@@ -84,22 +96,29 @@ def spec_counters(port: int) -> dict[str, float]:
     return out
 
 
-def workload_argv(workload: str, port: int, seed: int) -> list[str]:
+def workload_argv(workload: str, port: int, seed: int, backend: str = "jaxserve") -> list[str]:
     dataset, concurrency, num = workload.split(":")
     return [
-        "--backend", "jaxserve", "--port", str(port), *DATASET_ARGS[dataset], "--num-prompts", num,
+        "--backend", backend, "--port", str(port), *DATASET_ARGS[dataset], "--num-prompts", num,
         "--max-concurrency", concurrency, "--seed", str(seed), "--disable-tqdm",
     ]
 
 
-def run_variant(name: str, flags: list[str], workloads: list[str], seed: int, log_dir: Path) -> list[dict]:
+def request_tpots_ms(record: dict) -> list[float]:
+    """Each request's TPOT in ms ((E2E - TTFT) / (output - 1), bench_serving's definition), in row order."""
+    return [(e - t) / (n - 1) * 1e3 for e, t, n in zip(record["e2e_latencies"], record["ttfts"], record["output_lens"])
+            if n > 1]
+
+
+def run_variant(name: str, flags: list[str], workloads: list[str], seed: int, log_dir: Path,
+                backend: str = "jaxserve") -> list[dict]:
     port = free_port()
     proc = start_server(flags, port, log_dir / f"server_{name}.log")
     rows = []
     try:
         for w in workloads:
             before = spec_counters(port)
-            record = bench_serving.main(workload_argv(w, port, seed))
+            record = bench_serving.main(workload_argv(w, port, seed, backend))
             after = spec_counters(port)
             delta = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
             ver = delta["verifications"]
@@ -111,6 +130,7 @@ def run_variant(name: str, flags: list[str], workloads: list[str], seed: int, lo
                 "spec_accept_length": (delta["accepted_tokens"] + ver) / ver if ver else None,
                 "spec_accept_rate": delta["accepted_tokens"] / delta["draft_tokens"] if delta["draft_tokens"] else None,
                 "itls": record["itls"],
+                "tpots_ms": request_tpots_ms(record),
             })
     finally:
         proc.terminate()
@@ -118,9 +138,12 @@ def run_variant(name: str, flags: list[str], workloads: list[str], seed: int, lo
     return rows
 
 
-def engine_itl(flags: list[str], workload: str, seed: int) -> dict:
-    """Median per-request ITL ((E2E - TTFT) / (output - 1)) of `Engine.generate`, one request at a time,
-    on the workload's prompts, with the server's flags."""
+def engine_itl(flags: list[str], workload: str, seed: int, variant: str = "engine") -> dict:
+    """Median per-request ITL ((E2E - TTFT) / (output - 1), in ms: bench_serving's TPOT) of
+    `Engine.generate`, one request at a time, on the workload's prompts (the same warm-up request
+    first, as bench_serving sends), with the server's flags. The engine is dropped before returning."""
+    import gc
+
     import numpy as np
 
     from jaxserve.config import ServerArgs
@@ -136,7 +159,89 @@ def engine_itl(flags: list[str], workload: str, seed: int) -> dict:
         out = engine.generate(row.prompt, {"max_new_tokens": row.output_len, "temperature": 0, "ignore_eos": True})
         m = out["meta_info"]
         itls.append((m["e2e_latency"] - m["ttft"]) / max(1, m["completion_tokens"] - 1) * 1e3)
-    return {"variant": "engine", "workload": workload, "median_tpot_ms": statistics.median(itls)}
+    del engine
+    gc.collect()
+    return {"variant": variant, "flags": " ".join(flags), "workload": workload,
+            "median_tpot_ms": statistics.median(itls), "tpots_ms": itls}
+
+
+def _is_engine(row: dict) -> bool:
+    return row["variant"] == "engine" or row["variant"].startswith(("engine:", "paired:"))
+
+
+def paired_overhead(name: str, flags: list[str], workload: str, seed: int, log_dir: Path, backend: str,
+                    rounds: int) -> dict:
+    """Served TPOT against `Engine.generate`'s on the same prompts, request by request: one server with
+    `flags` and an `Engine` with the same flags in this process, both resident; each prompt goes to the
+    server (one streamed request, timed as bench_serving times it), then through `Engine.generate`,
+    then the next prompt, `rounds` times over the workload with both prefix caches flushed between
+    rounds. Both sides see the same prompts in the same order (so the same cache and draft state) and
+    the same machine state, within seconds of each other: a shared machine's drift between two
+    invocations (~10% here) does not enter the ratio. Returns each request's TPOT (ms) on both sides."""
+    import asyncio
+
+    import numpy as np
+
+    from jaxserve.config import ServerArgs
+    from jaxserve.engine.engine import Engine
+
+    port = free_port()
+    proc = start_server(flags, port, log_dir / f"server_paired_{name}.log")
+    served: list[float] = []
+    inproc: list[float] = []
+    try:
+        engine = Engine(ServerArgs.from_cli(flags))
+        bargs = bench_serving.parse_args(workload_argv(workload, port, seed, backend))
+        rows = bench_serving.build_dataset(bargs, engine.tokenizer, np.random.default_rng(seed))
+        base_url = f"http://127.0.0.1:{port}"
+        model = (bench_serving.get_json(base_url, "/v1/models", None) or {}).get("data", [{}])[0].get("id")
+        settings = bench_serving.RequestSettings(backend, base_url, model, None, True, False, {})
+
+        def in_process(row) -> float:
+            out = engine.generate(row.prompt, {"max_new_tokens": row.output_len, "temperature": 0, "ignore_eos": True})
+            m = out["meta_info"]
+            return (m["e2e_latency"] - m["ttft"]) / max(1, m["completion_tokens"] - 1) * 1e3
+
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=60), trust_env=False) as client:
+                warm = bench_serving.DatasetRow(rows[0].prompt, rows[0].prompt_len, min(rows[0].output_len, 16))
+                for r in range(rounds):
+                    if r:
+                        (await client.post(base_url + "/flush_cache")).raise_for_status()
+                        engine.flush_cache()
+                    await bench_serving.send_request(client, warm, settings, None)
+                    in_process(warm)
+                    for row in rows:
+                        out = await bench_serving.send_request(client, row, settings, None)
+                        if not out.success:
+                            raise RuntimeError(f"a served request failed: {out.error}")
+                        served.append((out.latency - out.ttft) / max(1, out.output_len - 1) * 1e3)
+                        inproc.append(in_process(row))
+
+        asyncio.run(run())
+        del engine
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {"variant": f"paired:{name}", "flags": " ".join(flags), "workload": workload, "rounds": rounds,
+            "served_tpots_ms": served, "engine_tpots_ms": inproc}
+
+
+def print_paired(rows: list[dict]) -> None:
+    """The paired runs: medians, the ratio of total decode time per token (sum over requests of
+    TPOT x (tokens - 1) is dominated by the long requests alike on both sides) and the mean of the
+    per-request ratios."""
+    if not rows:
+        return
+    print("\n| variant | workload | requests | served median TPOT (ms) | Engine.generate median ITL (ms) | "
+          "served / in-process, medians | mean of per-request ratios | min / max per-request ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s, e = r["served_tpots_ms"], r["engine_tpots_ms"]
+        ratios = [a / b for a, b in zip(s, e)]
+        print(f"| {r['variant'][len('paired:'):]} | {r['workload']} | {len(s)} | {statistics.median(s):.2f} | "
+              f"{statistics.median(e):.2f} | {statistics.median(s) / statistics.median(e):.3f} | "
+              f"{statistics.mean(ratios):.3f} | {min(ratios):.3f} / {max(ratios):.3f} |")
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -145,7 +250,7 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    served = [r for r in results if r["variant"] != "engine"]
+    served = [r for r in results if not _is_engine(r)]
     workloads = list(dict.fromkeys(r["workload"] for r in served))
     variants = list(dict.fromkeys(r["variant"] for r in served))
     width = 0.8 / max(1, len(variants))
@@ -161,12 +266,47 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def print_overhead(results: list[dict]) -> None:
+    """Served median TPOT over `Engine.generate`'s, per variant run in-process on the same workload, and
+    the mean of the per-request ratios (the same prompts in the same order, one request at a time, so
+    request i is the same prompt on both sides; the median of a few requests whose TPOTs differ 3x
+    between prompts moves with whichever lands in the middle)."""
+    pairs = []
+    for e in results:
+        if not e["variant"].startswith("engine:"):
+            continue
+        name = e["variant"][len("engine:"):]
+        served = next((r for r in results if r["variant"] == name and r["workload"] == e["workload"]), None)
+        if served is not None:
+            paired = served.get("tpots_ms", [])
+            per_request = [a / b for a, b in zip(paired, e["tpots_ms"])] if len(paired) == len(e["tpots_ms"]) else []
+            pairs.append((name, e["workload"], served["median_tpot_ms"], e["median_tpot_ms"],
+                          statistics.mean(per_request) if per_request else float("nan")))
+    if not pairs:
+        return
+    print("\n| variant | workload | served median TPOT (ms) | Engine.generate median ITL (ms) | served / in-process, "
+          "medians | mean of per-request ratios |")
+    print("|---|---|---|---|---|---|")
+    for name, workload, served, inproc, paired in pairs:
+        print(f"| {name} | {workload} | {served:.2f} | {inproc:.2f} | {served / inproc:.3f} | {paired:.3f} |")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", required=True, help='NAME=FLAGS, e.g. "off=" "ngram=--speculative-algorithm NGRAM"')
-    p.add_argument("--workloads", nargs="+", required=True, help="DATASET:CONCURRENCY:NUM_PROMPTS")
+    p.add_argument("--workloads", nargs="+", default=[], help="DATASET:CONCURRENCY:NUM_PROMPTS")
     p.add_argument("--server-flags", default="--max-total-tokens 16384 --log-level warning", help="flags of every server")
     p.add_argument("--engine-itl", default=None, help="also run this workload through Engine.generate in-process (after the servers)")
+    p.add_argument("--backend", choices=["jaxserve", "openai", "openai-chat"], default="jaxserve",
+                   help="bench_serving's backend for the served runs (jaxserve: /generate; openai: /v1/completions)")
+    p.add_argument("--engine-itl-per-variant", action="store_true",
+                   help="run --engine-itl once per variant with that variant's flags, after its server (default: once, "
+                   "with --server-flags only, after all servers)")
+    p.add_argument("--paired", default=None, metavar="WORKLOAD",
+                   help="instead of the runs above: per variant, this workload's prompts alternately served and "
+                   "through Engine.generate in this process, request by request (`paired_overhead`); "
+                   "concurrency must be 1")
+    p.add_argument("--paired-rounds", type=int, default=2, help="--paired: passes over the workload")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--output-file", default=None, help="append one JSON line per (variant, workload), with each request's ITLs (s)")
@@ -174,22 +314,41 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     base = shlex.split(args.server_flags)
     results = []
+    if not args.paired and not args.workloads:
+        p.error("give --workloads (or --paired)")
+    if args.paired:
+        if args.paired.split(":")[1] != "1":
+            p.error("--paired runs one request at a time: give DATASET:1:NUM_PROMPTS")
+        sys.modules.setdefault("torch", None)  # as the server does (jaxserve/server/__main__.py)
+        for v in args.variants:
+            name, _, flags = v.partition("=")
+            results.append(paired_overhead(name, base + shlex.split(flags), args.paired, args.seed, Path(args.log_dir),
+                                           args.backend, args.paired_rounds))
+        print_paired(results)
+        if args.output_file:
+            with open(args.output_file, "a") as f:
+                for r in results:
+                    f.write(json.dumps(r) + "\n")
+        return
     for v in args.variants:
         name, _, flags = v.partition("=")
-        results += run_variant(name, base + shlex.split(flags), args.workloads, args.seed, Path(args.log_dir))
-    if args.engine_itl:
+        results += run_variant(name, base + shlex.split(flags), args.workloads, args.seed, Path(args.log_dir), args.backend)
+        if args.engine_itl and args.engine_itl_per_variant:
+            results.append(engine_itl(base + shlex.split(flags), args.engine_itl, args.seed, f"engine:{name}"))
+    if args.engine_itl and not args.engine_itl_per_variant:
         results.append(engine_itl(base, args.engine_itl, args.seed))
     print("\n| variant | workload | output tok/s | median TPOT (ms) | median ITL (ms) | P99 ITL (ms) | P99 / median ITL | accept length | accept rate |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        if r["variant"] == "engine":
-            print(f"| Engine.generate | {r['workload']} | | {r['median_tpot_ms']:.1f} | | | | | |")
+        if _is_engine(r):
+            print(f"| Engine.generate{r['variant'][len('engine'):]} | {r['workload']} | | {r['median_tpot_ms']:.2f} | | | | | |")
             continue
         ratio = r["p99_itl_ms"] / r["median_itl_ms"] if r["median_itl_ms"] else float("nan")
         acc = f"{r['spec_accept_length']:.2f}" if r["spec_accept_length"] else "-"
         rate = f"{r['spec_accept_rate']:.2f}" if r["spec_accept_rate"] is not None else "-"
         print(f"| {r['variant']} | {r['workload']} | {r['output_throughput']:.1f} | {r['median_tpot_ms']:.1f} | "
               f"{r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | {ratio:.2f} | {acc} | {rate} |")
+    print_overhead(results)
     if args.plot:
         plot(results, args.plot)
     if args.output_file:
