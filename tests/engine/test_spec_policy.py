@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.speculative import DraftPolicy, DraftState
-from jaxserve.engine.speculative.policy import MAX_PROBE_STEPS, MIN_PROBE_STEPS, SHORT_DRAFT_TOKENS, match_class
+from jaxserve.engine.speculative.policy import MAX_PROBE_STEPS, MIN_PROBE_STEPS, match_class
 
 DECODE_S, PER_DRAFT_TOKEN_S = 0.030, 0.003  # a batch-1 decode step and a verified draft token
 
@@ -93,38 +93,6 @@ def test_acceptance_is_learned_per_match_length_class():
     assert state.accept_by_class == {4: 12.0, 1: 0.0}
     state.match_len = None  # a draft of unknown match length: the request's overall average
     assert state.expected_accept() == state.accept_ema == 3.0
-
-
-def test_a_short_accept_cuts_the_next_draft_to_the_small_bucket():
-    """After a verification that accepted fewer than SHORT_DRAFT_TOKENS tokens of a longer draft, the
-    next draft of a short match is cut to SHORT_DRAFT_TOKENS; one accepted whole, a long match or a
-    non-adaptive policy verify everything; a cut draft accepted whole is not learned as its length."""
-    assert SHORT_DRAFT_TOKENS == 3
-    policy = measured_policy()
-    state = DraftState()
-    state.match_len = 2
-    assert policy.verify_len(state, 15) == 15  # nothing verified yet
-    policy.record(state, 15, 5)
-    assert policy.verify_len(state, 15) == 15  # a long accept
-    policy.record(state, 15, 1)
-    assert state.accept_by_class == {2: 3.0}
-    assert policy.verify_len(state, 15) == 3 and policy.verify_len(state, 2) == 2
-    assert not DraftPolicy(adaptive=False).verify_len(state, 15) < 15
-    state.match_len = 8
-    assert policy.verify_len(state, 15) == 15  # an 8+-token match: whole
-    state.match_len = None
-    assert policy.verify_len(state, 15) == 15  # unknown (a radix-tree continuation): whole
-    state.match_len = 3
-    assert policy.verify_len(state, 15) == 3
-    policy.record(state, 3, 3)  # the cut draft accepted whole: censored, not learned
-    assert state.accept_by_class == {2: 3.0} and state.accept_ema == 3.0
-    assert policy.verify_len(state, 15) == 15  # and the next one is whole again
-    policy.record(state, 15, 0)
-    assert policy.verify_len(state, 15) == 3
-    policy.record(state, 3, 1)  # accepted less than the cut: the whole draft would have too, learned
-    assert state.accept_by_class == {2: 0.5 * 1.5 + 0.5}
-    policy.record(state, 2, 2)  # a short draft (little room left) accepted whole is no short accept
-    assert policy.verify_len(state, 15) == 15
 
 
 GREEDY = {"max_new_tokens": 90, "temperature": 0, "ignore_eos": True}

@@ -139,7 +139,6 @@ class NgramSpeculator:
             draft = self.propose(req, room) if room > 0 else []
             if draft and not self.policy.wants_draft(self._draft_state(req), len(reqs), len(draft)):
                 draft = []
-            draft = draft[: self.policy.verify_len(self._draft_state(req), len(draft))]
             if draft and not grow(req, req.kv_len + 1 + len(draft)):
                 draft = []
             rows_left -= len(draft)

@@ -31,19 +31,6 @@ cross-request `NgramStore`) are classes of their own, learned over all requests 
 the speculator shares between requests): at the same match length they accepted far less than a
 request's own matches (copy-heavy prompts, 4-7 tokens: 1.7 against 10-15 per verification), and a
 request meets too few of them to learn their worth alone (docs/benchmarks.md, issue 20's fourth pass).
-
-How much of a verified draft is verified (`verify_len`): all of it, except right after a verification
-of the request that accepted fewer than `SHORT_DRAFT_TOKENS` tokens of a longer draft, when only
-`SHORT_DRAFT_TOKENS` are (the last token + 3 drafts: the 4-token bucket, ~1.25x a decode step against
-~2x for the 16-token bucket of the NGRAM default K = 15). A short accept predicts the next one: on
-the copy-heavy workload 61 of the 83 verifications after one accepted fewer than 3 tokens too, the
-others 19 of 83 (docs/benchmarks.md, issue 20's sixth pass). A draft that follows an 8+-token match
-(class 4, or a radix-tree continuation) is verified whole anyway, and so is the next draft after a
-short one accepted whole, so a request that starts copying gets its long drafts back after one
-short step. The earlier rule of issue 20's fifth pass (lengths from measured bucket costs and
-per-class survival estimates) cut long copy drafts on thin evidence and was reverted; this one keeps
-today's decisions of which steps verify and changes only the bucket of the one kind of step that the
-request's own previous step says will accept little.
 """
 
 from __future__ import annotations
@@ -55,8 +42,6 @@ COST_EMA_WEIGHT = 0.2
 ACCEPT_EMA_WEIGHT = 0.5
 MIN_PROBE_STEPS = 8
 MAX_PROBE_STEPS = 128
-# drafts verified after a short accept: the last token + 3 fill the 4-token verification bucket
-SHORT_DRAFT_TOKENS = 3
 
 
 @dataclasses.dataclass
@@ -66,10 +51,7 @@ class DraftState:
     `match_len` the match length of the request's latest draft (None: unknown, e.g. a draft from
     elsewhere); `is_from_store` whether that draft came from other requests' text, whose classes are
     kept in `store_accept_by_class` (shared by all requests: the speculator passes one dict);
-    `num_skipped` decode steps since its last verification; `probe_steps` the current back-off;
-    `is_after_short_accept` whether its latest verification accepted fewer than SHORT_DRAFT_TOKENS
-    tokens of its draft and not all of it (`DraftPolicy.verify_len`); `is_cut` whether `verify_len`
-    cut its latest draft."""
+    `num_skipped` decode steps since its last verification; `probe_steps` the current back-off."""
 
     accept_ema: float | None = None
     num_skipped: int = 0
@@ -78,8 +60,6 @@ class DraftState:
     accept_by_class: dict[int, float] = dataclasses.field(default_factory=dict)
     is_from_store: bool = False
     store_accept_by_class: dict[int, float] = dataclasses.field(default_factory=dict)
-    is_after_short_accept: bool = False
-    is_cut: bool = False
 
     def expected_accept(self) -> float | None:
         """The accepted tokens expected of the latest draft (None: nothing learned for its class)."""
@@ -151,30 +131,13 @@ class DraftPolicy:
         state.num_skipped += 1
         return False
 
-    def verify_len(self, state: DraftState, draft_len: int) -> int:
-        """How many tokens of a `draft_len`-token draft that `wants_draft` accepted are verified: all,
-        or SHORT_DRAFT_TOKENS after a short accept (the module docstring) unless the draft follows an
-        8+-token match (class 4; unknown match lengths count as long). Not adaptive: all."""
-        is_long_match = state.match_len is None or match_class(state.match_len) == 4
-        keep = draft_len
-        if self.adaptive and not is_long_match and state.is_after_short_accept:
-            keep = min(draft_len, SHORT_DRAFT_TOKENS)
-        state.is_cut = keep < draft_len
-        return keep
-
     def record(self, state: DraftState, num_draft: int, num_accepted: int) -> None:
         """A verification of a `num_draft`-token draft accepted `num_accepted`."""
         if num_draft == 0:
             return
-        state.is_after_short_accept = num_accepted < min(num_draft, SHORT_DRAFT_TOKENS)
-        # a cut draft accepted whole says only that the whole one would have accepted >= num_draft:
-        # learning it as the accepted length would pull the averages down and decline long drafts
-        is_censored = state.is_cut and num_accepted == num_draft
-        state.is_cut = False
         was_probe = state.num_skipped >= state.probe_steps
-        if not is_censored:
-            state.accept_ema = _ema(state.accept_ema, float(num_accepted), ACCEPT_EMA_WEIGHT)
-        if state.match_len is not None and not is_censored:
+        state.accept_ema = _ema(state.accept_ema, float(num_accepted), ACCEPT_EMA_WEIGHT)
+        if state.match_len is not None:
             cls, classes = match_class(state.match_len), state._classes()
             classes[cls] = _ema(classes.get(cls), float(num_accepted), ACCEPT_EMA_WEIGHT)
         state.num_skipped = 0
