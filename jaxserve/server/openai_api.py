@@ -508,7 +508,8 @@ def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: s
                  if plan.tools else {})
     num_calls = dict.fromkeys(range(len(group.rids)), 0)
     skipping = dict.fromkeys(range(len(group.rids)), False)  # parallel_tool_calls false: a 2nd call is not sent
-    splitters = {i: ReasoningSplitter(reasoning) for i in range(len(group.rids))} if reasoning is not None else {}
+    splitters = ({i: ReasoningSplitter(reasoning, req.stream_reasoning) for i in range(len(group.rids))}
+                 if reasoning is not None else {})
 
     def chunk(i: int, delta: ChatDelta, logprobs=None, reason=None, matched=None) -> str:
         choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched)

@@ -155,6 +155,64 @@ def test_reasoning_then_a_tool_call(serve):
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
 
 
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+F_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+
+
+def _reference_tool_split(text: str, starts_inside: bool) -> tuple[str, str]:
+    """SGLang's Qwen3Detector on a reply with no </think> after a <tool_call>: the reasoning ends at
+    </think> (dropped) or at <tool_call> (kept in the content), whichever comes first."""
+    if not starts_inside and not text.startswith("<think>"):
+        return "", text
+    body = text.removeprefix("<think>")
+    ends = [(i, n) for i, n in ((body.find("</think>"), len("</think>")), (body.find("<tool_call>"), 0)) if i >= 0]
+    if not ends:
+        return body, ""
+    i, n = min(ends)
+    return body[:i], body[i + n:]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-thinking"])
+@pytest.mark.parametrize("text", ["<think>use f" + CALL, "use f" + CALL, "<think>a</think>b" + CALL, "<think>use f<tool_c",
+                                  "<think><tool_call>", "no reasoning" + CALL])
+def test_qwen3_ends_the_reasoning_at_a_tool_call(name, text):
+    fmt = reasoning_format(name)
+    want = _reference_tool_split(text, fmt.starts_in_reasoning)
+    assert (split_reasoning(fmt, text).reasoning, split_reasoning(fmt, text).content) == want
+    for cuts in [[i] for i in range(len(text) + 1)] + [list(range(1, len(text)))]:
+        bounds = [0, *cuts, len(text)]
+        splitter = ReasoningSplitter(fmt)
+        parts = [splitter.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [splitter.finish()]
+        assert ("".join(p.reasoning for p in parts), "".join(p.content for p in parts)) == want, cuts
+    # DeepSeekR1Detector has no tool start: the call stays in the reasoning
+    assert split_reasoning(reasoning_format("deepseek-r1"), "use f" + CALL).reasoning == "use f" + CALL
+
+
+@pytest.mark.parametrize("text", REPLIES + ["<think>use f" + CALL])
+def test_stream_reasoning_false_hands_the_reasoning_out_in_one_piece(text):
+    fmt = reasoning_format("qwen3")
+    want = split_reasoning(fmt, text)
+    splitter = ReasoningSplitter(fmt, stream_reasoning=False)
+    parts = [splitter.feed(ch) for ch in text] + [splitter.finish()]
+    pieces = [p.reasoning for p in parts if p.reasoning]
+    assert pieces == ([want.reasoning] if want.reasoning else []), parts
+    assert "".join(p.content for p in parts) == want.content
+
+
+def test_stream_reasoning_false_over_http_and_the_implicit_close(serve):
+    pieces = ["<think>use", " f", CALL]  # Qwen3.5's habit: a call opened without </think>
+    client, _ = serve(pieces, reasoning_parser="qwen3")
+    body = {"messages": MSG, "max_tokens": 8, "tools": F_TOOL}
+    choice = client.post(CHAT, json=body).json()["choices"][0]
+    assert choice["message"]["reasoning_content"] == "use f" and choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
+    for stream_reasoning, want in ((True, ["use", " f"]), (False, ["use f"])):
+        with client.stream("POST", CHAT, json={**body, "stream": True, "stream_reasoning": stream_reasoning}) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines() if line.startswith("data: {")]
+        assert [d["reasoning_content"] for d in deltas if d.get("reasoning_content")] == want, deltas
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or [] if c.get("function", {}).get("name")] == ["f"]
+
+
 def test_chat_template_file_renders_through_transformers(serve, tmp_path, default_tokenizer):
     path = tmp_path / "mine.jinja"
     path.write_text(TEMPLATE)
