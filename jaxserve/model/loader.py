@@ -161,7 +161,7 @@ def read_model_config(model_path: str) -> ModelConfig:
     """A checkpoint's ModelConfig from its metadata alone: an HF directory's config.json, or a GGUF
     file's key/value header and tensor infos (the vocabulary size is the shape of `token_embd.weight`).
     No weights are read: the GGUF reader memory-maps the file and only the header's pages are touched
-    (the default model's 98 MB Q4_1 file: 2.7 s, RSS +16 MB, most of it parsing the 49,152-entry
+    (the default model's 98 MB Q4_1 file, measured on the shared 2-core machine: 2.7 s, RSS +16 MB, most of it parsing the 49,152-entry
     vocabulary; `load_model` from the warm weights cache: RSS +660 MB). It is the same config
     `load_model` builds, so that a check made before the model loads (serve.py's --context-length
     against `max_position_embeddings`) sees what the engine will.

@@ -116,7 +116,7 @@ def test_read_model_config_of_a_gguf_reads_the_header_only(tmp_path, no_weight_r
     assert read_model_config(no_length).max_position_embeddings == 2048  # llama.cpp's default, as before
 
 
-def test_read_model_config_of_the_default_model_matches_its_load(no_weight_reads):
+def test_read_model_config_of_the_default_model_gives_smollm2s_card(no_weight_reads):
     config = read_model_config("default")
     assert (config.max_position_embeddings, config.vocab_size, config.num_layers) == (8192, 49152, 30)
     assert config.hidden_size == 576 and config.num_heads == 9 and config.num_kv_heads == 3  # SmolLM2-135M's card
