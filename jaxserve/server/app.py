@@ -197,6 +197,10 @@ async def get_server_info(request: Request) -> Response:
         "served_model_name": request.app.state.model_name,
         "resolved_model_path": engine_loop.model_path,
         "context_length": engine_loop.context_length,
+        # SGLang's scheduler get_init_info fields: the pool's capacity in tokens, and the bound a prompt
+        # must stay under (it has fewer tokens than this: the context's and the pool's limit, PoolLimits)
+        "max_total_num_tokens": load.kv_total_tokens,
+        "max_req_input_len": min(engine_loop.context_length, engine_loop.engine.pool_limits.max_req_input_len),
         "devices": engine_loop.devices,
         "num_running_reqs": load.num_running_reqs,
         "num_waiting_reqs": load.num_waiting_reqs,
