@@ -508,8 +508,8 @@ class Engine:
                 if not req.grammar.accept_token(token):
                     self._finish(req, finish_abort(f"grammar rejected token {token}"))
                     break
-                if req.grammar.is_terminated():
-                    self._finish(req, finish_stop(None))
+                if req.grammar.is_terminated():  # SGLang reports the last token as matched
+                    self._finish(req, finish_stop(token))
                     break
         return appended, delta
 
