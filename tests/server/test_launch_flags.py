@@ -231,17 +231,28 @@ def test_chat_template_file_renders_through_transformers(serve, tmp_path, defaul
     ("conv.json", ".json conversation templates are not served"),
     ("bad.jinja", "not a valid Jinja template"),
     ("empty.jinja", "the file is empty"),
+    # it parsed, and then every chat request failed rendering it
+    ("norender.jinja", "cannot render a conversation of one user message with the generation prompt: UndefinedError"),
 ])
 def test_chat_template_refusals_say_what_is_accepted(tmp_path, arg, fragment):
     (tmp_path / "conv.json").write_text("{}")
+    (tmp_path / "norender.jinja").write_text("{{ undefined_var.attr }}{% for m in messages %}{{ m.content }}{% endfor %}")
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
     (tmp_path / "empty.jinja").write_text("\n")
     path = arg if arg == "chatml" else str(tmp_path / arg)
     with pytest.raises(ValueError) as info:
         load_chat_template(path)
     assert f"--chat-template {path}: " in str(info.value) and fragment in str(info.value)
-    if arg != "bad.jinja":  # a file of the right kind: its syntax error is the message
+    if arg not in ("bad.jinja", "norender.jinja"):  # a file of the right kind: its own error is the message
         assert "a path to an existing Jinja chat template file" in str(info.value)
+
+
+def test_chat_template_that_fails_only_for_a_system_message_loads(tmp_path):
+    path = tmp_path / "no_system.jinja"
+    text = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+            "{{ bos_token + m.content }}{% endfor %}{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+    path.write_text(text)
+    assert load_chat_template(str(path)) == text
 
 
 def test_skip_tokenizer_init_takes_ids_and_returns_no_text(serve):
@@ -289,11 +300,13 @@ def test_start_up_argument_errors_come_before_the_port_binds(tmp_path):
     taken.listen()
     port = str(taken.getsockname()[1])
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    (tmp_path / "norender.jinja").write_text("{{ undefined_var.attr }}")
     env.pop("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", None)  # the --context-length case needs the refusal
     cases = [
         (["--device", "tpu"], "--device tpu: this process runs on the JAX platform 'cpu'"),
         (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3: the KV pool is stored in the model's dtype"),
         (["--chat-template", "chatml"], "--chat-template chatml: no such file"),
+        (["--chat-template", str(tmp_path / "norender.jinja")], "cannot render a conversation of one user message"),
         (["--tp-size", "64"], "--tp-size 64 needs 64 devices"),
         (["--reasoning-parser", "r2d2"], "argument --reasoning-parser: invalid choice: 'r2d2'"),
         (["--served-model-name", ""], "--served-model-name must not be empty"),
