@@ -39,6 +39,7 @@ from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_le
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats
 from jaxserve.engine.speculative.verify_step import verify_step
+from jaxserve.engine.stats_log import prefill_line, prefill_stats
 from jaxserve.model import llama
 from jaxserve.model.loader import load_model, replicate_kv_heads
 from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
@@ -352,6 +353,9 @@ class Engine:
         if batch is None:
             self._idle_checks()
             return outputs
+        if not self.scheduler.is_decode_batch(batch):  # SGLang's Prefill batch line (engine/stats_log.py)
+            snap = self.snapshot()
+            logger.info(prefill_line(prefill_stats(batch.reqs, batch.extend_lens, self.scheduler.running), snap))
         t0 = time.perf_counter()
         if self.speculator is not None and self.speculator.should_speculate(batch.reqs, self.scheduler.is_decode_batch(batch)):
             rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
