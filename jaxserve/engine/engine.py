@@ -165,6 +165,7 @@ class Engine:
         self.stats = EngineStats()
         self._throughput_mark = (time.perf_counter(), 0)
         self._gen_throughput = 0.0
+        self._step_started: float | None = None  # perf_counter seconds at the start of the running step
         if not args.disable_precompile:
             self.runner.precompile(self._sampler_warmup_variants())
         else:
@@ -356,7 +357,7 @@ class Engine:
         if not self.scheduler.is_decode_batch(batch):  # SGLang's Prefill batch line (engine/stats_log.py)
             snap = self.snapshot()
             logger.info(prefill_line(prefill_stats(batch.reqs, batch.extend_lens, self.scheduler.running), snap))
-        t0 = time.perf_counter()
+        t0 = self._step_started = time.perf_counter()
         if self.speculator is not None and self.speculator.should_speculate(batch.reqs, self.scheduler.is_decode_batch(batch)):
             rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
             drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
@@ -441,7 +442,7 @@ class Engine:
 
     def _postprocess(self, batch: ScheduleBatch, sampled: sampler_lib.SampleOutput) -> list[StepOutput]:
         produced = self.scheduler.advance(batch)
-        self._count_step(batch.is_decode_only)
+        self._count_step(batch.is_decode_only, self._step_started)
         now = time.perf_counter()
         outputs = []
         for i, (req, is_real) in enumerate(zip(batch.reqs, produced)):
@@ -458,11 +459,16 @@ class Engine:
             outputs.append(self._output(req, new_ids, delta))
         return outputs
 
-    def _count_step(self, is_decode_only: bool) -> None:
+    def _count_step(self, is_decode_only: bool, started: float | None = None) -> None:
+        """Count a step that began at `started` (perf_counter seconds; None: now) before its tokens are appended."""
         self.stats.num_steps += 1
         self.stats.release_mode = self.cache.release_mode
         if is_decode_only:
             self.stats.num_decode_steps += 1
+            if self.stats.num_decode_steps % self.args.decode_log_interval == 1 % self.args.decode_log_interval:
+                # the gen throughput window opens at the interval's first step, as SGLang's: not at the last
+                # log line, which left the idle time between them in the average
+                self._throughput_mark = (time.perf_counter() if started is None else started, self.stats.generation_tokens)
             if self.stats.num_decode_steps % self.args.decode_log_interval == 0:
                 self._log_stats()
 

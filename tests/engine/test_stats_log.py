@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -48,3 +49,22 @@ def test_one_prefill_line_per_prefill_step_with_sglangs_fields(engine, caplog):
         engine.generate([prompt], {"max_new_tokens": 1})
     (new_seq, new_token, cached, _, _, _), = _prefill_lines(caplog)
     assert new_seq == 1 and cached > 0 and new_token + cached == 40  # the prefix cache hit is counted
+
+
+def test_gen_throughput_after_idle_leaves_the_idle_time_out(tiny_model_dir, caplog):
+    """The first Decode batch line after an idle pause averaged over the pause (0.25 tok/s): its window
+    now opens at the interval's first decode step, so it lies inside the generate call that ran it."""
+    eng = Engine(model_path=tiny_model_dir, max_total_tokens=2048, context_length=256, disable_precompile=True,
+                 decode_log_interval=4)
+    params = {"max_new_tokens": 5, "ignore_eos": True}  # the prefill's token, then 4 decode steps: one line
+    eng.generate([[5, 6, 7]], params)
+    time.sleep(1.0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine.engine"):
+        start = time.perf_counter()
+        eng.generate([[8, 9, 10]], params)
+        wall = time.perf_counter() - start
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch")]
+    assert len(lines) == 1, lines
+    # the window holds the tokens of the interval's steps before the one that logs (3 here), in under `wall`
+    assert eng.snapshot().gen_throughput * wall >= 3 - 1e-6, (eng.snapshot().gen_throughput, wall, lines)
