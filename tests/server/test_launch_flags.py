@@ -199,6 +199,32 @@ def test_stream_reasoning_false_hands_the_reasoning_out_in_one_piece(text):
     assert "".join(p.content for p in parts) == want.content
 
 
+@pytest.mark.parametrize("constraint", [{"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+                                        {"response_format": {"type": "json_object"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_under_a_grammar_is_not_read_as_reasoning(serve, constraint, stream):
+    """deepseek-r1 reads a reply without </think> as all reasoning; a grammar from the first token never
+    lets </think> through, so a forced call came back as content "", reasoning_content the call, no tool_calls."""
+    reply = CALL if "tool_choice" in constraint else '{"x": 1}'
+    client, _ = serve([reply], reasoning_parser="deepseek-r1")
+    body = {"messages": MSG, "max_tokens": 8, "tools": F_TOOL, **constraint, "stream": stream}
+    if not stream:
+        message = client.post(CHAT, json=body).json()["choices"][0]["message"]
+        assert message["reasoning_content"] is None, message
+        if "tool_choice" in constraint:
+            assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"], message
+        else:
+            assert message["content"] == reply, message
+        return
+    with client.stream("POST", CHAT, json=body) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines() if line.startswith("data: {")]
+    assert not any(d.get("reasoning_content") for d in deltas), deltas
+    if "tool_choice" in constraint:
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or [] if c.get("function", {}).get("name")] == ["f"]
+    else:
+        assert "".join(d.get("content") or "" for d in deltas) == reply
+
+
 def test_stream_reasoning_false_over_http_and_the_implicit_close(serve):
     pieces = ["<think>use", " f", CALL]  # Qwen3.5's habit: a call opened without </think>
     client, _ = serve(pieces, reasoning_parser="qwen3")
