@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import jaxserve
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoad, EngineLoop
+from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.model.tokenizer import tokenizer_files_path
 from jaxserve.server import models_api, native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
@@ -200,7 +201,7 @@ async def get_server_info(request: Request) -> Response:
         # SGLang's scheduler get_init_info fields: the pool's capacity in tokens, and the bound a prompt
         # must stay under (it has fewer tokens than this: the context's and the pool's limit, PoolLimits)
         "max_total_num_tokens": load.kv_total_tokens,
-        "max_req_input_len": min(engine_loop.context_length, engine_loop.engine.pool_limits.max_req_input_len),
+        "max_req_input_len": max(0, min(engine_loop.context_length, PoolLimits(load.kv_total_tokens).max_req_input_len)),
         "devices": engine_loop.devices,
         "num_running_reqs": load.num_running_reqs,
         "num_waiting_reqs": load.num_waiting_reqs,
