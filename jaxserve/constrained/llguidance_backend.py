@@ -28,6 +28,7 @@ import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 from jaxserve.constrained.backend import GrammarMatcher, GrammarSpec, InvalidGrammarError
+from jaxserve.constrained.json_schema_strict import close_unnamed
 
 if TYPE_CHECKING:
     from jaxtyping import Int32
@@ -314,8 +315,9 @@ def _json_schema_grammar(source: str, json_options: dict[str, Any]) -> str:
         raise InvalidGrammarError(f"invalid JSON schema: not valid JSON ({e})") from None
     if not isinstance(schema, dict):
         raise InvalidGrammarError(f"invalid JSON schema: expected a JSON object, got {type(schema).__name__}")
+    # SGLang's default (xgrammar's strict mode): no property or item the schema does not name.
     # `defaults` (not `overrides`): a schema's own "x-guidance" options take precedence.
-    return LLMatcher.grammar_from_json_schema(schema, defaults=json_options)  # type: ignore[arg-type]
+    return LLMatcher.grammar_from_json_schema(close_unnamed(schema), defaults=json_options)  # type: ignore[arg-type]
 
 
 def _ebnf_grammar(source: str, json_options: dict[str, Any]) -> str:

@@ -12,7 +12,6 @@ serve.py refuses a too long `--context-length` before its port binds; the Engine
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Mapping
@@ -53,25 +52,13 @@ def resolve_context_length(requested: int | None, max_position_embeddings: int, 
 
 
 def trained_context_length(model_path: str) -> int | None:
-    """The model's `max_position_embeddings` (tokens) from an HF directory's config.json or a GGUF
-    file's `{arch}.context_length` (2048 when absent, as ModelConfig.from_gguf_metadata), without
-    reading weights; None when neither can be read (the Engine's own check then decides).
+    """The model's `max_position_embeddings` (tokens), from the loader's metadata-only
+    `read_model_config` (an HF config.json, or a GGUF's `{arch}.context_length`, 2048 when absent);
+    None when the checkpoint's config cannot be read (the Engine's own load then reports why).
     """
-    from jaxserve.model.tokenizer import resolve_model_path
+    from jaxserve.model.loader import read_model_config
 
-    path = resolve_model_path(model_path)
     try:
-        if os.path.isdir(path):
-            with open(os.path.join(path, "config.json")) as f:
-                value = json.load(f).get("max_position_embeddings")
-            return int(value) if value is not None else None
-        if path.endswith(".gguf"):
-            import gguf
-
-            fields = gguf.GGUFReader(path).fields
-            arch = fields["general.architecture"].contents()
-            field = fields.get(f"{arch}.context_length")
-            return int(field.contents()) if field is not None else 2048
+        return read_model_config(model_path).max_position_embeddings
     except (OSError, ValueError, KeyError):
         return None
-    return None

@@ -39,6 +39,7 @@ from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_le
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats
 from jaxserve.engine.speculative.verify_step import verify_step
+from jaxserve.engine.stats_log import prefill_line, prefill_stats
 from jaxserve.model import llama
 from jaxserve.model.loader import load_model, replicate_kv_heads
 from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
@@ -164,6 +165,7 @@ class Engine:
         self.stats = EngineStats()
         self._throughput_mark = (time.perf_counter(), 0)
         self._gen_throughput = 0.0
+        self._step_started: float | None = None  # perf_counter seconds at the start of the running step
         if not args.disable_precompile:
             self.runner.precompile(self._sampler_warmup_variants())
         else:
@@ -352,7 +354,10 @@ class Engine:
         if batch is None:
             self._idle_checks()
             return outputs
-        t0 = time.perf_counter()
+        if not self.scheduler.is_decode_batch(batch):  # SGLang's Prefill batch line (engine/stats_log.py)
+            snap = self.snapshot()
+            logger.info(prefill_line(prefill_stats(batch.reqs, batch.extend_lens, self.scheduler.running), snap))
+        t0 = self._step_started = time.perf_counter()
         if self.speculator is not None and self.speculator.should_speculate(batch.reqs, self.scheduler.is_decode_batch(batch)):
             rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
             drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
@@ -437,7 +442,7 @@ class Engine:
 
     def _postprocess(self, batch: ScheduleBatch, sampled: sampler_lib.SampleOutput) -> list[StepOutput]:
         produced = self.scheduler.advance(batch)
-        self._count_step(batch.is_decode_only)
+        self._count_step(batch.is_decode_only, self._step_started)
         now = time.perf_counter()
         outputs = []
         for i, (req, is_real) in enumerate(zip(batch.reqs, produced)):
@@ -454,11 +459,16 @@ class Engine:
             outputs.append(self._output(req, new_ids, delta))
         return outputs
 
-    def _count_step(self, is_decode_only: bool) -> None:
+    def _count_step(self, is_decode_only: bool, started: float | None = None) -> None:
+        """Count a step that began at `started` (perf_counter seconds; None: now) before its tokens are appended."""
         self.stats.num_steps += 1
         self.stats.release_mode = self.cache.release_mode
         if is_decode_only:
             self.stats.num_decode_steps += 1
+            if self.stats.num_decode_steps % self.args.decode_log_interval == 1 % self.args.decode_log_interval:
+                # the gen throughput window opens at the interval's first step, as SGLang's: not at the last
+                # log line, which left the idle time between them in the average
+                self._throughput_mark = (time.perf_counter() if started is None else started, self.stats.generation_tokens)
             if self.stats.num_decode_steps % self.args.decode_log_interval == 0:
                 self._log_stats()
 
@@ -508,8 +518,8 @@ class Engine:
                 if not req.grammar.accept_token(token):
                     self._finish(req, finish_abort(f"grammar rejected token {token}"))
                     break
-                if req.grammar.is_terminated():
-                    self._finish(req, finish_stop(None))
+                if req.grammar.is_terminated():  # SGLang reports the last token as matched
+                    self._finish(req, finish_stop(token))
                     break
         return appended, delta
 

@@ -21,6 +21,7 @@ class FieldType(enum.Enum):
     INTEGER = "an integer"
     NUMBER = "a number"
     BOOLEAN = "a boolean"
+    STRING = "a string"
     STRING_OR_STRINGS = "a string or a list of strings"
     INTEGERS = "a list of integers"
 
@@ -28,11 +29,15 @@ class FieldType(enum.Enum):
 _INTEGER_FIELDS = ("seed", "sampling_seed", "n", "max_new_tokens", "min_new_tokens", "top_k", "stream_interval")
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 _BOOLEAN_FIELDS = ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens")
+# the grammar fields: SGLang 0.5.23's SamplingParams types them Optional[str] (json_schema too: JSON
+# text, not an object; structural_tag is refused by the field table before types are checked)
+GRAMMAR_FIELDS = ("regex", "ebnf", "json_schema", "structural_tag")
 
 SAMPLING_FIELD_TYPES: dict[str, FieldType] = {
     **dict.fromkeys(_INTEGER_FIELDS, FieldType.INTEGER),
     **dict.fromkeys(_NUMBER_FIELDS, FieldType.NUMBER),
     **dict.fromkeys(_BOOLEAN_FIELDS, FieldType.BOOLEAN),
+    **dict.fromkeys(GRAMMAR_FIELDS, FieldType.STRING),
     "stop": FieldType.STRING_OR_STRINGS,
     "stop_regex": FieldType.STRING_OR_STRINGS,
     "stop_token_ids": FieldType.INTEGERS,
@@ -50,6 +55,8 @@ def _matches(value: Any, expected: FieldType) -> bool:
         return _is_int(value) or isinstance(value, float)
     if expected is FieldType.BOOLEAN:
         return isinstance(value, bool)
+    if expected is FieldType.STRING:
+        return isinstance(value, str)
     # tuples: a built SamplingParams holds its lists as tuples
     if expected is FieldType.STRING_OR_STRINGS:
         return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value))

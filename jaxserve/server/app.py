@@ -19,7 +19,7 @@ Every error body has OpenAI's shape (errors.py). docs/api.md documents the field
 
 Availability: once the engine has died, or while the server drains for a graceful shutdown
 (`app.state.draining`, set by launch.py on SIGTERM), every route but the read-only operational ones
-(`ALWAYS_SERVED`) answers 503 at once, /health included, so load balancers and supervisors see it.
+(`ALWAYS_SERVED`, and /v1/models/{model}) answers 503 at once, /health included, so load balancers and supervisors see it.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import jaxserve
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoad, EngineLoop
+from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.model.tokenizer import tokenizer_files_path
 from jaxserve.server import models_api, native_api, openai_api
 from jaxserve.server.auth import APIKeyMiddleware
@@ -61,6 +62,12 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 # answered even by a dead or draining server: what an operator reads to find out why
 ALWAYS_SERVED = frozenset({"/metrics", "/get_server_info", "/get_model_info", "/server_info", "/model_info", "/v1/models"})
+ALWAYS_SERVED_PREFIXES = ("/v1/models/",)  # GET /v1/models/{model}: the card /v1/models lists
+
+
+def is_always_served(path: str) -> bool:
+    """Whether a dead or draining server still answers `path` (the read-only operational routes)."""
+    return path in ALWAYS_SERVED or path.startswith(ALWAYS_SERVED_PREFIXES)
 
 
 def served_model_name(server_args: ServerArgs, model_path: str) -> str:
@@ -115,7 +122,7 @@ class AvailabilityGate:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in ALWAYS_SERVED:
+        if scope["type"] == "http" and not is_always_served(scope["path"]):
             if self.engine_loop.error is not None:
                 response = unavailable_response(f"the engine has stopped after an error: {self.engine_loop.error}")
                 return await response(scope, receive, send)
@@ -191,6 +198,10 @@ async def get_server_info(request: Request) -> Response:
         "served_model_name": request.app.state.model_name,
         "resolved_model_path": engine_loop.model_path,
         "context_length": engine_loop.context_length,
+        # SGLang's scheduler get_init_info fields: the pool's capacity in tokens, and the bound a prompt
+        # must stay under (it has fewer tokens than this: the context's and the pool's limit, PoolLimits)
+        "max_total_num_tokens": load.kv_total_tokens,
+        "max_req_input_len": max(0, min(engine_loop.context_length, PoolLimits(load.kv_total_tokens).max_req_input_len)),
         "devices": engine_loop.devices,
         "num_running_reqs": load.num_running_reqs,
         "num_waiting_reqs": load.num_waiting_reqs,

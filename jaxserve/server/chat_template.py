@@ -5,7 +5,10 @@ or another file read as its JSON conversation-template format. jaxserve serves t
 file's text becomes the template that transformers' `apply_chat_template` renders (chat_prompt.py), with
 a literal backslash-n in the file read as a line break, as SGLang reads it. Any existing file whose name
 does not end in `.json` counts as Jinja. SGLang's built-in names (Python conversation templates) and
-its `.json` format are refused with a start-up error that says what is accepted.
+its `.json` format are refused with a start-up error that says what is accepted. A template that
+parses but cannot render the smallest conversation (one user message, with the generation prompt)
+would fail every chat request, so it is refused at start-up too; one that fails only for other
+conversations (a system message, tools) still starts.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ from __future__ import annotations
 import os
 
 import jinja2
+
+# the smallest conversation every chat template must render (`check_renders`)
+MINIMAL_CONVERSATION = [{"role": "user", "content": "Hello"}]
+# tokenizers pass their special tokens as template variables; a template may concatenate them
+_SPECIAL_TOKENS = dict.fromkeys(("bos_token", "eos_token", "pad_token", "unk_token"), "")
 
 ACCEPTED = "a path to an existing Jinja chat template file (.jinja, or any other file but .json)"
 
@@ -45,4 +53,22 @@ def load_chat_template(arg: str | None) -> str | None:
         jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat-template {arg}: not a valid Jinja template: {e.message} (line {e.lineno})") from None
+    check_renders(arg, text)
     return text
+
+
+def check_renders(arg: str, text: str) -> None:
+    """Render `text` once, as transformers' `apply_chat_template` does (its `render_jinja_template`:
+    the same sandbox, filters and `raise_exception`), for `MINIMAL_CONVERSATION` with the generation
+    prompt, the special tokens as empty strings.
+
+    Raises:
+        ValueError: the template raised; the message names the flag and the error.
+    """
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        render_jinja_template([MINIMAL_CONVERSATION], chat_template=text, add_generation_prompt=True, **_SPECIAL_TOKENS)
+    except Exception as e:  # noqa: BLE001 - any error of the template's own code (UndefinedError, TypeError, ...)
+        raise ValueError(f"--chat-template {arg}: cannot render a conversation of one user message with the "
+                         f"generation prompt: {type(e).__name__}: {e}") from None

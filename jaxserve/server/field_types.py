@@ -21,13 +21,16 @@ from jaxserve.engine.field_types import SAMPLING_FIELD_TYPES as NATIVE_FIELD_TYP
 from jaxserve.engine.field_types import FieldType, describe, first_type_error
 from jaxserve.server.errors import APIError
 
-__all__ = ["FieldType", "SAMPLING_FIELD_TYPES", "check_field_types", "describe"]
+__all__ = ["FieldType", "NATIVE_FIELD_TYPES", "SAMPLING_FIELD_TYPES", "check_field_types", "describe"]
 
 # the OpenAI routes' names of native fields (openai_api.sampling_params_of maps them)
 OPENAI_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 
+# the OpenAI routes take json_schema as JSON text or as an object (their request model types it), so
+# it is not in their table; /generate's is SGLang's string
 SAMPLING_FIELD_TYPES: dict[str, FieldType] = {
-    **NATIVE_FIELD_TYPES, **{name: NATIVE_FIELD_TYPES[native] for name, native in OPENAI_NAMES.items()},
+    **{name: t for name, t in NATIVE_FIELD_TYPES.items() if name != "json_schema"},
+    **{name: NATIVE_FIELD_TYPES[native] for name, native in OPENAI_NAMES.items()},
 }
 
 

@@ -27,7 +27,7 @@ from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.request import MAX_N, SamplingParamsError
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
-from jaxserve.server.field_types import check_field_types
+from jaxserve.server.field_types import NATIVE_FIELD_TYPES, check_field_types
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
 from jaxserve.server.request_checks import check_logit_bias_keys, check_seed
@@ -125,7 +125,7 @@ def _check_sampling(params: Any, index: int | None) -> Any:
         return params  # the request model names a non-object
     try:
         params = check_sampling_params(params)
-        check_field_types(params)
+        check_field_types(params, NATIVE_FIELD_TYPES)
         for name in ("seed", "sampling_seed"):
             check_seed(params.get(name), name)
         check_logit_bias_keys(params.get("logit_bias"))
@@ -171,13 +171,16 @@ class _Sequence:
 
 
 def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str,
-            tokenize: Callable[[str | list[int]], list[int]]) -> dict[str, _Sequence]:
-    """Submit every prompt; returns what the response needs of each sequence, by rid."""
+            tokenize: Callable[[str | list[int]], list[int]], is_batch: bool = False) -> dict[str, _Sequence]:
+    """Submit every prompt; returns what the response needs of each sequence, by rid. A bad prompt
+    of a batch is named with its index (`text[1]`), as a bad `sampling_params[1]` is."""
     rename = {"prompt": field, "input_ids": field}
     sequences: dict[str, _Sequence] = {}
     num_submitted: list[int] = [0]  # prompts submitted: the next one is the bad one
+    is_reserved = False  # an error before it is the whole batch's (queue room), not one prompt's
     try:
         with group.reserved(sum(_num_sequences(p.sampling_params) for p in prompts), field):
+            is_reserved = True
             _submit_each(group, req, prompts, tokenize, sequences, num_submitted)
     except (SamplingParamsError, RequestError) as e:
         group.abort()  # the prompts of the batch submitted before the bad one
@@ -185,6 +188,8 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], f
         if isinstance(e, SamplingParamsError) or e.field in SAMPLING_FIELD_NAMES:
             index = num_submitted[0] if isinstance(req.sampling_params, list) else None
             err = _in_sampling_params(err, index)
+        elif is_batch and is_reserved and err.param == field:
+            err.param = f"{field}[{num_submitted[0]}]"
         raise err from None
     except BaseException:
         group.abort()
@@ -284,7 +289,7 @@ async def generate(request: Request) -> Response:
     req = _parse(parse_json_body(await request.body()), skip_tokenizer)
     prompts, is_batch, field = _expand(req)
     group = RequestGroup(engine_loop)
-    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.tokenize))
+    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.tokenize, is_batch))
     if not req.log_metrics:
         mark_unlogged(request, group.rids)
     tokenizer = engine_loop.tokenizer

@@ -464,7 +464,11 @@ async def chat_completions(request: Request) -> Response:
 
     await preprocess(request, prepare)
     model = request.app.state.model_name
-    reasoning = request.app.state.reasoning_format if req.separate_reasoning else None
+    # a grammar applies from the first token (SGLang defers it to </think>; jaxserve does not yet), so such
+    # a reply holds no reasoning: split, all of it was read as reasoning and a forced call came back empty
+    constrained = plan.grammar is not None or any(v is not None for v in (req.regex, req.ebnf, req.json_schema)) or (
+        req.response_format is not None and req.response_format.type != "text")
+    reasoning = request.app.state.reasoning_format if req.separate_reasoning and not constrained else None
     if req.stream:
         mark_streaming(request, group.rids)
         return SSEResponse(_chat_stream(group, req, f"chatcmpl-{rid}", model, tokenizer, plan, reasoning))
@@ -508,7 +512,8 @@ def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: s
                  if plan.tools else {})
     num_calls = dict.fromkeys(range(len(group.rids)), 0)
     skipping = dict.fromkeys(range(len(group.rids)), False)  # parallel_tool_calls false: a 2nd call is not sent
-    splitters = {i: ReasoningSplitter(reasoning) for i in range(len(group.rids))} if reasoning is not None else {}
+    splitters = ({i: ReasoningSplitter(reasoning, req.stream_reasoning) for i in range(len(group.rids))}
+                 if reasoning is not None else {})
 
     def chunk(i: int, delta: ChatDelta, logprobs=None, reason=None, matched=None) -> str:
         choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched)

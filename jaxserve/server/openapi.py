@@ -20,6 +20,8 @@ _OPERATIONS: tuple[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] 
     ("post", "/v1/completions", "OpenAI completions", protocol.CompletionRequest, protocol.CompletionResponse),
     ("post", "/v1/chat/completions", "OpenAI chat completions", protocol.ChatCompletionRequest, protocol.ChatCompletionResponse),
     ("get", "/v1/models", "the served model", None, protocol.ModelList),
+    ("get", "/v1/models/{model}", "the served model's card; 404 (model_not_found) for another name", None,
+     protocol.ModelCard),
     ("get", "/health", "200 while the engine loop runs", None, None),
     ("get", "/health_generate", "generates one token", None, None),
     ("get", "/get_model_info", "model path and name", None, None),
@@ -33,6 +35,10 @@ _OPERATIONS: tuple[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] 
 
 _ABORT_BODY = {"type": "object", "properties": {"rid": {"type": "string", "minLength": 1}, "abort_all": {"type": "boolean"}},
                "anyOf": [{"required": ["rid"]}, {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}}]}
+# a name may contain slashes (`org/name`): the route matches the rest of the path
+_PATH_PARAMETERS = {"/v1/models/{model}": ({"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
+                                            "description": "the served model name, as /v1/models lists it"},)}
+_NOT_FOUND = {"/v1/models/{model}": "no model of that name (code model_not_found, param model)"}
 _ERROR = {
     "type": "object",
     "properties": {"error": {"type": "object", "properties": {
@@ -61,6 +67,10 @@ def openapi_document() -> dict[str, Any]:
             ok["content"] = {"application/json": {"schema": refs[(response_model, "validation")]}}
         error = {"description": "bad request", "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
         op["responses"] = {"200": ok, "400": error}
+        if path in _PATH_PARAMETERS:
+            op["parameters"] = list(_PATH_PARAMETERS[path])
+        if path in _NOT_FOUND:
+            op["responses"]["404"] = {**error, "description": _NOT_FOUND[path]}
         paths.setdefault(path, {})[method] = op
     return {
         "openapi": "3.1.0",

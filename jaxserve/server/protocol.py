@@ -221,7 +221,8 @@ class ChatCompletionRequest(_OpenAISampling):
     and SGLang's extensions): `continue_final_message` continues the last (assistant) message instead
     of closing it; `add_generation_prompt` (default true) opens a new assistant turn;
     `chat_template_kwargs` are extra variables of the chat template. With `--reasoning-parser`,
-    `separate_reasoning` (SGLang's, default true) moves the reasoning into `reasoning_content`.
+    `separate_reasoning` (SGLang's, default true) moves the reasoning into `reasoning_content`;
+    `stream_reasoning` (SGLang's, default true) false streams it in one piece once it ends.
     """
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
@@ -236,6 +237,9 @@ class ChatCompletionRequest(_OpenAISampling):
     chat_template_kwargs: dict[str, Any] | None = None
     # SGLang's: with --reasoning-parser, false leaves the reasoning in content
     separate_reasoning: bool = True
+    # SGLang's: with --reasoning-parser and stream, false sends the reasoning in one
+    # delta.reasoning_content once it ends instead of as it is decoded (server/reasoning.py)
+    stream_reasoning: bool = True
     # not a chat field (OpenAI refuses it); kept only to answer with a 400 that names it, and out of
     # /openapi.json, which documents what the route accepts
     best_of: SkipJsonSchema[Any] = None

@@ -12,8 +12,15 @@ parser names `REASONING_PARSERS` keeps). Two kinds of `<think>` formats are serv
   its aliases. A reply that does not start with `<think>` is all answer.
 
 A reply whose `</think>` never comes (cut by max_tokens) is all reasoning, with content "".
+The Qwen3 formats also end the reasoning at a `<tool_call>` that comes before any `</think>` (SGLang's
+Qwen3Detector `tool_start_token`: Qwen3.5 may open a call without closing its reasoning); the
+`<tool_call>` stays in the content, for the tool-call parser. A `</think>` already in the text
+seen wins over a later `<tool_call>`, as in SGLang.
 The streaming split holds back the text that may be the start of a tag, so a tag split over two
-deltas is never sent as text; `ReasoningSplitter.finish` hands the held-back rest out.
+deltas is never sent as text; `ReasoningSplitter.finish` hands the held-back rest out. With
+`stream_reasoning=False` (the chat request's field, SGLang's, default true) the splitter hands out no
+reasoning until the reasoning ends: then all of it in one piece (at `</think>` or `<tool_call>`, or
+from `finish` when the reply ends inside it), as SGLang's detectors do.
 """
 
 from __future__ import annotations
@@ -24,15 +31,19 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class ReasoningFormat:
     """Tags of a reasoning section; `starts_in_reasoning`: the reply begins inside it (SGLang's
-    `force_reasoning`)."""
+    `force_reasoning`); `tool_start`: a tag that also ends the reasoning and begins the content
+    (SGLang's `tool_start_token`), None for none."""
 
     think_start: str
     think_end: str
     starts_in_reasoning: bool
+    tool_start: str | None = None
 
 
-_STARTS_INSIDE = ReasoningFormat("<think>", "</think>", starts_in_reasoning=True)
-_MAY_OPEN = ReasoningFormat("<think>", "</think>", starts_in_reasoning=False)
+_STARTS_INSIDE = ReasoningFormat("<think>", "</think>", starts_in_reasoning=True)  # DeepSeekR1Detector
+# Qwen3Detector: forced into reasoning (qwen3-thinking, minimax) or not; both end it at <tool_call>
+_QWEN3_STARTS_INSIDE = ReasoningFormat("<think>", "</think>", starts_in_reasoning=True, tool_start="<tool_call>")
+_MAY_OPEN = ReasoningFormat("<think>", "</think>", starts_in_reasoning=False, tool_start="<tool_call>")
 
 # SGLang 0.5.23's names whose detector is DeepSeekR1Detector or Qwen3Detector (`ReasoningParser.DetectorMap`);
 # qwen3-thinking and minimax are Qwen3Detector with force_reasoning set, as SGLang sets it
@@ -41,8 +52,8 @@ REASONING_PARSERS: dict[str, ReasoningFormat] = {
     "step3": _STARTS_INSIDE,
     "step3p5": _STARTS_INSIDE,
     "gigachat35": _STARTS_INSIDE,
-    "qwen3-thinking": _STARTS_INSIDE,
-    "minimax": _STARTS_INSIDE,
+    "qwen3-thinking": _QWEN3_STARTS_INSIDE,
+    "minimax": _QWEN3_STARTS_INSIDE,
     "qwen3": _MAY_OPEN,
     "dots": _MAY_OPEN,
     "nanbeige": _MAY_OPEN,
@@ -81,10 +92,13 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningSplitter:
-    """Splits one reply, fed as text deltas, into reasoning and content (see the module docstring)."""
+    """Splits one reply, fed as text deltas, into reasoning and content (see the module docstring).
 
-    def __init__(self, fmt: ReasoningFormat):
+    `stream_reasoning`: False holds all reasoning back until it ends (SGLang's `stream_reasoning`)."""
+
+    def __init__(self, fmt: ReasoningFormat, stream_reasoning: bool = True):
         self._fmt = fmt
+        self._stream_reasoning = stream_reasoning
         self._in_reasoning = fmt.starts_in_reasoning
         self._at_start = True  # nothing handed out yet: a leading <think> may still come
         self._done = False  # </think> seen, or the reply did not open reasoning: the rest is content
@@ -105,12 +119,19 @@ class ReasoningSplitter:
                 self._done = True
             self._at_start = False
         if self._in_reasoning:
+            tool = self._fmt.tool_start
             idx = self._buffer.find(end)
+            tool_idx = self._buffer.find(tool) if tool is not None and idx < 0 else -1
             if idx >= 0:
                 reasoning, self._buffer = self._buffer[:idx], self._buffer[idx + len(end):]
                 self._in_reasoning, self._done = False, True
+            elif tool_idx >= 0:  # the tag is the content's: the tool-call parser reads it
+                reasoning, self._buffer = self._buffer[:tool_idx], self._buffer[tool_idx:]
+                self._in_reasoning, self._done = False, True
+            elif not self._stream_reasoning:
+                return ReasoningSplit("", "")
             else:
-                keep = _partial_suffix(self._buffer, end)
+                keep = max(_partial_suffix(self._buffer, end), _partial_suffix(self._buffer, tool) if tool else 0)
                 reasoning, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
                 return ReasoningSplit(reasoning, "")
         if self._done:

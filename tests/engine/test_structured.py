@@ -79,6 +79,8 @@ def test_regexes_fullmatch(engine):
         assert re.fullmatch(pattern, text), (pattern, text)
         assert REPLACEMENT_CHAR not in text, (pattern, text)
         assert out["meta_info"]["finish_reason"]["type"] == "stop", (pattern, out["meta_info"])
+        # SGLang's FINISH_MATCHED_TOKEN(matched=output_ids[-1]) when the grammar ends the output
+        assert out["meta_info"]["finish_reason"]["matched"] == out["output_ids"][-1], (pattern, out["meta_info"])
 
 
 # ---- JSON schema ---------------------------------------------------------------------------------
@@ -231,7 +233,7 @@ def test_choices(engine):
     outs = engine.generate(prompts, params)
     for (choices, _), out in zip(cases, outs):
         assert out["text"] in choices, (choices, out["text"])
-        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": out["output_ids"][-1]}, out["meta_info"]
 
 
 def test_choices_seeded_sampling_stays_in_choices(engine):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader import load_model, read_model_config
 from jaxserve.model.registry import get_forward
 from tests.conftest import make_hf_checkpoint
 
@@ -46,22 +46,90 @@ def test_unsupported_architecture(tmp_path):
         get_forward("GPT2LMHeadModel")
 
 
-def test_unsupported_gguf_quantization(tmp_path):
-    gguf = pytest.importorskip("gguf")
-    path = tmp_path / "tiny.gguf"
+def _write_header_only_gguf(path, raw, raw_dtype, context_length: int | None = 64) -> str:
+    """A llama GGUF with the config keys and a `token_embd.weight` of 128 rows, no other tensor."""
+    import gguf
+
     w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": 32, "feed_forward_length": 64,
-                       "attention.head_count": 2, "attention.layer_norm_rms_epsilon": 1e-5}.items():
-        add = w.add_uint32 if isinstance(value, int) else w.add_float32
-        add(f"llama.{key}", value)
-    raw = np.zeros((128, 66), np.uint8)  # one IQ2_XXS block (66 bytes, 256 values) per row: a type we reject
-    w.add_tensor("token_embd.weight", raw, raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    keys = {"block_count": 1, "context_length": context_length, "embedding_length": 32, "feed_forward_length": 64,
+            "attention.head_count": 2, "attention.layer_norm_rms_epsilon": 1e-5}
+    for key, value in keys.items():
+        if value is not None:
+            add = w.add_uint32 if isinstance(value, int) else w.add_float32
+            add(f"llama.{key}", value)
+    w.add_tensor("token_embd.weight", raw, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return str(path)
+
+
+def test_unsupported_gguf_quantization(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    raw = np.zeros((128, 66), np.uint8)  # one IQ2_XXS block (66 bytes, 256 values) per row: a type we reject
+    path = _write_header_only_gguf(tmp_path / "tiny.gguf", raw, gguf.GGMLQuantizationType.IQ2_XXS)
     with pytest.raises(ValueError, match="unsupported GGUF quantization type IQ2_XXS"):
-        load_model(str(path), use_weights_cache=False)
+        load_model(path, use_weights_cache=False)
+
+
+def _refuse_weight_reads(monkeypatch) -> None:
+    """Reading or dequantizing a tensor fails the test: the metadata-only path must not get there."""
+    import gguf
+    import safetensors
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", refuse)
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    _refuse_weight_reads(monkeypatch)
+
+
+def test_read_model_config_of_an_hf_directory_is_load_models_without_reading_weights(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    path = make_hf_checkpoint(tmp_path / "m", "LlamaForCausalLM", TINY)
+    loaded, _ = load_model(path, use_weights_cache=False)
+    _refuse_weight_reads(monkeypatch)
+    config = read_model_config(path)
+    assert config == loaded
+    reference = AutoConfig.from_pretrained(path)  # transformers' own reading of config.json
+    assert (config.max_position_embeddings, config.vocab_size, config.num_kv_heads) == (
+        reference.max_position_embeddings, reference.vocab_size, reference.num_key_value_heads)
+
+
+def test_read_model_config_of_a_gguf_reads_the_header_only(tmp_path, no_weight_reads):
+    import gguf
+
+    embed = np.zeros((128, 32), np.float32)
+    config = read_model_config(_write_header_only_gguf(tmp_path / "m.gguf", embed, gguf.GGMLQuantizationType.F32))
+    assert (config.architecture, config.vocab_size, config.hidden_size, config.num_layers) == (
+        "LlamaForCausalLM", 128, 32, 1)
+    assert config.max_position_embeddings == 64 and config.tie_word_embeddings  # no output.weight: tied
+    no_length = _write_header_only_gguf(tmp_path / "n.gguf", embed, gguf.GGMLQuantizationType.F32,
+                                        context_length=None)
+    assert read_model_config(no_length).max_position_embeddings == 2048  # llama.cpp's default, as before
+
+
+def test_read_model_config_of_the_default_model_gives_smollm2s_card(no_weight_reads):
+    config = read_model_config("default")
+    assert (config.max_position_embeddings, config.vocab_size, config.num_layers) == (8192, 49152, 30)
+    assert config.hidden_size == 576 and config.num_heads == 9 and config.num_kv_heads == 3  # SmolLM2-135M's card
+
+
+@pytest.mark.parametrize("name, error", [("nope", FileNotFoundError), ("weights.bin", ValueError)])
+def test_read_model_config_errors(tmp_path, name, error):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(error):
+        read_model_config(str(tmp_path / name))
+    (tmp_path / "d").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_model_config(str(tmp_path / "d"))
 
 
 def test_bad_dtype(tmp_path):

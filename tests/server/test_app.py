@@ -180,3 +180,24 @@ def test_log_requests_logs_one_line_per_finished_sequence(caplog, log_requests):
     for line, rid in zip(lines, ("r1-0", "r1-1")):
         assert line.startswith(f"request finished rid={rid} prompt_tokens=2 completion_tokens=3 cached_tokens=0 "
                                "finish_reason=length e2e_latency="), line
+
+
+def test_a_draining_server_still_answers_the_model_routes(engine_loop):
+    """GET /v1/models/{model} is as read-only as /v1/models: answered while the server drains on SIGTERM."""
+    with _client(engine_loop) as client:
+        client.app.state.draining = True
+        assert client.get("/v1/models").status_code == 200
+        r = client.get("/v1/models/fake-model")
+        assert r.status_code == 200 and r.json()["id"] == "fake-model"
+        assert client.get("/v1/models/other").status_code == 404
+        assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 503
+        assert client.get("/health").status_code == 503
+
+
+def test_openapi_documents_the_model_card_route():
+    from jaxserve.server.openapi import openapi_document
+
+    op = openapi_document()["paths"]["/v1/models/{model}"]["get"]
+    assert op["parameters"][0]["name"] == "model" and op["parameters"][0]["in"] == "path"
+    assert op["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ModelCard"}
+    assert "404" in op["responses"]

@@ -74,7 +74,7 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": HUGE_TEXT}, "prompt", "3000000 characters"),
     # a lone UTF-16 surrogate is legal JSON (a \udcff escape) but no text: the tokenizer raised a TypeError (a 500)
     ("/generate", _ascii_json({"text": "a\udcffb"}), "text", "surrogate"),
-    ("/generate", _ascii_json({"text": ["ok", "a\ud800"]}), "text", "surrogate"),
+    ("/generate", _ascii_json({"text": ["ok", "a\ud800"]}), "text[1]", "surrogate"),
     (COMPLETIONS, _ascii_json({"prompt": "a\udcffb", "max_tokens": 2}), "prompt", "surrogate"),
     (CHAT, _ascii_json({"messages": [{"role": "user", "content": "a\udcffb"}]}), "messages", "surrogate"),
     ("/abort_request", {}, "rid", "rid"),
@@ -97,6 +97,18 @@ BAD_INPUTS = [
     (CHAT, _ascii_json({"messages": MSG, "stop": ["\ud800"]}), "stop", "surrogate"),
     ("/generate", _ascii_json({"text": "hi", "sampling_params": {"regex": "a\ud800"}}), "sampling_params.regex", "lone surrogate U+D800"),
     (COMPLETIONS, _ascii_json({"prompt": "hi", "max_tokens": 2, "regex": "(a|\udcff)"}), "regex", "lone surrogate U+DCFF"),
+    # a grammar field of the wrong type was a 500 ("grammar source must be a string, got int")
+    ("/generate", {"text": "a", "sampling_params": {"regex": 5}}, "sampling_params.regex", "regex: must be a string, got 5 (an integer)"),
+    ("/generate", {"text": "a", "sampling_params": {"ebnf": ["x"]}}, "sampling_params.ebnf", 'ebnf: must be a string, got ["x"] (a list)'),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"regex": 5}]}, "sampling_params[1].regex", "must be a string"),
+    # SGLang's json_schema is JSON text (Optional[str]); /generate took an object
+    ("/generate", {"text": "a", "sampling_params": {"json_schema": {"type": "object"}}}, "sampling_params.json_schema",
+     'json_schema: must be a string, got {"type": "object"} (an object)'),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "regex": 5}, "regex", "regex: must be a string, got 5 (an integer)"),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "ebnf": 5}, "ebnf", "ebnf: must be a string, got 5 (an integer)"),
+    # a too-long prompt of a batch is named with its index, as sampling_params[1] is
+    ("/generate", {"text": ["hi", LONG_TEXT]}, "text[1]", "256"),
+    ("/generate", {"input_ids": [[1, 2], [1] * 300]}, "input_ids[1]", "256"),
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [10**12]}}, "sampling_params.stop_token_ids", "vocabulary"),
     ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [2, 49152]}}, "sampling_params.stop_token_ids", "vocabulary"),
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**12]}, "stop_token_ids", "vocabulary"),
@@ -147,6 +159,8 @@ SAME_ON_EVERY_ROUTE = [
     ("stop", "stop", [""], "stop strings must not be empty"),
     ("stop_token_ids", "stop_token_ids", [True], "must be a list of integers, got [true] (a list)"),
     ("ignore_eos", "ignore_eos", 1, "must be a boolean, got 1 (an integer)"),
+    ("regex", "regex", 5, "must be a string, got 5 (an integer)"),
+    ("ebnf", "ebnf", ["x"], 'must be a string, got ["x"] (a list)'),
 ]
 
 

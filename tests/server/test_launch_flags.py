@@ -155,6 +155,90 @@ def test_reasoning_then_a_tool_call(serve):
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
 
 
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+F_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+
+
+def _reference_tool_split(text: str, starts_inside: bool) -> tuple[str, str]:
+    """SGLang's Qwen3Detector on a reply with no </think> after a <tool_call>: the reasoning ends at
+    </think> (dropped) or at <tool_call> (kept in the content), whichever comes first."""
+    if not starts_inside and not text.startswith("<think>"):
+        return "", text
+    body = text.removeprefix("<think>")
+    ends = [(i, n) for i, n in ((body.find("</think>"), len("</think>")), (body.find("<tool_call>"), 0)) if i >= 0]
+    if not ends:
+        return body, ""
+    i, n = min(ends)
+    return body[:i], body[i + n:]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-thinking"])
+@pytest.mark.parametrize("text", ["<think>use f" + CALL, "use f" + CALL, "<think>a</think>b" + CALL, "<think>use f<tool_c",
+                                  "<think><tool_call>", "no reasoning" + CALL])
+def test_qwen3_ends_the_reasoning_at_a_tool_call(name, text):
+    fmt = reasoning_format(name)
+    want = _reference_tool_split(text, fmt.starts_in_reasoning)
+    assert (split_reasoning(fmt, text).reasoning, split_reasoning(fmt, text).content) == want
+    for cuts in [[i] for i in range(len(text) + 1)] + [list(range(1, len(text)))]:
+        bounds = [0, *cuts, len(text)]
+        splitter = ReasoningSplitter(fmt)
+        parts = [splitter.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [splitter.finish()]
+        assert ("".join(p.reasoning for p in parts), "".join(p.content for p in parts)) == want, cuts
+    # DeepSeekR1Detector has no tool start: the call stays in the reasoning
+    assert split_reasoning(reasoning_format("deepseek-r1"), "use f" + CALL).reasoning == "use f" + CALL
+
+
+@pytest.mark.parametrize("text", REPLIES + ["<think>use f" + CALL])
+def test_stream_reasoning_false_hands_the_reasoning_out_in_one_piece(text):
+    fmt = reasoning_format("qwen3")
+    want = split_reasoning(fmt, text)
+    splitter = ReasoningSplitter(fmt, stream_reasoning=False)
+    parts = [splitter.feed(ch) for ch in text] + [splitter.finish()]
+    pieces = [p.reasoning for p in parts if p.reasoning]
+    assert pieces == ([want.reasoning] if want.reasoning else []), parts
+    assert "".join(p.content for p in parts) == want.content
+
+
+@pytest.mark.parametrize("constraint", [{"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+                                        {"response_format": {"type": "json_object"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_under_a_grammar_is_not_read_as_reasoning(serve, constraint, stream):
+    """deepseek-r1 reads a reply without </think> as all reasoning; a grammar from the first token never
+    lets </think> through, so a forced call came back as content "", reasoning_content the call, no tool_calls."""
+    reply = CALL if "tool_choice" in constraint else '{"x": 1}'
+    client, _ = serve([reply], reasoning_parser="deepseek-r1")
+    body = {"messages": MSG, "max_tokens": 8, "tools": F_TOOL, **constraint, "stream": stream}
+    if not stream:
+        message = client.post(CHAT, json=body).json()["choices"][0]["message"]
+        assert message["reasoning_content"] is None, message
+        if "tool_choice" in constraint:
+            assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"], message
+        else:
+            assert message["content"] == reply, message
+        return
+    with client.stream("POST", CHAT, json=body) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines() if line.startswith("data: {")]
+    assert not any(d.get("reasoning_content") for d in deltas), deltas
+    if "tool_choice" in constraint:
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or [] if c.get("function", {}).get("name")] == ["f"]
+    else:
+        assert "".join(d.get("content") or "" for d in deltas) == reply
+
+
+def test_stream_reasoning_false_over_http_and_the_implicit_close(serve):
+    pieces = ["<think>use", " f", CALL]  # Qwen3.5's habit: a call opened without </think>
+    client, _ = serve(pieces, reasoning_parser="qwen3")
+    body = {"messages": MSG, "max_tokens": 8, "tools": F_TOOL}
+    choice = client.post(CHAT, json=body).json()["choices"][0]
+    assert choice["message"]["reasoning_content"] == "use f" and choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
+    for stream_reasoning, want in ((True, ["use", " f"]), (False, ["use f"])):
+        with client.stream("POST", CHAT, json={**body, "stream": True, "stream_reasoning": stream_reasoning}) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines() if line.startswith("data: {")]
+        assert [d["reasoning_content"] for d in deltas if d.get("reasoning_content")] == want, deltas
+        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or [] if c.get("function", {}).get("name")] == ["f"]
+
+
 def test_chat_template_file_renders_through_transformers(serve, tmp_path, default_tokenizer):
     path = tmp_path / "mine.jinja"
     path.write_text(TEMPLATE)
@@ -173,17 +257,28 @@ def test_chat_template_file_renders_through_transformers(serve, tmp_path, defaul
     ("conv.json", ".json conversation templates are not served"),
     ("bad.jinja", "not a valid Jinja template"),
     ("empty.jinja", "the file is empty"),
+    # it parsed, and then every chat request failed rendering it
+    ("norender.jinja", "cannot render a conversation of one user message with the generation prompt: UndefinedError"),
 ])
 def test_chat_template_refusals_say_what_is_accepted(tmp_path, arg, fragment):
     (tmp_path / "conv.json").write_text("{}")
+    (tmp_path / "norender.jinja").write_text("{{ undefined_var.attr }}{% for m in messages %}{{ m.content }}{% endfor %}")
     (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
     (tmp_path / "empty.jinja").write_text("\n")
     path = arg if arg == "chatml" else str(tmp_path / arg)
     with pytest.raises(ValueError) as info:
         load_chat_template(path)
     assert f"--chat-template {path}: " in str(info.value) and fragment in str(info.value)
-    if arg != "bad.jinja":  # a file of the right kind: its syntax error is the message
+    if arg not in ("bad.jinja", "norender.jinja"):  # a file of the right kind: its own error is the message
         assert "a path to an existing Jinja chat template file" in str(info.value)
+
+
+def test_chat_template_that_fails_only_for_a_system_message_loads(tmp_path):
+    path = tmp_path / "no_system.jinja"
+    text = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+            "{{ bos_token + m.content }}{% endfor %}{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+    path.write_text(text)
+    assert load_chat_template(str(path)) == text
 
 
 def test_skip_tokenizer_init_takes_ids_and_returns_no_text(serve):
@@ -231,11 +326,13 @@ def test_start_up_argument_errors_come_before_the_port_binds(tmp_path):
     taken.listen()
     port = str(taken.getsockname()[1])
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    (tmp_path / "norender.jinja").write_text("{{ undefined_var.attr }}")
     env.pop("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", None)  # the --context-length case needs the refusal
     cases = [
         (["--device", "tpu"], "--device tpu: this process runs on the JAX platform 'cpu'"),
         (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3: the KV pool is stored in the model's dtype"),
         (["--chat-template", "chatml"], "--chat-template chatml: no such file"),
+        (["--chat-template", str(tmp_path / "norender.jinja")], "cannot render a conversation of one user message"),
         (["--tp-size", "64"], "--tp-size 64 needs 64 devices"),
         (["--reasoning-parser", "r2d2"], "argument --reasoning-parser: invalid choice: 'r2d2'"),
         (["--served-model-name", ""], "--served-model-name must not be empty"),

@@ -147,6 +147,19 @@ def test_model_and_server_info(http):
     assert models["object"] == "list" and models["data"][0]["id"] == server["served_model_name"]
 
 
+def test_server_info_reports_sglangs_pool_and_input_limits(http):
+    """max_total_num_tokens and max_req_input_len (SGLang's get_init_info fields, which scripts read):
+    the pool's capacity, and the bound a prompt must stay under, checked against what /generate takes."""
+    info = http.get("/get_server_info").json()
+    assert info["max_total_num_tokens"] == info["kv_pool"]["total_tokens"] >= 4096 - 16
+    limit = info["max_req_input_len"]
+    assert 0 < limit <= info["context_length"]
+    ok = http.post("/generate", json={"input_ids": [5] * (limit - 1), "sampling_params": {"max_new_tokens": 1}})
+    assert ok.status_code == 200, ok.text
+    refused = http.post("/generate", json={"input_ids": [5] * limit, "sampling_params": {"max_new_tokens": 1}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_ids", refused.text
+
+
 def test_health_generate_and_flush_cache(http):
     assert http.get("/health").status_code == 200
     assert http.get("/health_generate").status_code == 200

@@ -1,0 +1,49 @@
+"""The engine's per-step log lines in SGLang's wording, which operators and scripts grep for.
+
+SGLang 0.5.23 logs one "Prefill batch" line for each step that runs prefill
+(`scheduler_components/metrics_reporter.py`, `report_prefill_stats`):
+
+    Prefill batch. #new-seq: 2, #new-token: 57, #cached-token: 16, token usage: 0.01, #running-req: 3, #queue-req: 0
+
+`#new-seq` counts the batch's prefill entries (new prompts and the next chunk of a chunked one),
+`#new-token` the prompt tokens they run this step, `#cached-token` the tokens of theirs already in the
+KV cache (a prefix-cache hit, or the earlier chunks), `#running-req` the requests decoding before
+this step, and `token usage` SGLang's share of the pool not free for new requests (the evictable
+prefix cache counts as free, as in the Decode batch line). jaxserve leaves out `#pending-token` and
+SGLang's disaggregation fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Sequence
+
+from jaxserve.engine.outputs import EngineSnapshot
+
+
+class _Entry(Protocol):
+    kv_len: int  # tokens of the request already in the KV cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillStats:
+    """What one step's prefill entries run: counts of sequences and tokens."""
+
+    num_new_seqs: int
+    num_new_tokens: int
+    num_cached_tokens: int
+
+
+def prefill_stats(reqs: Sequence[_Entry], extend_lens: Sequence[int], running: Sequence[_Entry]) -> PrefillStats:
+    """The prefill entries of a batch: its requests (`reqs`, before the step runs, with the tokens
+    each runs in `extend_lens`) that are not among the decoding ones (`running`)."""
+    decoding = set(map(id, running))
+    prefill = [(r.kv_len, n) for r, n in zip(reqs, extend_lens) if id(r) not in decoding]
+    return PrefillStats(len(prefill), sum(n for _, n in prefill), sum(k for k, _ in prefill))
+
+
+def prefill_line(stats: PrefillStats, snap: EngineSnapshot) -> str:
+    """SGLang's Prefill batch log line (module docstring), the gauges from `snap` taken before the step."""
+    return (f"Prefill batch. #new-seq: {stats.num_new_seqs}, #new-token: {stats.num_new_tokens}, "
+            f"#cached-token: {stats.num_cached_tokens}, token usage: {snap.token_usage:.2f}, "
+            f"#running-req: {snap.num_running_reqs}, #queue-req: {snap.num_queue_reqs}")
