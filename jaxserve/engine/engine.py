@@ -354,9 +354,10 @@ class Engine:
         if batch is None:
             self._idle_checks()
             return outputs
-        if not self.scheduler.is_decode_batch(batch):  # SGLang's Prefill batch line (engine/stats_log.py)
-            snap = self.snapshot()
-            logger.info(prefill_line(prefill_stats(batch.reqs, batch.extend_lens, self.scheduler.running), snap))
+        if logger.isEnabledFor(logging.INFO) and not self.scheduler.is_decode_batch(batch):
+            # SGLang's Prefill batch line (engine/stats_log.py); the snapshot only when it is logged
+            stats = prefill_stats(batch.reqs, batch.extend_lens, self.scheduler.running)
+            logger.info(prefill_line(stats, self.snapshot()))
         t0 = self._step_started = time.perf_counter()
         if self.speculator is not None and self.speculator.should_speculate(batch.reqs, self.scheduler.is_decode_batch(batch)):
             rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
