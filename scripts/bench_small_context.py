@@ -6,7 +6,8 @@ from a file (e.g. the one before the fix: `git show 94ace41:jaxserve/pallas/refe
 For each --prompt-lens n: a decode step (1 token after n cached), a K=2 verification (3 tokens after n)
 and a prefill of the n tokens, the two variants' timed calls alternating in one invocation, so drift in
 the machine's speed hits them alike. Also counts, in each variant's compiled layer-group program, the
-copies of a pool-shaped buffer (the cliff's cause: one copy of the V pool per layer).
+copies of a pool-shaped buffer (the cliff's cause: one copy of the V pool per layer), and checks
+that both variants give the same logits.
 
     python scripts/bench_small_context.py --baseline-file /tmp/ref.py [--prompt-lens 100 200 232 512]
                                           [--repeats 5] [--stat min|median]
@@ -59,6 +60,10 @@ def main() -> None:
                  "verify K=2": [BatchEntry(prompt[-3:], n, pages, num_logits=3)],
                  f"prefill {n}": [BatchEntry(prompt, 0, pages, num_logits=1)]}
         runners = {v: runner_with(config, params, fn, 64, n + 2 * bench_model.PAGE_SIZE) for v, fn in variants.items()}
+        for c, e in cases.items():  # the fix changes no output: same logits, so the same greedy tokens
+            a, b = (np.asarray(r.forward(e))[: e[0].num_logits] for r in runners.values())
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+            assert (a.argmax(-1) == b.argmax(-1)).all(), c
         copies = {(v, c): pool_copies(r, e) for v, r in runners.items() for c, e in cases.items()}
         fns = {(v, c): (lambda r=r, e=e: r.forward(e).block_until_ready())
                for v, r in runners.items() for c, e in cases.items()}
