@@ -73,8 +73,14 @@ def ragged_paged_attention_xla(
     pages_per_seq = meta.page_table.shape[1]
     pages_per_chunk = max(1, min(kv_block // page_size, pages_per_seq))
     chunk = pages_per_chunk * page_size
-    # Pad the page table to whole chunks; the extra entries read the dummy page and are masked.
-    page_table = jnp.pad(meta.page_table, ((0, 0), (0, -pages_per_seq % pages_per_chunk)))
+    # Pad the page table to whole chunks plus one; the extra entries (dummy page 0) are never read past
+    # a block's last chunk. The extra chunk keeps a chunk's start `c * pages_per_chunk` a live function
+    # of the loop index: without it, a bucket of at most one chunk (pages_per_seq <= 16 at page size 16,
+    # any context <= 256 tokens) has a start XLA clamps to 0, so the K/V gathers leave the loop, XLA
+    # fuses the write_kv scatter into the hoisted V gather, and to keep the pre-scatter pool alive for
+    # that fusion it copies the whole V pool every layer: 50-100x slower decode (docs/benchmarks.md,
+    # "Sixth pass: the small-context decode cliff").
+    page_table = jnp.pad(meta.page_table, ((0, 0), (0, -pages_per_seq % pages_per_chunk + pages_per_chunk)))
     row_offset = jnp.tile(jnp.arange(block_q, dtype=jnp.int32), group)  # [G * Bq] query row of each row
     rows = group * block_q
 
