@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
-_spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_serving"] = bench
-_spec.loader.exec_module(bench)
+from tests.scripts import load_script
+
+bench = load_script("bench_serving")
 
 
 def test_copy_heavy_rows():

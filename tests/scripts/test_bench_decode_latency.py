@@ -1,22 +1,14 @@
 """Tests for scripts/bench_decode_latency.py's served-against-in-process arithmetic (no server, no model):
 per-request TPOTs from a bench_serving record, the served / in-process tables, and the option checks."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode_latency.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode_latency", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_decode_latency"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_decode_latency")
 
 
 def test_request_tpots_follow_bench_serving_definition(bench):

@@ -3,14 +3,11 @@ fake streaming server (no model)."""
 
 import asyncio
 import functools
-import importlib.util
 import json
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,15 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
+from tests.scripts import load_script
 
 
 def _import_script():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_serving")
 
 
 bench = _import_script()

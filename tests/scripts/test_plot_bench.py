@@ -1,23 +1,16 @@
 """Tests for scripts/plot_bench.py on synthetic bench_serving.py records."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("matplotlib")
+from tests.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plot_bench.py"
+pytest.importorskip("matplotlib")
 
 
 def _import_script():
-    spec = importlib.util.spec_from_file_location("plot_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plot_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("plot_bench")
 
 
 plot_bench = _import_script()

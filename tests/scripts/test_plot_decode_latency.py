@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "plot_decode_latency.py"
-_spec = importlib.util.spec_from_file_location("plot_decode_latency", SCRIPT)
-plot_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plot_mod)
+from tests.scripts import load_script
+
+plot_mod = load_script("plot_decode_latency")
 
 
 def test_bars_per_variant_and_workload(tmp_path, monkeypatch):
