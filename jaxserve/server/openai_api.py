@@ -466,8 +466,7 @@ async def chat_completions(request: Request) -> Response:
     model = request.app.state.model_name
     # a grammar applies from the first token (SGLang defers it to </think>; jaxserve does not yet), so such
     # a reply holds no reasoning: split, all of it was read as reasoning and a forced call came back empty
-    constrained = plan.grammar is not None or any(v is not None for v in (req.regex, req.ebnf, req.json_schema)) or (
-        req.response_format is not None and req.response_format.type != "text")
+    constrained = plan.grammar is not None or req.regex is not None or req.ebnf is not None or _json_schema_of(req) is not None
     reasoning = request.app.state.reasoning_format if req.separate_reasoning and not constrained else None
     if req.stream:
         mark_streaming(request, group.rids)
