@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import random
 import time
@@ -26,7 +25,6 @@ from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
 from jaxserve.config import ServerArgs
 from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_backend
-from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.context_length import resolve_context_length
@@ -36,6 +34,8 @@ from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, ModelRunner
 from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.engine.outputs import EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, grammar_spec, new_rid
+from jaxserve.engine.request_validation import RequestValidator
+from jaxserve.engine.sampling_rows import grammar_bitmask, sampler_warmup_variants, sampling_rows
 from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats
 from jaxserve.engine.speculative.verify_step import verify_step
@@ -110,6 +110,8 @@ class Engine:
                 "--mem-fraction-static)", self.pool_shape.num_tokens, self.context_length,
                 self.pool_limits.max_req_input_len,
             )
+        self.validator = RequestValidator(self.tokenizer, cfg.vocab_size, self.context_length, self.pool_limits,
+                                          args.chunked_prefill_size, args.max_prefill_tokens)
         k_pool, v_pool = allocate_pools(self.pool_shape)
         self.allocator = PageAllocator(self.pool_shape.num_pages)
         self.tree = RadixCache(page_size=args.page_size, disable=args.disable_radix_cache)
@@ -167,7 +169,8 @@ class Engine:
         self._gen_throughput = 0.0
         self._step_started: float | None = None  # perf_counter seconds at the start of the running step
         if not args.disable_precompile:
-            self.runner.precompile(self._sampler_warmup_variants())
+            self.runner.precompile(sampler_warmup_variants(
+                (k.num_seqs for k in self.runner.all_buckets()), cfg.vocab_size))
         else:
             self.runner.mark_warmed_up()
         logger.info(
@@ -257,66 +260,22 @@ class Engine:
         if spec is not None:
             self.grammar_backend.compile(spec)
 
+    # the checks of a request against the model (request_validation.py); thread-safe, read-only
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text (no special tokens added), or the ids of a list as ints.
-
-        Raises:
-            RequestError: a text so long that it cannot fit the context whatever its tokens (field
-                "prompt"): no token covers more than `max_token_chars` characters, so such a text is
-                refused before tokenizing it (a 20 MB prompt took ~16 s of the one preprocessing
-                thread, stalling every other request's submit); a text that is not valid Unicode (a lone
-                UTF-16 surrogate, which JSON's \\uXXXX escapes can carry; the tokenizer cannot take it).
-        """
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise RequestError(
-                    "prompt", f"the text is not valid Unicode: a lone surrogate U+{ord(prompt[e.start]):04X} at character {e.start}"
-                ) from None
-            at_least = len(prompt) // self.max_token_chars
-            if at_least >= self.context_length:
-                raise RequestError(
-                    "prompt",
-                    f"the prompt has at least {at_least} tokens ({len(prompt)} characters), the context length "
-                    f"is {self.context_length}",
-                )
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return [int(t) for t in prompt]
-
-    @functools.cached_property
-    def max_token_chars(self) -> int:
-        """The most characters of text one token can stand for: its longest vocabulary entry (byte-level
-        and sentencepiece entries hold at least one character per character covered)."""
-        return max(1, max((len(t) for t in self.tokenizer.get_vocab()), default=1))
+        """Token ids of a text or of a list (`RequestValidator.tokenize`; RequestError "prompt")."""
+        return self.validator.tokenize(prompt)
 
     def validate_logit_bias(self, params: SamplingParams) -> None:
-        """Raise RequestError("logit_bias") for a biased token id outside the vocabulary."""
-        if params.logit_bias and params.logit_bias[-1][0] >= self.model_config.vocab_size:  # sorted by id
-            raise RequestError("logit_bias", f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        self.validator.validate_logit_bias(params)
 
     def validate_stop_token_ids(self, params: SamplingParams) -> None:
-        """Raise RequestError("stop_token_ids") for an id outside the vocabulary [0, vocab_size)."""
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise RequestError("stop_token_ids", f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        self.validator.validate_stop_token_ids(params)
 
     def validate_input_ids(self, input_ids: Sequence[int], max_new_tokens: int = 0) -> None:
-        """Raise RequestError for an empty prompt, bad ids, or one that does not fit the context/pool."""
-        if not input_ids:
-            raise RequestError("prompt", "the prompt is empty")
-        if min(input_ids) < 0 or max(input_ids) >= self.model_config.vocab_size:
-            raise RequestError("input_ids", f"token ids must be in [0, {self.model_config.vocab_size})")
-        if len(input_ids) >= self.context_length:
-            raise RequestError(
-                "prompt",
-                f"the prompt has {len(input_ids)} tokens, the context length is {self.context_length} "
-                f"(prompt + at least one new token must fit)",
-            )
-        self.pool_limits.check_prompt(len(input_ids))
-        if self.args.chunked_prefill_size <= 0 and len(input_ids) > self.args.max_prefill_tokens:
-            raise RequestError("prompt", f"the prompt has {len(input_ids)} tokens, over --max-prefill-tokens {self.args.max_prefill_tokens} (chunked prefill is off)")
+        self.validator.validate_input_ids(input_ids, max_new_tokens)
+
+    def validate_token_ids_logprob(self, ids: Sequence[int]) -> None:
+        self.validator.validate_token_ids_logprob(ids)
 
     def abort(self, rid: str) -> bool:
         """Stop a request wherever it is and free its pages. Returns False for an unknown rid."""
@@ -369,7 +328,8 @@ class Engine:
         if want_prompt_logprobs:
             logits, prompt_logprobs = logits
             self._record_prompt_logprobs(batch, prompt_logprobs)
-        sampling, flags = self._sampling_rows([(r, ()) for r in batch.reqs], self._grammar_bitmask(batch.reqs), logits.shape[0])
+        bitmask = grammar_bitmask(batch.reqs, self.grammar_backend, self.model_config.vocab_size)
+        sampling, flags = self._sampling_rows([(r, ()) for r in batch.reqs], bitmask, logits.shape[0])
         sampled = self.runner.sample(logits, sampling, flags)  # numpy: converted in the call
         seconds = time.perf_counter() - t0
         self.scheduler.observe_step(batch, seconds)
@@ -402,44 +362,9 @@ class Engine:
                 req.grammar = self.grammar_backend.new_matcher(ready.compiled)
                 self.scheduler.add(req)
 
-    def validate_token_ids_logprob(self, ids: Sequence[int]) -> None:
-        vocab = self.model_config.vocab_size
-        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
-            raise RequestError("token_ids_logprob", f"at most {MAX_TOKEN_IDS_LOGPROB} ids, got {len(ids)}")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise RequestError("token_ids_logprob", f"token ids must be integers in [0, {vocab}), got {t!r}")
-
-    def _grammar_bitmask(self, reqs: Sequence[Req]) -> np.ndarray | None:
-        if not any(r.grammar is not None for r in reqs):
-            return None
-        bitmask = allocate_bitmask(len(reqs), self.model_config.vocab_size)
-        # one call for the batch: the llguidance backend fills the rows in parallel outside the GIL
-        self.grammar_backend.fill_bitmask_batch([(r.grammar, i) for i, r in enumerate(reqs) if r.grammar is not None], bitmask)
-        return bitmask
-
     def _sampling_rows(self, rows: Sequence[tuple[Req, Sequence[int]]], bitmask: np.ndarray | None, num_seqs: int):
-        """Sampler inputs with one row per (request, draft tokens before the row): a row samples the
-        request's output token number len(output_ids) + len(draft) (plain decoding: no draft)."""
-        reqs = [r for r, _ in rows]
-        with_logprob = [r for r in reqs if r.return_logprob]
-        any_penalty = any(
-            r.sampling_params.frequency_penalty or r.sampling_params.presence_penalty
-            or r.sampling_params.repetition_penalty != 1 for r in reqs
-        )
-        return sampler_lib.build_sampling_batch(
-            [r.sampling_params for r in reqs],
-            [r.seed for r in reqs],
-            [len(r.output_ids) + len(d) for r, d in rows],
-            [(r.fill_ids + list(d), len(r.input_ids)) for r, d in rows] if any_penalty else None,
-            bitmask,
-            num_seqs,
-            self.model_config.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            return_logprob=bool(with_logprob),
-            num_top_logprobs=_top_logprobs_bucket(max((r.top_logprobs_num for r in with_logprob), default=0)),
-            logprob_token_ids=[r.token_ids_logprob if r.return_logprob else () for r in reqs],
-        )
+        """`sampling_rows.sampling_rows` for this model (also called by `speculative/verify_step.py`)."""
+        return sampling_rows(rows, bitmask, num_seqs, self.model_config.vocab_size, self.eos_token_ids)
 
     def _postprocess(self, batch: ScheduleBatch, sampled: sampler_lib.SampleOutput) -> list[StepOutput]:
         produced = self.scheduler.advance(batch)
@@ -587,16 +512,6 @@ class Engine:
         if self.args.enable_debug_checks and not self.scheduler.has_work():
             self.cache.check_integrity(self.scheduler.live_reqs())
 
-    def _sampler_warmup_variants(self):
-        variants = []
-        for s in sorted({k.num_seqs for k in self.runner.all_buckets()}):
-            for temp in (0.0, 1.0):
-                batch, flags = sampler_lib.build_sampling_batch(
-                    [SamplingParams(temperature=temp)], [0], [0], None, None, s, self.model_config.vocab_size
-                )
-                variants.append((batch, flags))  # numpy, as `step` passes it
-        return variants
-
     # ---- convenience ----------------------------------------------------------------------------
     def generate(
         self,
@@ -632,14 +547,6 @@ class Engine:
         if single:
             return flat[0] if len(flat) == 1 else flat
         return flat
-
-
-MAX_TOKEN_IDS_LOGPROB = 128  # a bound of ours: the sampler gathers a padded [S, L] block of logprobs
-
-
-def _top_logprobs_bucket(n: int) -> int:
-    """Round the batch's top-logprobs count up to 0, 5 or 20 so each value does not compile a sampler."""
-    return 0 if n == 0 else (5 if n <= 5 else 20)
 
 
 def _enable_compilation_cache(cache_dir: str | None) -> None:

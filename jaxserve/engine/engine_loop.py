@@ -20,8 +20,8 @@ schedule. The load snapshot published then carries fresh radix-cache stats (they
 refreshed at most once a second), so /metrics read while idle is not a snapshot from up to a second
 before the last step.
 
-Validation (sampling params, tokenization, prompt length, grammar compilation) runs synchronously in
-the caller's thread, through the engine's read-only, thread-safe methods (`tokenize`,
+Validation (sampling params, tokenization, prompt length, grammar compilation; `request_validation.py`)
+runs synchronously in the caller's thread, through the engine's read-only, thread-safe methods (`tokenize`,
 `validate_input_ids`, `compile_grammar`), so a bad request raises at `submit` and never reaches the
 loop.
 
@@ -55,11 +55,10 @@ import threading
 import time
 from typing import Any, Callable, Hashable, Sequence
 
-from jaxserve.constrained import InvalidGrammarError
 from jaxserve.engine.engine import Engine, EngineStats, RequestError, RequestMeta, StepOutput
-from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
 from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
+from jaxserve.engine.request_validation import check_submit, tokenize_for_submit
 from jaxserve.parallel.distributed import RankLostError
 
 logger = logging.getLogger(__name__)
@@ -68,8 +67,6 @@ OutputCallback = Callable[[StepOutput], None]
 # Seconds between steps while the engine has work but runs nothing (requests wait for their grammar,
 # compiled off-thread): a short poll instead of a spin.
 NO_PROGRESS_POLL_S = 0.005
-MAX_TOP_LOGPROBS = 20
-CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
 FAULT_FILE_ENV = "JAXSERVE_TEST_FAULT_FILE"
 
 
@@ -87,11 +84,6 @@ class EngineUnavailableError(RuntimeError):
 
 class InjectedFault(RuntimeError):
     """Raised by the test-only fault hook (see the module docstring)."""
-
-
-def _tokens(n: int, noun: str = "token") -> str:
-    """"1 token", "2 tokens": counts in user-facing messages read as English."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 class _StepResult(enum.Enum):
@@ -188,16 +180,9 @@ class EngineLoop:
         return self.engine.devices
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text (no special tokens added), or a validated copy of a list of ids.
-
-        Raises:
-            RequestError: a list holding something other than integers (field "input_ids").
-        """
-        if isinstance(prompt, str):
-            return self.engine.tokenize(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise RequestError("input_ids", "token ids must be integers")
-        return list(prompt)
+        """Token ids of a text (no special tokens added), or a validated copy of a list of ids
+        (`request_validation.tokenize_for_submit`; RequestError for a list of non-integers)."""
+        return tokenize_for_submit(self.engine, prompt)
 
     def add_output_observer(self, observer: OutputCallback) -> None:
         """Also hand every delivered `StepOutput` to `observer` (on the loop thread; metrics use it),
@@ -295,30 +280,10 @@ class EngineLoop:
             EngineUnavailableError: the waiting queue is full, or the engine died.
             RuntimeError: the loop is shut down.
         """
-        params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
-        explicit_max = isinstance(sampling_params, SamplingParams) or (sampling_params or {}).get("max_new_tokens") is not None
-        input_ids = self.tokenize(prompt)
-        self.engine.validate_input_ids(input_ids, params.max_new_tokens)
-        if params.logit_bias:
-            self.engine.validate_logit_bias(params)
-        if params.stop_token_ids:
-            self.engine.validate_stop_token_ids(params)
-        room = self.engine.context_length - len(input_ids)
-        if params.max_new_tokens > room:
-            if explicit_max:
-                raise RequestError(
-                    "max_new_tokens",
-                    f"the prompt has {_tokens(len(input_ids))} and {_tokens(params.max_new_tokens, 'new token')} "
-                    f"{'is' if params.max_new_tokens == 1 else 'are'} asked for: together over the context length "
-                    f"{self.engine.context_length}",
-                )
-            params = dataclasses.replace(params, max_new_tokens=room)
-        if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise RequestError("top_logprobs_num", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}")
-        self._check_grammar(params)
-        self.engine.validate_token_ids_logprob(token_ids_logprob)
-        if is_checked(return_logprob, top_logprobs_num):
-            check_logprob_start_len(logprob_start_len, len(input_ids))
+        input_ids, params = check_submit(
+            self.engine, prompt, sampling_params, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+            logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
+        )
         base = rid or new_rid()
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
 
@@ -390,18 +355,6 @@ class EngineLoop:
                     f"{num_sequences} ({waiting} waiting")
         return EngineUnavailableError(
             f"{what}, --max-queued-requests {self.max_queued_requests}); retry later", retry_after_s=1)
-
-    def _check_grammar(self, params: SamplingParams) -> None:
-        """Compile the request's constraint now (the engine caches it) so that a bad one is a
-        RequestError naming the field, not an aborted request later."""
-        field = next((k for k in CONSTRAINT_FIELDS if getattr(params, k) is not None), None)
-        compile_grammar = getattr(self.engine, "compile_grammar", None)
-        if field is None or compile_grammar is None:
-            return
-        try:
-            compile_grammar(params)
-        except InvalidGrammarError as e:
-            raise RequestError(field, str(e)) from None
 
     def abort(self, rid: str) -> bool:
         """Abort a request (or every sequence of an n > 1 request by its base rid). Thread-safe.
