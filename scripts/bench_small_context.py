@@ -24,17 +24,18 @@ import numpy as np
 
 import bench_model
 from bench_verify import runner_with
+from jaxserve.engine.hlo_text import pool_copies
 from jaxserve.engine.model_runner import BatchEntry
 from jaxserve.model.loader import load_model
 from jaxserve.pallas.reference import ragged_paged_attention_xla
 
 
-def pool_copies(runner, entries) -> int:
-    """Copies of a pool-shaped buffer in the compiled layer-group program of `entries`' bucket."""
+def num_pool_copies(runner, entries) -> int:
+    """Copies of a pool-shaped buffer in the compiled layer-group program of `entries`' bucket
+    (`hlo_text.pool_copies`, the reader the regression test asserts on)."""
     batch, _ = runner.build_forward_batch(entries)
     text = runner._lower_step(batch, False, ["layer"])["layer"].compile().as_text()
-    shape = "[" + ",".join(map(str, runner.k_pool.shape)) + "]"
-    return sum(1 for line in text.splitlines() if " copy(" in line and shape in line.split("=")[1][:80])
+    return len(pool_copies(text, runner.k_pool.shape))
 
 
 def main() -> None:
@@ -64,7 +65,7 @@ def main() -> None:
             a, b = (np.asarray(r.forward(e))[: e[0].num_logits] for r in runners.values())
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
             assert (a.argmax(-1) == b.argmax(-1)).all(), c
-        copies = {(v, c): pool_copies(r, e) for v, r in runners.items() for c, e in cases.items()}
+        copies = {(v, c): num_pool_copies(r, e) for v, r in runners.items() for c, e in cases.items()}
         fns = {(v, c): (lambda r=r, e=e: r.forward(e).block_until_ready())
                for v, r in runners.items() for c, e in cases.items()}
         times = bench_model.timed_alternating(fns, args.repeats, stat)

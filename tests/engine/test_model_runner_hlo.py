@@ -3,16 +3,16 @@
 A bucket of at most one kv chunk (pages_per_seq <= 16 at page size 16: any context <= 256 tokens) once
 compiled to a decode program that copied the whole V pool before each layer's K/V write: 50-100x
 slower decode, with outputs unchanged (docs/benchmarks.md, "Sixth pass: the small-context decode
-cliff"). Checked on the compiled HLO of the tiny checkpoint's programs, so no timing is involved.
+cliff"). Checked on the compiled HLO of the tiny checkpoint's programs (read by `jaxserve/engine/hlo_text.py`,
+which scripts/bench_small_context.py shares), so no timing is involved.
 """
 
 from __future__ import annotations
 
-import re
-
 import jax.numpy as jnp
 import pytest
 
+from jaxserve.engine.hlo_text import aliased_params, pool_copies
 from jaxserve.engine.model_runner import BatchEntry, ModelRunner
 from jaxserve.model.loader import load_model
 from jaxserve.pallas.reference import ragged_paged_attention_xla
@@ -41,22 +41,6 @@ def pool_program_text(runner: ModelRunner, entries: list[BatchEntry]) -> str:
     part = "layer" if runner.layer_loop == "host" else "step"
     lowered = runner._lower_step(batch, False, ["layer"] if part == "layer" else ())[part]
     return lowered.compile().as_text()
-
-
-def pool_copies(text: str, pool_shape: tuple[int, ...]) -> list[str]:
-    """The instructions that copy a whole pool-shaped buffer."""
-    shape = "f32[" + ",".join(map(str, pool_shape)) + "]"
-    return [line.strip()[:160] for line in text.splitlines()
-            if re.search(r"=\s*" + re.escape(shape) + r"\S*\s+copy\(", line)]
-
-
-def aliased_params(text: str) -> set[str]:
-    """Names of the entry parameters aliased to an output (`input_output_alias` of the HloModule line)."""
-    header = text.splitlines()[0]
-    alias = header.partition("input_output_alias=")[2].partition("entry_computation_layout")[0]
-    entry = re.search(r"^ENTRY [^(]*\((.*?)\) ->", text, re.M).group(1)
-    names = re.findall(r"([\w.]+): \w+\[", entry)
-    return {names[int(i)] for i in re.findall(r"\((\d+), \{\}", alias)}
 
 
 @pytest.mark.parametrize("layer_loop", ["host", "scan"])
