@@ -25,6 +25,7 @@ from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
 from jaxserve.config import ServerArgs
 from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_backend
+from jaxserve.engine import prompt_logprobs
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.context_length import resolve_context_length
@@ -323,11 +324,11 @@ class Engine:
             drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
             if any(drafts):
                 return outputs + verify_step(self, batch, drafts, t0)
-        want_prompt_logprobs = any(r.wants_input_logprobs and r.kv_len < len(r.input_ids) for r in batch.reqs)
-        logits = self.runner.forward(batch.entries(want_prompt_logprobs), input_logprobs=want_prompt_logprobs)
-        if want_prompt_logprobs:
-            logits, prompt_logprobs = logits
-            self._record_prompt_logprobs(batch, prompt_logprobs)
+        prompt_variant = prompt_logprobs.step_variant(batch.reqs)  # False, or which prompt logprobs
+        logits = self.runner.forward(batch.entries(bool(prompt_variant)), input_logprobs=prompt_variant)
+        if prompt_variant:
+            logits, prompt_rows = logits
+            prompt_logprobs.record(batch.reqs, batch.extend_lens, prompt_rows)
         bitmask = grammar_bitmask(batch.reqs, self.grammar_backend, self.model_config.vocab_size)
         sampling, flags = self._sampling_rows([(r, ()) for r in batch.reqs], bitmask, logits.shape[0])
         sampled = self.runner.sample(logits, sampling, flags)  # numpy: converted in the call
@@ -336,19 +337,6 @@ class Engine:
         if self.speculator is not None and self.scheduler.is_decode_batch(batch):
             self.speculator.observe_decode(len(batch.reqs), seconds)
         return outputs + self._postprocess(batch, sampled)
-
-    def _record_prompt_logprobs(self, batch: ScheduleBatch, prompt_logprobs: np.ndarray) -> None:
-        """Store log p(input[p + 1] | input[:p + 1]) for the prompt positions this step computed."""
-        t = 0
-        for req, n in zip(batch.reqs, batch.extend_lens):
-            if req.wants_input_logprobs:
-                if req.input_token_logprobs is None:
-                    req.input_token_logprobs = [None] * len(req.input_ids)
-                for j in range(n):
-                    nxt = req.kv_len + j + 1
-                    if nxt < len(req.input_ids):
-                        req.input_token_logprobs[nxt] = float(prompt_logprobs[t + j])
-            t += n
 
     def _admit_compiled_grammars(self) -> None:
         for ready in self.grammar_queue.pop_ready():

@@ -94,13 +94,16 @@ def forward_step(
 
 
 def step_outputs(
-    params: llama.Params, hidden: Float[Array, "T E"], batch: ForwardBatch, return_input_logprobs: bool,
+    params: llama.Params, hidden: Float[Array, "T E"], batch: ForwardBatch, return_input_logprobs: bool | str,
     *, config: ModelConfig,
-) -> tuple[Float[Array, "S V"], Float[Array, " T"]]:
-    """Logits [S, V] at `batch.logits_idx` and prompt logprobs [T] (zeros unless requested) from the
-    final hidden states."""
+) -> tuple[Float[Array, "S V"], Float[Array, " T"] | Float[Array, "T V"]]:
+    """Logits [S, V] at `batch.logits_idx` and prompt logprobs [T] (zeros unless requested; "full":
+    the log-softmax [T, V] of every token) from the final hidden states."""
     logits = llama.compute_logits(params, hidden[batch.logits_idx], config=config)
-    if return_input_logprobs:
+    if return_input_logprobs == "full":  # every token's log-softmax [T, V] (engine/prompt_logprobs.py)
+        all_logits = llama.compute_logits(params, hidden, config=config)
+        input_logprobs = all_logits - jax.nn.logsumexp(all_logits, axis=-1, keepdims=True)
+    elif return_input_logprobs:
         all_logits = llama.compute_logits(params, hidden, config=config)  # [T, V]
         target = jnp.maximum(batch.target_ids, 0)
         picked = jnp.take_along_axis(all_logits, target[:, None], axis=-1)[:, 0]
@@ -281,7 +284,7 @@ class ModelRunner:
                                   forward_fn=llama.forward),
                 donate_argnums=(1, 2), **out.get("step", {}),
             )
-            for flag in (False, True)
+            for flag in (False, True, "full")
         }
         self._embed_jit = jax.jit(functools.partial(embed_step, config=config), **out.get("embed", {}))
         self._layers_jit = jax.jit(
@@ -291,7 +294,7 @@ class ModelRunner:
         self._head_jit = {
             flag: jax.jit(functools.partial(head_step, config=config, return_input_logprobs=flag),
                           **out.get("head", {}))
-            for flag in (False, True)
+            for flag in (False, True, "full")
         }
         self.layers_per_call, self._first_layer_ids = None, []  # host loop only
         if layer_loop == "host":
@@ -405,16 +408,17 @@ class ModelRunner:
         return batch, key
 
     # ---- execution -----------------------------------------------------------------------------
-    def forward(self, entries: Sequence[BatchEntry], input_logprobs: bool = False) -> jax.Array:
+    def forward(self, entries: Sequence[BatchEntry], input_logprobs: bool | str = False) -> jax.Array:
         """Run one step over `entries`; returns device logits [S_bucket, V]: `num_logits` rows per entry,
         in order (one row each by default); the rows after them are padding.
 
-        With `input_logprobs`, returns (logits, prompt logprobs [T_bucket] as numpy) instead.
+        With `input_logprobs`, returns (logits, prompt logprobs [T_bucket] as numpy) instead; with
+        `input_logprobs="full"`, (logits, log-softmax [T_bucket, V] as numpy).
         """
         batch, key = self.build_forward_batch(entries)
         return self.run_batch(batch, key, input_logprobs)
 
-    def run_batch(self, batch: ForwardBatch, key: BucketKey, input_logprobs: bool = False):
+    def run_batch(self, batch: ForwardBatch, key: BucketKey, input_logprobs: bool | str = False):
         """The compiled step of bucket `key` over a padded host batch (`build_forward_batch`); returns
         what `forward` returns. The unit the other ranks of a multi-host server replay."""
         with self._routed("run_batch", batch, key, input_logprobs):
@@ -483,7 +487,7 @@ class ModelRunner:
 
     def _compile_step(self, key: BucketKey, batch: ForwardBatch, input_logprobs: bool = False) -> Callable:
         # the host loop's embed and layer programs are the same for both variants: compile only a head
-        other = self._step_exec.get((key, not input_logprobs))
+        other = self._step_exec.get((key, False)) or self._step_exec.get((key, True))
         reused = {"embed": other.embed, "layer": other.layers} if isinstance(other, HostLayerLoop) else {}
         lowered = self._lower_step(batch, input_logprobs, [p for p in ("embed", "layer", "head") if p not in reused])
         exe = self._compile(

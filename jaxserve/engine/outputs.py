@@ -32,6 +32,10 @@ class RequestMeta:
     output_top_logprobs: list | None = None
     input_token_logprobs: list | None = None
     output_token_ids_logprobs: list | None = None  # per output token: (logprob, token_id) of each token_ids_logprob id
+    # per prompt position from logprob_start_len on (None where input_token_logprobs has None): its top
+    # top_logprobs_num (logprob, token_id) pairs / the (logprob, token_id) of each token_ids_logprob id
+    input_top_logprobs: list | None = None
+    input_token_ids_logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -112,4 +116,18 @@ def request_meta(req: Req) -> RequestMeta:
             [list(zip(lps, req.token_ids_logprob)) for lps in req.output_token_ids_logprobs]
             if logprobs and req.token_ids_logprob else None
         ),
+        input_top_logprobs=_prompt_rows(req, req.input_top_logprobs) if req.top_logprobs_num > 0 else None,
+        input_token_ids_logprobs=(
+            [None if lps is None else list(zip(lps, req.token_ids_logprob))
+             for lps in _prompt_rows(req, req.input_token_ids_logprobs)]
+            if req.token_ids_logprob and req.wants_input_logprobs and req.input_token_logprobs is not None else None
+        ),
     )
+
+
+def _prompt_rows(req: Req, rows: list | None) -> list | None:
+    """A per-prompt-position list from logprob_start_len on (None entries where not computed), or None
+    while the prompt's logprobs are not computed (or not asked for)."""
+    if not req.wants_input_logprobs or req.input_token_logprobs is None:
+        return None
+    return list(rows or [None] * len(req.input_ids))[req.logprob_start_len :]

@@ -282,7 +282,10 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     output_token_ids_logprobs: list[list[float]] = dataclasses.field(default_factory=list)
     input_token_logprobs: list[float | None] | None = None
-    input_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # per prompt position (None where not computed): its top-k (logprob, token_id) pairs, the
+    # logprobs of token_ids_logprob (prompt_logprobs.py)
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_token_ids_logprobs: list[list[float] | None] | None = None
 
     @property
     def fill_ids(self) -> list[int]:

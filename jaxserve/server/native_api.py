@@ -257,11 +257,14 @@ def to_output(
         info.input_token_logprobs = prompt
         if logprobs.top:
             info.output_top_logprobs = [[triple(lp, t) for lp, t in top] for top in meta.output_top_logprobs or []]
-            info.input_top_logprobs = [] if not prompt else None  # prompt positions' top-k: not computed
+            # per prompt position, as SGLang: null where no logprob (position 0), else the top-k triples
+            info.input_top_logprobs = [None if top is None else [triple(lp, t) for lp, t in top]
+                                       for top in meta.input_top_logprobs or []]
         if logprobs.token_ids:
             info.output_token_ids_logprobs = [[triple(lp, t) for lp, t in picked]
                                               for picked in meta.output_token_ids_logprobs or []]
-            info.input_token_ids_logprobs = [] if not prompt else None
+            info.input_token_ids_logprobs = [None if picked is None else [triple(lp, t) for lp, t in picked]
+                                             for picked in meta.input_token_ids_logprobs or []]
     result = GenerateOutput(text=out.text, output_ids=out.output_ids, meta_info=info, index=index).model_dump()
     if index is None:
         del result["index"]

@@ -190,7 +190,8 @@ class _TokenTexts:
 def _completion_logprobs(out: StepOutput, start: int, texts: _TokenTexts, offset: int, k: int,
                          prompt: bool = False) -> CompletionLogprobs:
     """Legacy logprobs of output tokens [start:], text offsets from `offset`; with `prompt`, the prompt's
-    tokens first (`echo`): the first has a null logprob, and prompt tokens have no top_logprobs."""
+    tokens first (`echo`): the first has null logprob and top_logprobs, the others their top `k`
+    (SGLang's `input_top_logprobs`) when k > 0."""
     result = CompletionLogprobs()
 
     def add(text: str, logprob: float | None, top: dict[str, float] | None) -> None:
@@ -202,8 +203,10 @@ def _completion_logprobs(out: StepOutput, start: int, texts: _TokenTexts, offset
         offset += len(text)
 
     if prompt:
-        for logprob, token_id in out.meta.input_token_logprobs or []:
-            add(texts(token_id), logprob, None)
+        prompt_tops = out.meta.input_top_logprobs or []
+        for i, (logprob, token_id) in enumerate(out.meta.input_token_logprobs or []):
+            top = prompt_tops[i] if k > 0 and i < len(prompt_tops) else None
+            add(texts(token_id), logprob, None if top is None else {texts(t): lp for lp, t in top})
     pairs = (out.meta.output_token_logprobs or [])[start:]
     tops = (out.meta.output_top_logprobs or [])[start:]
     for i, (logprob, token_id) in enumerate(pairs):

@@ -81,9 +81,9 @@ class MetaInfo(BaseModel):
     output_top_logprobs: list[list[list[Any]]] | None = None
     output_token_logprobs_length: int | None = None
     input_token_logprobs: list[list[Any]] | None = None  # from logprob_start_len on; the first may be null
-    # prompt positions' alternatives are not computed: present (and empty) only without prompt positions
-    input_top_logprobs: list[list[list[Any]]] | None = None
-    input_token_ids_logprobs: list[list[list[Any]]] | None = None
+    # per prompt position from logprob_start_len on: null where input_token_logprobs is null, else triples
+    input_top_logprobs: list[list[list[Any]] | None] | None = None
+    input_token_ids_logprobs: list[list[list[Any]] | None] | None = None
     output_token_ids_logprobs: list[list[list[Any]]] | None = None  # per output token, one triple per token_ids_logprob id
 
 
