@@ -25,6 +25,7 @@ from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
 from jaxserve.config import ServerArgs
 from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_backend
+from jaxserve.constrained.reasoner import ReasonerMatcher
 from jaxserve.engine import prompt_logprobs
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
@@ -200,12 +201,15 @@ class Engine:
         logprob_start_len: int = -1,
         token_ids_logprob: Sequence[int] = (),
         namespace: Hashable = None,
+        think_end_ids: Sequence[int] = (),
     ) -> list[str]:
         """Queue a prompt (text or token ids); returns the rids of its `n` sequences.
 
         `token_ids_logprob` (SGLang's field, with `return_logprob`): the logprobs of these ids at
         every output position go into `meta.output_token_ids_logprobs`. `namespace`: the prefix
         cache shares KV only between requests of the same namespace (SGLang's `cache_salt`).
+        `think_end_ids` (with a grammar): the reply reasons first, and the grammar applies only after
+        these tokens (the reasoning's end; SGLang's `ReasonerGrammarBackend`, constrained/reasoner.py).
 
         Raises:
             SamplingParamsError: an invalid sampling parameter (names it).
@@ -231,7 +235,8 @@ class Engine:
         for i, r in enumerate(rids):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
             req = Req(r, list(input_ids), params, return_logprob or top_logprobs_num > 0, top_logprobs_num,
-                      logprob_start_len, tuple(token_ids_logprob), namespace, arrival_time=now, seed=seed)
+                      logprob_start_len, tuple(token_ids_logprob), namespace, arrival_time=now, seed=seed,
+                      think_end_ids=tuple(think_end_ids))
             self._reqs[r] = req
             self._detok[r] = IncrementalDetokenizer(self.tokenizer, input_ids, params, self.eos_token_ids)
             self.stats.num_requests += 1
@@ -348,6 +353,8 @@ class Engine:
                 self._finished_outside_step.append(self._output(req, [], ""))
             else:
                 req.grammar = self.grammar_backend.new_matcher(ready.compiled)
+                if req.think_end_ids:
+                    req.grammar = ReasonerMatcher(req.grammar, req.think_end_ids)
                 self.scheduler.add(req)
 
     def _sampling_rows(self, rows: Sequence[tuple[Req, Sequence[int]]], bitmask: np.ndarray | None, num_seqs: int):

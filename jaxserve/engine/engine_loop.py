@@ -265,12 +265,13 @@ class EngineLoop:
         namespace: Hashable = None,
         on_output: OutputCallback,
         reservation: QueueReservation | None = None,
+        think_end_ids: Sequence[int] = (),
     ) -> list[str]:
         """Validate a request now and queue it; returns the rids of its `n` sequences.
 
         `on_output` is called on the loop thread with every `StepOutput` of those rids; the last one
         has `finished=True`. With `reservation` (from `reserve`) its sequences take the batch's held
-        room instead of being checked against the queue again. A `max_new_tokens` absent from a dict `sampling_params` defaults to
+        room instead of being checked against the queue again. `think_end_ids`: see `Engine.add_request`. A `max_new_tokens` absent from a dict `sampling_params` defaults to
         SGLang's 128, cut to what the context leaves; one given explicitly must fit the context.
 
         Raises:
@@ -293,6 +294,7 @@ class EngineLoop:
                     input_ids, params, rid=base, return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
                     token_ids_logprob=token_ids_logprob, namespace=namespace,
+                    **({"think_end_ids": tuple(think_end_ids)} if think_end_ids else {}),
                 )
                 assert got == rids, (got, rids)
             except Exception as e:  # validated already: this is an engine bug, fail only this request

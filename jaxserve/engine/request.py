@@ -260,6 +260,7 @@ class Req:
     token_ids_logprob: tuple[int, ...] = ()
     namespace: Any = None
     arrival_time: float = 0.0
+    think_end_ids: tuple[int, ...] = ()  # non-empty: the grammar applies after these tokens (constrained/reasoner.py)
 
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from jaxserve.constrained.bitmask import allocate_bitmask
+from jaxserve.constrained.reasoner import ReasonerMatcher
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.request import Req, SamplingParams
 
@@ -27,8 +28,12 @@ def grammar_bitmask(reqs: Sequence[Req], grammar_backend: Any, vocab_size: int) 
     if not any(r.grammar is not None for r in reqs):
         return None
     bitmask = allocate_bitmask(len(reqs), vocab_size)
+    # a grammar waiting for the reasoning's end allows every token: its row stays as allocated, and
+    # the backend sees its own matchers only
+    matchers = [(r.grammar.constraining if isinstance(r.grammar, ReasonerMatcher) else r.grammar, i)
+                for i, r in enumerate(reqs) if r.grammar is not None]
     # one call for the batch: the llguidance backend fills the rows in parallel outside the GIL
-    grammar_backend.fill_bitmask_batch([(r.grammar, i) for i, r in enumerate(reqs) if r.grammar is not None], bitmask)
+    grammar_backend.fill_bitmask_batch([(m, i) for m, i in matchers if m is not None], bitmask)
     return bitmask
 
 

@@ -33,7 +33,7 @@ from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, pre
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.function_call.plan import ToolPlan, tool_calls_out, tool_plan
 from jaxserve.server.function_call.streaming import CallStart, Content, StreamEvent, ToolCallStreamer
-from jaxserve.server.reasoning import ReasoningFormat, ReasoningSplitter, split_reasoning
+from jaxserve.server.reasoning import ReasoningFormat, ReasoningSplitter, grammar_think_end_ids, split_reasoning
 from jaxserve.server.native_api import failure_of
 from jaxserve.server.protocol import (
     ChatCompletionChoice,
@@ -140,15 +140,17 @@ def _renames(req: _OpenAISampling, prompt_field: str, max_field: str, top_field:
 
 def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[list[int], str | None, int]],
             req: _OpenAISampling, return_logprob: bool, top_logprobs_num: int, *,
-            logprob_start_len: int = -1, ebnf: str | None = None) -> None:
-    """Submit (token ids, rid, max_new_tokens) per prompt; a validation error aborts the ones before it."""
+            logprob_start_len: int = -1, ebnf: str | None = None, think_end_ids: tuple[int, ...] = ()) -> None:
+    """Submit (token ids, rid, max_new_tokens) per prompt; a validation error aborts the ones before it.
+    `think_end_ids`: the grammar applies after these tokens (`reasoning.grammar_think_end_ids`)."""
     n = req.n if isinstance(req.n, int) and 1 <= req.n <= MAX_N else 1  # an invalid n: its submit refuses it
     try:
         with group.reserved(len(prompts) * n, "n" if len(prompts) == 1 else "prompt"):
             for ids, rid, max_new_tokens in prompts:
                 group.submit(ids, sampling_params_of(req, max_new_tokens, ebnf), rid=rid,
                              return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                             logprob_start_len=logprob_start_len)
+                             logprob_start_len=logprob_start_len,
+                             **({"think_end_ids": think_end_ids} if think_end_ids else {}))
     except (SamplingParamsError, RequestError) as e:
         group.abort()
         raise from_engine_error(e, renames) from None
@@ -458,19 +460,22 @@ async def chat_completions(request: Request) -> Response:
     renames = _renames(req, "messages", max_field, "top_logprobs")
     if plan.grammar is not None:
         renames["ebnf"] = "tool_choice"
+    fmt = request.app.state.reasoning_format
+    constrained = plan.grammar is not None or req.regex is not None or req.ebnf is not None or _json_schema_of(req) is not None
+    # as SGLang's ReasonerGrammarBackend: a request that reasons gets its grammar after </think>; one that
+    # does not (enable_thinking false) has it from the first token, and then its reply holds no reasoning
+    think_end_ids = grammar_think_end_ids(fmt, req.chat_template_kwargs, tokenizer) if constrained else ()
 
     def prepare() -> None:  # on the preprocessing thread
         prompt = chat_prompt(tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
         ids = _tokenize(engine_loop, prompt, "messages")
         max_new = max_tokens if max_tokens is not None else max(1, engine_loop.context_length - len(ids))
-        _submit(group, renames, [(ids, rid, max_new)], req, req.logprobs, req.top_logprobs or 0, ebnf=plan.grammar)
+        _submit(group, renames, [(ids, rid, max_new)], req, req.logprobs, req.top_logprobs or 0, ebnf=plan.grammar,
+                think_end_ids=think_end_ids)
 
     await preprocess(request, prepare)
     model = request.app.state.model_name
-    # a grammar applies from the first token (SGLang defers it to </think>; jaxserve does not yet), so such
-    # a reply holds no reasoning: split, all of it was read as reasoning and a forced call came back empty
-    constrained = plan.grammar is not None or req.regex is not None or req.ebnf is not None or _json_schema_of(req) is not None
-    reasoning = request.app.state.reasoning_format if req.separate_reasoning and not constrained else None
+    reasoning = fmt if req.separate_reasoning and (not constrained or think_end_ids) else None
     if req.stream:
         mark_streaming(request, group.rids)
         return SSEResponse(_chat_stream(group, req, f"chatcmpl-{rid}", model, tokenizer, plan, reasoning))

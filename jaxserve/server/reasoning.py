@@ -38,12 +38,17 @@ class ReasoningFormat:
     think_end: str
     starts_in_reasoning: bool
     tool_start: str | None = None
+    # SGLang's detector `reasoning_default`: "always" (every request reasons) or "enable_thinking" (unless
+    # chat_template_kwargs sets enable_thinking false); decides whether a grammar waits for think_end
+    reasoning_default: str = "always"
 
 
 _STARTS_INSIDE = ReasoningFormat("<think>", "</think>", starts_in_reasoning=True)  # DeepSeekR1Detector
 # Qwen3Detector: forced into reasoning (qwen3-thinking, minimax) or not; both end it at <tool_call>
-_QWEN3_STARTS_INSIDE = ReasoningFormat("<think>", "</think>", starts_in_reasoning=True, tool_start="<tool_call>")
-_MAY_OPEN = ReasoningFormat("<think>", "</think>", starts_in_reasoning=False, tool_start="<tool_call>")
+_QWEN3_STARTS_INSIDE = ReasoningFormat("<think>", "</think>", starts_in_reasoning=True, tool_start="<tool_call>",
+                                       reasoning_default="enable_thinking")
+_MAY_OPEN = ReasoningFormat("<think>", "</think>", starts_in_reasoning=False, tool_start="<tool_call>",
+                            reasoning_default="enable_thinking")
 
 # SGLang 0.5.23's names whose detector is DeepSeekR1Detector or Qwen3Detector (`ReasoningParser.DetectorMap`);
 # qwen3-thinking and minimax are Qwen3Detector with force_reasoning set, as SGLang sets it
@@ -73,6 +78,21 @@ def reasoning_format(name: str | None) -> ReasoningFormat | None:
     if fmt is None:
         raise ValueError(f"--reasoning-parser {name!r} is not one of: {', '.join(REASONING_PARSERS)}")
     return fmt
+
+
+def grammar_think_end_ids(fmt: ReasoningFormat | None, chat_template_kwargs: dict | None, tokenizer) -> tuple[int, ...]:
+    """The token ids after which a chat request's grammar applies; () for a grammar from the first token.
+
+    SGLang 0.5.23 wraps the grammar backend in `ReasonerGrammarBackend` under `--reasoning-parser` when
+    the parser's think_end_token encodes to ids, and defers the grammar of a request that reasons
+    (`require_reasoning`: `OpenAIServingChat._get_reasoning_from_request`, from the detector's
+    `reasoning_default` when the template gives no toggle) until those ids (constrained/reasoner.py).
+    """
+    if fmt is None:
+        return ()
+    if fmt.reasoning_default == "enable_thinking" and (chat_template_kwargs or {}).get("enable_thinking") is False:
+        return ()
+    return tuple(tokenizer.encode(fmt.think_end, add_special_tokens=False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,11 +46,11 @@ class FakeEngine:
         pass
 
     def add_request(self, ids, params: SamplingParams, *, rid, return_logprob, top_logprobs_num, logprob_start_len,
-                    token_ids_logprob=(), namespace=None):
+                    token_ids_logprob=(), namespace=None, think_end_ids=()):
         self.thread_ids.add(threading.get_ident())
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         for r in rids:
-            self.reqs[r] = {"prompt": len(ids), "out": [], "max": params.max_new_tokens}
+            self.reqs[r] = {"prompt": len(ids), "out": [], "max": params.max_new_tokens, "think_end_ids": tuple(think_end_ids)}
         return rids
 
     def _output(self, rid, new, finished, reason=None):

@@ -53,6 +53,7 @@ class ScriptedEngine(FakeEngine):
 
     def add_request(self, ids, params, **kwargs):
         rids = super().add_request(ids, params, **kwargs)
+        self.think_end_ids = tuple(kwargs.get("think_end_ids", ()))
         for r in rids:
             self.reqs[r]["max"] = min(self.reqs[r]["max"], len(self.pieces))
         return rids
@@ -202,27 +203,46 @@ def test_stream_reasoning_false_hands_the_reasoning_out_in_one_piece(text):
 @pytest.mark.parametrize("constraint", [{"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}},
                                         {"response_format": {"type": "json_object"}}])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_reply_under_a_grammar_is_not_read_as_reasoning(serve, constraint, stream):
-    """deepseek-r1 reads a reply without </think> as all reasoning; a grammar from the first token never
-    lets </think> through, so a forced call came back as content "", reasoning_content the call, no tool_calls."""
+def test_a_grammar_waits_for_the_reasoning_then_the_answer_is_split(serve, default_tokenizer, constraint, stream):
+    """SGLang's ReasonerGrammarBackend: under --reasoning-parser a request that reasons gets its grammar
+    after </think> (the engine is told the ids), so its reply splits into reasoning and the constrained answer."""
     reply = CALL if "tool_choice" in constraint else '{"x": 1}'
-    client, _ = serve([reply], reasoning_parser="deepseek-r1")
+    client, engine = serve(["weigh it", "</think>", reply], reasoning_parser="deepseek-r1")
     body = {"messages": MSG, "max_tokens": 8, "tools": F_TOOL, **constraint, "stream": stream}
     if not stream:
         message = client.post(CHAT, json=body).json()["choices"][0]["message"]
-        assert message["reasoning_content"] is None, message
+        assert message["reasoning_content"] == "weigh it", message
         if "tool_choice" in constraint:
             assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"], message
         else:
             assert message["content"] == reply, message
-        return
-    with client.stream("POST", CHAT, json=body) as r:
-        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines() if line.startswith("data: {")]
-    assert not any(d.get("reasoning_content") for d in deltas), deltas
-    if "tool_choice" in constraint:
-        assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or [] if c.get("function", {}).get("name")] == ["f"]
     else:
-        assert "".join(d.get("content") or "" for d in deltas) == reply
+        with client.stream("POST", CHAT, json=body) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == "weigh it", deltas
+        if "tool_choice" in constraint:
+            assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls") or [] if c.get("function", {}).get("name")] == ["f"]
+        else:
+            assert "".join(d.get("content") or "" for d in deltas) == reply
+    assert engine.think_end_ids == tuple(default_tokenizer.encode("</think>", add_special_tokens=False)) != ()
+
+
+@pytest.mark.parametrize("constraint", [{"tool_choice": "required"}, {"response_format": {"type": "json_object"}}])
+def test_a_grammar_of_a_request_that_does_not_reason_applies_from_the_start(serve, constraint):
+    """qwen3 with enable_thinking false (SGLang: require_reasoning false): the grammar from the first
+    token, and the reply is all answer."""
+    reply = CALL if "tool_choice" in constraint else '{"x": 1}'
+    client, engine = serve([reply], reasoning_parser="qwen3")
+    body = {"messages": MSG, "max_tokens": 8, "tools": F_TOOL, **constraint, "chat_template_kwargs": {"enable_thinking": False}}
+    message = client.post(CHAT, json=body).json()["choices"][0]["message"]
+    assert message["reasoning_content"] is None, message
+    if "tool_choice" in constraint:
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["f"], message
+    else:
+        assert message["content"] == reply, message
+    assert engine.think_end_ids == ()
+    plain = client.post(CHAT, json={"messages": MSG, "max_tokens": 8}).json()["choices"][0]["message"]
+    assert engine.think_end_ids == () and plain["content"] == reply  # no grammar: nothing to defer
 
 
 def test_stream_reasoning_false_over_http_and_the_implicit_close(serve):
