@@ -171,9 +171,11 @@ class _Sequence:
 
 
 def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str,
-            tokenize: Callable[[str | list[int]], list[int]], is_batch: bool = False) -> dict[str, _Sequence]:
+            tokenize: Callable[[str | list[int]], list[int]], is_batch: bool = False,
+            think_end_ids: tuple[int, ...] = ()) -> dict[str, _Sequence]:
     """Submit every prompt; returns what the response needs of each sequence, by rid. A bad prompt
-    of a batch is named with its index (`text[1]`), as a bad `sampling_params[1]` is."""
+    of a batch is named with its index (`text[1]`), as a bad `sampling_params[1]` is.
+    `think_end_ids`: a grammar applies after these tokens (`require_reasoning`)."""
     rename = {"prompt": field, "input_ids": field}
     sequences: dict[str, _Sequence] = {}
     num_submitted: list[int] = [0]  # prompts submitted: the next one is the bad one
@@ -181,7 +183,7 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], f
     try:
         with group.reserved(sum(_num_sequences(p.sampling_params) for p in prompts), field):
             is_reserved = True
-            _submit_each(group, req, prompts, tokenize, sequences, num_submitted)
+            _submit_each(group, req, prompts, tokenize, sequences, num_submitted, think_end_ids)
     except (SamplingParamsError, RequestError) as e:
         group.abort()  # the prompts of the batch submitted before the bad one
         err = from_engine_error(e, rename)
@@ -205,7 +207,7 @@ def _num_sequences(sampling_params: dict[str, Any]) -> int:
 
 def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt],
                  tokenize: Callable[[str | list[int]], list[int]], sequences: dict[str, _Sequence],
-                 num_submitted: list[int]) -> None:
+                 num_submitted: list[int], think_end_ids: tuple[int, ...] = ()) -> None:
     """Submit the prompts in order into the group's reservation, recording each sequence in `sequences`
     and counting the prompts in `num_submitted[0]`."""
     for p in prompts:
@@ -218,6 +220,7 @@ def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[_Promp
             prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
             top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,
             token_ids_logprob=p.token_ids_logprob, namespace=p.namespace,
+            **({"think_end_ids": think_end_ids} if think_end_ids else {}),
         )
         keys = LogprobKeys(p.top_logprobs_num > 0, bool(p.token_ids_logprob))
         seq = _Sequence(p.sampling_params.get("stream_interval") or 1,
@@ -292,7 +295,12 @@ async def generate(request: Request) -> Response:
     req = _parse(parse_json_body(await request.body()), skip_tokenizer)
     prompts, is_batch, field = _expand(req)
     group = RequestGroup(engine_loop)
-    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.tokenize, is_batch))
+    # SGLang's ReasonerGrammarBackend: with --reasoning-parser a reasoning request's grammar waits for </think>
+    fmt = request.app.state.reasoning_format
+    think_end_ids = () if not req.require_reasoning or fmt is None or skip_tokenizer else \
+        tuple(engine_loop.tokenizer.encode(fmt.think_end, add_special_tokens=False))
+    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.tokenize, is_batch,
+                                                          think_end_ids))
     if not req.log_metrics:
         mark_unlogged(request, group.rids)
     tokenizer = engine_loop.tokenizer

@@ -56,6 +56,8 @@ class GenerateRequest(_Request):
     cache_salt: str | list[str] | None = None
     return_prompt_token_ids: bool = False
     log_metrics: bool = True
+    # SGLang's: the reply reasons first, so under --reasoning-parser a grammar applies after </think>
+    require_reasoning: bool = False
     extra_key: str | list[str] | None = None
     rid: str | list[str] | None = None
 

@@ -120,7 +120,7 @@ REQUEST_FIELDS: tuple[Field, ...] = (
     _meta("conversation_id", (str,), "a tracking label"),
     _neutral("http_worker_ipc", "SGLang-internal (multi-tokenizer mode)"),
     _neutral("background", "no background responses"),
-    _neutral("require_reasoning", "no hybrid reasoning models"),
+    _impl("require_reasoning", "with --reasoning-parser, a grammar applies only after the reasoning's end (</think>)"),
     _neutral("max_thinking_tokens", "no hybrid reasoning models"),
     _meta("priority", (int,), "no priority scheduling (as SGLang without --enable-priority-scheduling)"),
     _impl("extra_key", "a prefix-cache namespace, as cache_salt (one value, or one per prompt)"),

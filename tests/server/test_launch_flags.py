@@ -368,3 +368,18 @@ def test_start_up_argument_errors_come_before_the_port_binds(tmp_path):
             assert "cannot listen" not in out + err and "loading" not in out + err, (argv, out, err)
     finally:
         taken.close()
+
+
+def test_generate_require_reasoning_defers_the_grammar_under_a_reasoning_parser(serve, default_tokenizer):
+    """SGLang's /generate field: with --reasoning-parser the engine gets </think>'s ids; without the
+    field, or without the flag, the grammar applies from the first token."""
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "regex": "[0-9]+"}}
+    client, engine = serve(["1", "2"], reasoning_parser="qwen3")
+    assert client.post("/generate", json={**body, "require_reasoning": True}).status_code == 200
+    assert engine.think_end_ids == tuple(default_tokenizer.encode("</think>", add_special_tokens=False)) != ()
+    client.post("/generate", json=body)
+    assert engine.think_end_ids == ()
+    client, engine = serve(["1", "2"])
+    assert client.post("/generate", json={**body, "require_reasoning": True}).status_code == 200
+    assert engine.think_end_ids == ()
+    assert client.post("/generate", json={**body, "require_reasoning": "yes"}).status_code == 400
