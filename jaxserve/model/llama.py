@@ -40,7 +40,7 @@ from jaxtyping import Array, Float, Int32
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch
-from jaxserve.model.quant import blocked_shape, int8_matmul
+from jaxserve.model.quant import ACT_BLOCKS, blocked_shape, int8_matmul
 from jaxserve.pallas.reference import write_kv
 
 Params = dict[str, Any]  # the nested dict of arrays (nnx.to_pure_dict's form)
@@ -52,13 +52,13 @@ def _param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, init=jnp.zeros)
     return nnx.Param(init(shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
-def _projection(config: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...], dtype):
+def _projection(config: ModelConfig, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype):
     """A projection weight [..., out, in] and its scale (None unless `config.quantization`: then the
-    weight is int8 in `quant.blocked_shape`'s block-major layout and the scale float32 per flattened
+    weight is int8 in `quant.blocked_shape`'s block-major layout (blocks `quant.ACT_BLOCKS[name]`) and the scale float32 per flattened
     row; both replicated, unsharded axes: jaxserve refuses tensor parallelism with quantization)."""
     if config.quantization is None:
         return _param(shape, axes, dtype), None
-    nb, out, block = blocked_shape(shape)
+    nb, out, block = blocked_shape(shape, ACT_BLOCKS[name])
     return _param((nb, out, block), (None, None, None), jnp.int8), _param((out,), (None,), jnp.float32)
 
 
@@ -154,11 +154,11 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         e, d, nkv, g = config.hidden_size, config.head_dim, config.num_kv_heads, config.group_size
         self.config = config
-        self.wqkv, self.wqkv_scale = _projection(config, (nkv, (g + 2) * d, e), ("kv_heads", "qkv", "embed"), dtype)
+        self.wqkv, self.wqkv_scale = _projection(config, "wqkv", (nkv, (g + 2) * d, e), ("kv_heads", "qkv", "embed"), dtype)
         self.bqkv = _param((nkv, (g + 2) * d), ("kv_heads", "qkv"), dtype) if config.attention_bias else None
         self.q_norm = _param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
         self.k_norm = _param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
-        self.wo, self.wo_scale = _projection(config, (e, config.num_heads * d), ("embed", "q_heads"), dtype)
+        self.wo, self.wo_scale = _projection(config, "wo", (e, config.num_heads * d), ("embed", "q_heads"), dtype)
 
     def __call__(
         self,
@@ -208,8 +208,8 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         e, i = config.hidden_size, config.intermediate_size
-        self.w_gate_up, self.w_gate_up_scale = _projection(config, (2, i, e), ("gate_up", "mlp", "embed"), dtype)
-        self.w_down, self.w_down_scale = _projection(config, (e, i), ("embed", "mlp"), dtype)
+        self.w_gate_up, self.w_gate_up_scale = _projection(config, "w_gate_up", (2, i, e), ("gate_up", "mlp", "embed"), dtype)
+        self.w_down, self.w_down_scale = _projection(config, "w_down", (e, i), ("embed", "mlp"), dtype)
 
     def __call__(self, x: Float[Array, "E T"]) -> Float[Array, "E T"]:
         if self.w_gate_up_scale is None:
@@ -270,7 +270,7 @@ class Llama(nnx.Module):
         )
         # quantized: the head (untied, or a copy of the tied embedding) in int8 with a scale per vocab row
         self.head_q, self.head_scale = (
-            _projection(config, (config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
+            _projection(config, "head", (config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
             if config.quantization is not None else (None, None)
         )
 

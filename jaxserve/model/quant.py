@@ -33,27 +33,32 @@ from jaxtyping import Array, Float, Int8
 QUANTIZATIONS = ("w8a8_int8",)
 INT8_MAX = 127.0
 ACT_BLOCK = 64  # input features per activation scale (a block that does not divide `in`: one per token)
+# per projection: blocks of ACT_BLOCK, or None for one activation scale per token (a single dot, no
+# per-block partial sums to rescale: cheaper from ~16 tokens on, where its inputs quantize well enough)
+ACT_BLOCKS: dict[str, int | None] = {"wqkv": None, "wo": ACT_BLOCK, "w_gate_up": None, "w_down": ACT_BLOCK, "head": None}
 # params dict paths of the quantized layer projections; each gets a float32 "<name>_scale" beside it
 LAYER_PROJECTIONS = (("attention", "wqkv"), ("attention", "wo"), ("mlp", "w_gate_up"), ("mlp", "w_down"))
 
 
-def act_block(in_features: int) -> int:
-    """Input features per activation scale for a projection of `in_features` inputs."""
-    return ACT_BLOCK if in_features % ACT_BLOCK == 0 else in_features
+def act_block(in_features: int, block: int | None = ACT_BLOCK) -> int:
+    """Input features per activation scale for a projection of `in_features` inputs: `block` where it
+    divides them, else all of them (one scale per token)."""
+    return block if block and in_features % block == 0 else in_features
 
 
-def blocked_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """The stored int8 shape of a float projection [..., out, in]: [in / block, prod(...) out, block]."""
+def blocked_shape(shape: tuple[int, ...], block: int | None = ACT_BLOCK) -> tuple[int, int, int]:
+    """The stored int8 shape of a float projection [..., out, in]: [in / B, prod(...) out, B] with
+    B = `act_block(in, block)`."""
     out = 1
     for n in shape[:-1]:
         out *= n
-    block = act_block(shape[-1])
+    block = act_block(shape[-1], block)
     return shape[-1] // block, out, block
 
 
-def quantize_rows(w: Float[Array, "... I"]) -> tuple[Int8[Array, "nb O B"], Float[Array, " O"]]:
+def quantize_rows(w: Float[Array, "... I"], block: int | None = ACT_BLOCK) -> tuple[Int8[Array, "nb O B"], Float[Array, " O"]]:
     """Symmetric int8 per row of W [..., O', I] (rows flattened to O): (q, scale) in the stored layout,
-    q [I / B, O, B] block-major (B = `act_block(I)`), with W[o, b B + j] ~ q[b, o, j] * scale[o].
+    q [I / B, O, B] block-major (B = `act_block(I, block)`), with W[o, b B + j] ~ q[b, o, j] * scale[o].
 
     scale = max |w| / 127 over the row (1 for an all-zero row); q = round(w / scale), in [-127, 127].
     """
@@ -62,7 +67,7 @@ def quantize_rows(w: Float[Array, "... I"]) -> tuple[Int8[Array, "nb O B"], Floa
     amax = jnp.max(jnp.abs(w), axis=-1)
     scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0).astype(jnp.float32)
     q = jnp.clip(jnp.round(w / scale[:, None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-    nb, out, block = blocked_shape(w.shape)
+    nb, out, block = blocked_shape(w.shape, block)
     return q.reshape(out, nb, block).transpose(1, 0, 2), scale
 
 
@@ -105,13 +110,13 @@ def quantize_params(config, params: dict[str, Any], quantization: str | None) ->
         return config, params
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)} or leave it out")
-    quantize = jax.jit(quantize_rows)
-    stacked_quantize = jax.jit(jax.vmap(quantize_rows))
+    quantize = jax.jit(quantize_rows, static_argnums=1)
+    stacked_quantize = jax.jit(jax.vmap(quantize_rows, in_axes=(0, None)), static_argnums=1)
 
     def layer(p: dict[str, Any], fn) -> dict[str, Any]:
         p = {k: dict(v) if isinstance(v, dict) else v for k, v in p.items()}
         for group, name in LAYER_PROJECTIONS:
-            p[group][name], p[group][name + "_scale"] = fn(p[group][name])
+            p[group][name], p[group][name + "_scale"] = fn(p[group][name], ACT_BLOCKS[name])
         return p
 
     layers = params["layers"]
@@ -119,5 +124,5 @@ def quantize_params(config, params: dict[str, Any], quantization: str | None) ->
     out = {k: v for k, v in params.items() if k not in ("layers", "lm_head")}
     out["layers"] = layer(layers, stacked_quantize) if stacked else {i: layer(p, quantize) for i, p in layers.items()}
     head = params.get("lm_head")
-    out["head_q"], out["head_scale"] = quantize(params["embed"] if head is None else head)
+    out["head_q"], out["head_scale"] = quantize(params["embed"] if head is None else head, ACT_BLOCKS["head"])
     return dataclasses.replace(config, quantization=quantization), out
