@@ -218,7 +218,7 @@ class ServerArgs:
     api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' (scheme in any case) on every request except paths starting /health, /ready or /metrics, as SGLang (default: no key needed)", group="http")
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"), group="model")
-    quantization: str | None = _flag(None, "w8a8_int8: int8 projection weights (a scale per row) and int8 activations (a scale per token and 64 features), quantized at load from the float weights; the embedding, norms, attention and KV pool stay in --dtype; not with --tp-size > 1 (default: none, weights in --dtype)",
+    quantization: str | None = _flag(None, "w8a8_int8: int8 projection weights (a scale per row) and int8 activations (a scale per token; per token and 64 features into the output and down projections), quantized at load from the float weights; the embedding, norms, attention and KV pool stay in --dtype; not with --tp-size > 1 (default: none, weights in --dtype)",
                                      choices=("w8a8_int8",), group="model")
     context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)", group="model")
     mem_fraction_static: float | None = _flag(None, "share of device memory for weights + KV pool on GPU/TPU; on CPU, the share of the RAM still available once the weights are loaded that goes to the KV pool (default: 0.85 on GPU/TPU; on CPU the KV pool gets min(1.5 GiB, a tenth of that RAM))", group="memory")

@@ -8,8 +8,10 @@ int32 (exact), and the blocks are rescaled to float32 and summed:
     y[o, t] = s_w[o] * sum_b s_x[b, t] * (sum_{i in b} q_w[o, i] q_x[i, t])
 
 SGLang's W8A8Int8 takes one activation scale per token; on the default model that costs 13.7% relative
-L2 error in the logits (outlier features), blocks of 64 (llama.cpp's Q8 activations use 32) 2.4%, the
-int8 weights alone 1.2% (docs/benchmarks.md, issue 20's seventh pass). Applied at load time to any
+L2 error in the logits (outlier features), blocks of 64 everywhere (llama.cpp's Q8 activations use 32)
+2.4%, the int8 weights alone 1.2%; but the blocks' partial sums made a 16-token verification 40%
+slower, so only the output and down projections (the worst inputs) use blocks and the rest one scale
+per token (`ACT_BLOCKS`): 2.1-3.9% (docs/benchmarks.md, issue 20's seventh pass). Applied at load time to any
 checkpoint (GGUF is dequantized, safetensors read in float, then quantized). Embedding lookups, norms,
 RoPE, attention and the KV pool stay in the model's dtype.
 
