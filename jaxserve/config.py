@@ -55,6 +55,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # None: projections in the params' float dtype; "w8a8_int8": int8 weights with per-row scales and
+    # per-token int8 activations (jaxserve.model.quant, set by `quant.quantize_params` after loading)
+    quantization: str | None = None
 
     @property
     def group_size(self) -> int:
@@ -215,6 +218,8 @@ class ServerArgs:
     api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' (scheme in any case) on every request except paths starting /health, /ready or /metrics, as SGLang (default: no key needed)", group="http")
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"), group="model")
+    quantization: str | None = _flag(None, "w8a8_int8: int8 projection weights (a scale per row) and int8 activations (a scale per token; per token and 64 features into the output and down projections), quantized at load from the float weights; the embedding, norms, attention and KV pool stay in --dtype; not with --tp-size > 1 (default: none, weights in --dtype)",
+                                     choices=("w8a8_int8",), group="model")
     context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)", group="model")
     mem_fraction_static: float | None = _flag(None, "share of device memory for weights + KV pool on GPU/TPU; on CPU, the share of the RAM still available once the weights are loaded that goes to the KV pool (default: 0.85 on GPU/TPU; on CPU the KV pool gets min(1.5 GiB, a tenth of that RAM))", group="memory")
     max_total_tokens: int | None = _flag(None, "KV pool size in tokens; overrides --mem-fraction-static; a new size compiles the shape buckets once (default: sized from memory, see --mem-fraction-static)", group="memory")
@@ -422,6 +427,9 @@ class ServerArgs:
             raise ValueError(f"--served-model-name must not be empty, got {self.served_model_name!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.quantization is not None and self.tp_size > 1:
+            raise ValueError(f"--quantization {self.quantization} runs on one device: give --tp-size 1 or leave "
+                             "--quantization out")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:

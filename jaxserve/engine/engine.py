@@ -44,6 +44,7 @@ from jaxserve.engine.speculative.verify_step import verify_step
 from jaxserve.engine.stats_log import prefill_line, prefill_stats
 from jaxserve.model import llama
 from jaxserve.model.loader import load_model, replicate_kv_heads
+from jaxserve.model.quant import quantize_params
 from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
 from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path
 from jaxserve.pallas import get_attention_backend
@@ -81,6 +82,7 @@ class Engine:
         plan = plan_tensor_parallel(self.model_config, args.tp_size, model_name)
         self.mesh = make_mesh(args.tp_size)
         self.model_config, params = replicate_kv_heads(self.model_config, params, plan.kv_replicas)
+        self.model_config, params = quantize_params(self.model_config, params, args.quantization)
         cfg = self.model_config
         self.context_length = resolve_context_length(args.context_length, cfg.max_position_embeddings, MAX_DEFAULT_CONTEXT,
                                                      refuse_longer=False)  # serve.py refused it already

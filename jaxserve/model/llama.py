@@ -40,6 +40,7 @@ from jaxtyping import Array, Float, Int32
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch
+from jaxserve.model.quant import ACT_BLOCKS, blocked_shape, int8_matmul
 from jaxserve.pallas.reference import write_kv
 
 Params = dict[str, Any]  # the nested dict of arrays (nnx.to_pure_dict's form)
@@ -49,6 +50,23 @@ AttentionFn = Callable[..., jax.Array]
 def _param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, init=jnp.zeros) -> nnx.Param:
     # eager_sharding off: the mesh is applied by jaxserve.parallel after loading, not at construction
     return nnx.Param(init(shape, dtype), out_sharding=axes, eager_sharding=False)
+
+
+def _projection(config: ModelConfig, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype):
+    """A projection weight [..., out, in] and its scale (None unless `config.quantization`: then the
+    weight is int8 in `quant.blocked_shape`'s block-major layout (blocks `quant.ACT_BLOCKS[name]`) and the scale float32 per flattened
+    row; both replicated, unsharded axes: jaxserve refuses tensor parallelism with quantization)."""
+    if config.quantization is None:
+        return _param(shape, axes, dtype), None
+    nb, out, block = blocked_shape(shape, ACT_BLOCKS[name])
+    return _param((nb, out, block), (None, None, None), jnp.int8), _param((out,), (None,), jnp.float32)
+
+
+def _matmul(w: nnx.Param, scale: nnx.Param | None, x: Float[Array, "I T"]) -> Float[Array, "O T"]:
+    """W @ x with W [O, I]: the float product, or `int8_matmul` over the quantized layout."""
+    if scale is None:
+        return w[...] @ x
+    return int8_matmul(w[...], scale[...], x)
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -136,11 +154,11 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         e, d, nkv, g = config.hidden_size, config.head_dim, config.num_kv_heads, config.group_size
         self.config = config
-        self.wqkv = _param((nkv, (g + 2) * d, e), ("kv_heads", "qkv", "embed"), dtype)
+        self.wqkv, self.wqkv_scale = _projection(config, "wqkv", (nkv, (g + 2) * d, e), ("kv_heads", "qkv", "embed"), dtype)
         self.bqkv = _param((nkv, (g + 2) * d), ("kv_heads", "qkv"), dtype) if config.attention_bias else None
         self.q_norm = _param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
         self.k_norm = _param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
-        self.wo = _param((e, config.num_heads * d), ("embed", "q_heads"), dtype)
+        self.wo, self.wo_scale = _projection(config, "wo", (e, config.num_heads * d), ("embed", "q_heads"), dtype)
 
     def __call__(
         self,
@@ -155,10 +173,13 @@ class Attention(nnx.Module):
     ) -> tuple[Float[Array, "E T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
         cfg = self.config
         num_tokens, d, nkv, g = x.shape[1], cfg.head_dim, cfg.num_kv_heads, cfg.group_size
-        wqkv = self.wqkv[...]
         # a 2-D matmul on the flattened rows (a split kv-head axis stays a split of the rows): the
         # einsum over the 3-D weight ran the 512-token prefill ~25% slower on XLA:CPU
-        qkv = wqkv.reshape(-1, wqkv.shape[-1]) @ x  # [KVH (G + 2) D, T]
+        if self.wqkv_scale is None:
+            wqkv = self.wqkv[...]
+            qkv = wqkv.reshape(-1, wqkv.shape[-1]) @ x  # [KVH (G + 2) D, T]
+        else:
+            qkv = _matmul(self.wqkv, self.wqkv_scale, x)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv[...].reshape(-1)[:, None]
         # the barrier keeps the dot W @ x: without it XLA:CPU folds the transpose below into the dot,
@@ -179,7 +200,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         o, k_pool, v_pool = attn_fn(q, k, v, k_pool, v_pool, layer, batch.slot_mapping, batch.attn, 1.0 / math.sqrt(d))
-        return self.wo[...] @ o.reshape(num_tokens, nkv * g * d).T, k_pool, v_pool
+        return _matmul(self.wo, self.wo_scale, o.reshape(num_tokens, nkv * g * d).T), k_pool, v_pool
 
 
 class MLP(nnx.Module):
@@ -187,12 +208,15 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         e, i = config.hidden_size, config.intermediate_size
-        self.w_gate_up = _param((2, i, e), ("gate_up", "mlp", "embed"), dtype)
-        self.w_down = _param((e, i), ("embed", "mlp"), dtype)
+        self.w_gate_up, self.w_gate_up_scale = _projection(config, "w_gate_up", (2, i, e), ("gate_up", "mlp", "embed"), dtype)
+        self.w_down, self.w_down_scale = _projection(config, "w_down", (e, i), ("embed", "mlp"), dtype)
 
     def __call__(self, x: Float[Array, "E T"]) -> Float[Array, "E T"]:
-        gate_up = jnp.einsum("gie,et->git", self.w_gate_up[...], x)  # [2, I, T]
-        return self.w_down[...] @ (jax.nn.silu(gate_up[0]) * gate_up[1])
+        if self.w_gate_up_scale is None:
+            gate_up = jnp.einsum("gie,et->git", self.w_gate_up[...], x)  # [2, I, T]
+        else:
+            gate_up = _matmul(self.w_gate_up, self.w_gate_up_scale, x).reshape(2, -1, x.shape[1])
+        return _matmul(self.w_down, self.w_down_scale, jax.nn.silu(gate_up[0]) * gate_up[1])
 
 
 class DecoderLayer(nnx.Module):
@@ -241,8 +265,13 @@ class Llama(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, dtype) for _ in range(config.num_layers)])
         self.final_norm = _param((config.hidden_size,), ("embed",), dtype, jnp.ones)
         self.lm_head = (
-            None if config.tie_word_embeddings
+            None if config.tie_word_embeddings or config.quantization is not None
             else _param((config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
+        )
+        # quantized: the head (untied, or a copy of the tied embedding) in int8 with a scale per vocab row
+        self.head_q, self.head_scale = (
+            _projection(config, "head", (config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
+            if config.quantization is not None else (None, None)
         )
 
     def embed_tokens(
@@ -262,7 +291,10 @@ class Llama(nnx.Module):
 
     def logits(self, hidden: Float[Array, "N E"], layout: str = DEFAULT_LOGITS_LAYOUT) -> Float[Array, "N V"]:
         """Output projection in float32 (tied to the embedding when `lm_head` is None); `layout` is one
-        of `LOGITS_LAYOUTS`."""
+        of `LOGITS_LAYOUTS`. Quantized (`head_q`): `int8_matmul` as [V, N], then transposed (`layout`
+        is not used)."""
+        if self.head_q is not None:
+            return jax.lax.optimization_barrier(_matmul(self.head_q, self.head_scale, hidden.T)).T
         head = self.embed[...] if self.lm_head is None else self.lm_head[...]
         return LOGITS_LAYOUTS[layout](hidden, head)
 
