@@ -350,9 +350,17 @@ _GRAMMAR_BUILDERS: dict[str, Callable[[str, dict[str, Any]], str]] = {
 _KIND_NAMES = {"regex": "regex", "json_schema": "JSON schema", "ebnf": "EBNF grammar", "choices": "choices"}
 
 
+# llguidance's stop reasons that reach a user as an error, said in words
+_STOP_REASONS = {
+    # no token, not even the end of the text, is allowed at the start (`root ::= root`, `[^\x00-\x{10FFFF}]`)
+    "NoExtensionBias": "the grammar matches no string",
+}
+
+
 def _short_error(message: str) -> str:
     # Verbose llguidance errors append the parser state and the whole grammar; keep the reason.
     message = message.split("\n<state>", 1)[0].strip()
+    message = _STOP_REASONS.get(message, message)
     return message if len(message) <= _MAX_ERROR_CHARS else message[:_MAX_ERROR_CHARS] + " ..."
 
 

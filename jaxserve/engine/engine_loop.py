@@ -106,6 +106,8 @@ class EngineLoad:
     kv_used_tokens: int = 0
     kv_cached_tokens: int = 0
     kv_locked_tokens: int = 0
+    num_waiting_tokens: int = 0  # the waiting queue's tokens (prompt + output so far each, SGLang's seqlen)
+    num_chunked_rest_tokens: int = 0  # tokens the partly prefilled (chunked) request has still to prefill
     num_step_failures: int = 0
     last_step_time: float | None = None  # time.time() of the last step that ran a batch
     num_rejected_queue_full: int = 0  # submits refused because the waiting queue was full
@@ -113,6 +115,11 @@ class EngineLoad:
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
     snapshot: Any = None  # the engine's own `EngineSnapshot` (for /metrics), where it has one
     radix_cache: Any = None  # the release policy's `RadixCacheStats`: at most 1 s old while busy, fresh when idle
+
+
+def _chunked_rest(req) -> int:
+    """Tokens of a partly prefilled request not yet in the KV pool (0 for None)."""
+    return 0 if req is None else max(0, req.fill_len - req.kv_len)
 
 
 @dataclasses.dataclass
@@ -581,6 +588,8 @@ class EngineLoop:
             kv_used_tokens=engine.cache.used_tokens(),
             kv_cached_tokens=engine.tree.total_size(),
             kv_locked_tokens=engine.tree.protected_size(),
+            num_waiting_tokens=sum(r.fill_len for r in engine.scheduler.waiting),
+            num_chunked_rest_tokens=_chunked_rest(getattr(engine.scheduler, "chunked_req", None)),
             num_step_failures=self._num_step_failures,
             last_step_time=self._last_step_time,
             num_rejected_queue_full=self._admission.num_rejected,

@@ -16,6 +16,13 @@ from jaxserve.constrained import GrammarSpec
 from jaxserve.engine.field_types import SAMPLING_FIELD_TYPES, first_type_error
 
 _INT_MAX = 2**31 - 1
+# the valid range of an integer field, said when a value is past int32 (the other checks below agree)
+_INT_RANGES = {
+    "max_new_tokens": f"between 0 and {_INT_MAX}",
+    "min_new_tokens": f"between 0 and {_INT_MAX}",
+    "top_k": f"-1 (disabled) or between 1 and {_INT_MAX}",
+    "stream_interval": f"between 1 and {_INT_MAX}",
+}
 # OpenAI's limits for logit_bias: at most 300 token ids, each biased by a value in [-100, 100].
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
@@ -111,8 +118,8 @@ class SamplingParams:
         if (problem := first_type_error(values)) is not None:
             raise SamplingParamsError(*problem)
         for name, value in values.items():
-            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT_MAX and name != "seed":
-                raise SamplingParamsError(name, f"must be between -{_INT_MAX} and {_INT_MAX}, got {value}")
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT_MAX and name not in ("seed", "n"):
+                raise SamplingParamsError(name, f"must be {_INT_RANGES.get(name, f'between -{_INT_MAX} and {_INT_MAX}')}, got {value}")
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise SamplingParamsError(name, f"must be a finite number, got {getattr(self, name)}")

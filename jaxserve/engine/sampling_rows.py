@@ -66,12 +66,16 @@ def sampling_rows(rows: Sequence[tuple[Req, Sequence[int]]], bitmask: np.ndarray
 
 
 def sampler_warmup_variants(num_seqs_buckets: Iterable[int], vocab_size: int):
-    """The (SamplingBatch, flags) pairs `ModelRunner.precompile` warms the sampler with: greedy and
-    temperature 1 at every compiled batch size (numpy, as `Engine.step` passes them)."""
+    """The (SamplingBatch, flags) pairs `ModelRunner.precompile` warms the sampler with, at every
+    compiled batch size (numpy, as `Engine.step` passes them): greedy, temperature, and temperature
+    with top_k, top_p and both (each filter is its own program; min_p needs none). The filters are
+    what OpenAI clients send most; on CPU each compiles in 0.5-0.9 s alone
+    (docs/bench/fix8_sampler_variants.txt) and took 2.6-4.1 s per batch size on first use beside
+    serving steps. Logprobs, grammar bitmasks, penalties and logit_bias still compile on first use
+    (README.md, "first-use variants")."""
+    filters = ({}, {"top_k": 20}, {"top_p": 0.9}, {"top_k": 20, "top_p": 0.9})
     variants = []
     for s in sorted(set(num_seqs_buckets)):
-        for temp in (0.0, 1.0):
-            variants.append(sampler_lib.build_sampling_batch(
-                [SamplingParams(temperature=temp)], [0], [0], None, None, s, vocab_size
-            ))
+        for params in [SamplingParams(temperature=0.0)] + [SamplingParams(temperature=1.0, **f) for f in filters]:
+            variants.append(sampler_lib.build_sampling_batch([params], [0], [0], None, None, s, vocab_size))
     return variants

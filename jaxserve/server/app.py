@@ -241,16 +241,19 @@ def internal_state(load: EngineLoad, speculative_algorithm: str | None) -> dict[
 
 
 async def get_load(request: Request) -> Response:
-    """SGLang's `/get_load` shape: one entry per data-parallel rank of this server (jaxserve has one).
-    num_reqs counts running and waiting requests; num_tokens is the KV pool's used tokens, of which
-    num_pending_tokens are held by requests (not only by the prefix cache)."""
+    """SGLang's `/get_load` shape: one entry per data-parallel rank of this server (jaxserve has one),
+    with SGLang 0.5.23's meanings (scheduler_components/load_inquirer.py `get_loads`): num_reqs counts
+    running and waiting requests; num_tokens is the KV tokens requests hold (capacity - free -
+    evictable, so a warm prefix cache is no load) plus the waiting queue's tokens; num_pending_tokens
+    the tokens still to prefill (the waiting queue's and the chunked request's rest)."""
     load = request.app.state.engine_loop.load()
+    held = load.kv_used_tokens - (load.kv_cached_tokens - load.kv_locked_tokens)  # SGLang's num_used_tokens
     return JSONResponse([{
         "dp_rank": 0,
         "num_reqs": load.num_running_reqs + load.num_waiting_reqs,
         "num_waiting_reqs": load.num_waiting_reqs,
-        "num_tokens": load.kv_used_tokens,
-        "num_pending_tokens": load.kv_used_tokens - (load.kv_cached_tokens - load.kv_locked_tokens),
+        "num_tokens": max(0, held) + load.num_waiting_tokens,
+        "num_pending_tokens": load.num_waiting_tokens + load.num_chunked_rest_tokens,
         "ts_tic": time.perf_counter(),
     }])
 

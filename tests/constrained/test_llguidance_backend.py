@@ -365,6 +365,9 @@ def test_fill_bitmask_batch_fills_only_its_rows(backend, tokenizer):
         (GrammarSpec.ebnf("start: foo bar"), r"invalid EBNF grammar.*unknown name"),
         (GrammarSpec.ebnf('root ::= "a" ('), r"invalid EBNF grammar"),
         (GrammarSpec.ebnf("   "), r"invalid EBNF grammar: empty"),
+        # llguidance stops with NoExtensionBias: no token (nor the end) may come first
+        (GrammarSpec.ebnf("root ::= root"), r"^invalid EBNF grammar: the grammar matches no string$"),
+        (GrammarSpec.regex("[^\\x00-\\x{10FFFF}]"), r"^invalid regex: the grammar matches no string$"),
         (GrammarSpec.from_choices([]), r"invalid choices: the list is empty"),
         (GrammarSpec("choices", '["a", 1]'), r"invalid choices: expected a JSON list of strings"),
     ],

@@ -69,6 +69,11 @@ def test_no_compile_after_warmup(tiny_model_dir):
     rng = np.random.default_rng(1)
     prompts = [list(map(int, rng.integers(3, 40000, size=int(rng.integers(1, 200))))) for _ in range(50)]
     params = [{"max_new_tokens": int(rng.integers(1, 20)), "temperature": float(rng.choice([0.0, 0.8]))} for _ in prompts]
+    # the sampling filters are warmed too (a first top_k/top_p request waited 2-6 s per batch size)
+    filters = [{}, {"top_k": 20}, {"top_p": 0.9}, {"top_k": 5, "top_p": 0.5, "min_p": 0.05}, {"min_p": 0.1}]
+    for i, p in enumerate(params):
+        if p["temperature"] > 0:
+            p.update(filters[i % len(filters)])
     eng.generate(prompts, params)
     assert eng.runner.num_compiles_after_warmup == 0
 

@@ -121,6 +121,17 @@ BAD_INPUTS = [
     (CHAT, {"messages": MSG, "chat_template_kwargs": 5}, "chat_template_kwargs", "dictionary"),
     (CHAT, {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
      "cannot be set"),
+    # a grammar that matches no string was a 400 saying llguidance's stop reason (NoExtensionBias)
+    ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= root"}}, "sampling_params.ebnf",
+     "invalid EBNF grammar: the grammar matches no string"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "regex": "[^\\x00-\\x{10FFFF}]"}, "regex",
+     "invalid regex: the grammar matches no string"),
+    # "a assistant"; a range from -2147483647 for a field that must not be negative
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, "messages[1].content",
+     "field required for an assistant message"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10**23}}, "sampling_params.max_new_tokens",
+     "must be between 0 and 2147483647, got 1" + "0" * 23),
+    (CHAT, {"messages": MSG, "n": 2**31}, "n", "must be in [1, "),
 ]
 
 

@@ -49,7 +49,14 @@ def test_openai_names_share_the_native_types():
 
 def test_right_types_pass_and_keep_their_range_checks():
     SamplingParams.from_dict({"seed": -1, "stop": "x", "stop_token_ids": [2], "top_p": 1, "stream_interval": 2})
-    with pytest.raises(SamplingParamsError, match=r"^top_k: must be between -2147483647 and 2147483647, got 2147483648$"):
+    with pytest.raises(SamplingParamsError, match=r"^top_k: must be -1 \(disabled\) or between 1 and 2147483647, got 2147483648$"):
         SamplingParams.from_dict({"top_k": 2**31})
+    # negatives are invalid, so the range said must not start at -2147483647
+    with pytest.raises(SamplingParamsError, match=r"^max_new_tokens: must be between 0 and 2147483647, got 10{23}$"):
+        SamplingParams.from_dict({"max_new_tokens": 10**23})
+    with pytest.raises(SamplingParamsError, match=r"^min_new_tokens: must be between 0 and 2147483647, got -10{12}$"):
+        SamplingParams.from_dict({"min_new_tokens": -10**12})
+    with pytest.raises(SamplingParamsError, match=r"^stream_interval: must be between 1 and 2147483647, got 2147483648$"):
+        SamplingParams.from_dict({"stream_interval": 2**31})
     with pytest.raises(SamplingParamsError, match=r"^temperature: must be a finite number, got inf$"):
         SamplingParams.from_dict({"temperature": float("inf")})
