@@ -60,13 +60,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(flags: list[str], port: int, log_path: Path) -> subprocess.Popen:
+def start_server(flags: list[str], port: int, log_path: Path, pythonpath: str | None = None) -> subprocess.Popen:
+    """`scripts/serve.py` on `port` with `flags`, once healthy; `pythonpath`: the server's PYTHONPATH (the
+    jaxserve it imports: another checkout's code), else this process's environment."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "serve.py"), "--port", str(port), *flags],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPATH": pythonpath} if pythonpath else {})}
+    proc = subprocess.Popen([sys.executable, str(HERE / "serve.py"), "--port", str(port), *flags],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     return wait_healthy(proc, port, log_path, timeout_s=900, what="server")
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    """The process's peak resident set (VmHWM, MiB), None where /proc does not say."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout_s: float, what: str) -> subprocess.Popen:
@@ -111,9 +123,11 @@ def request_tpots_ms(record: dict) -> list[float]:
 
 
 def run_variant(name: str, flags: list[str], workloads: list[str], seed: int, log_dir: Path,
-                backend: str = "jaxserve") -> list[dict]:
-    port = free_port()
-    proc = start_server(flags, port, log_dir / f"server_{name}.log")
+                backend: str = "jaxserve", port: int | None = None, pythonpath: str | None = None) -> list[dict]:
+    port = port or free_port()
+    started = time.monotonic()
+    proc = start_server(flags, port, log_dir / f"server_{name}.log", pythonpath)
+    startup_s = time.monotonic() - started
     rows = []
     try:
         for w in workloads:
@@ -131,7 +145,11 @@ def run_variant(name: str, flags: list[str], workloads: list[str], seed: int, lo
                 "spec_accept_rate": delta["accepted_tokens"] / delta["draft_tokens"] if delta["draft_tokens"] else None,
                 "itls": record["itls"],
                 "tpots_ms": request_tpots_ms(record),
+                "pythonpath": pythonpath, "startup_s": startup_s,
             })
+        rss = peak_rss_mib(proc.pid)
+        for r in rows:
+            r["server_peak_rss_mib"] = rss
     finally:
         proc.terminate()
         proc.wait(60)
@@ -307,6 +325,11 @@ def main(argv=None) -> None:
                    "through Engine.generate in this process, request by request (`paired_overhead`); "
                    "concurrency must be 1")
     p.add_argument("--paired-rounds", type=int, default=2, help="--paired: passes over the workload")
+    p.add_argument("--variant-pythonpath", nargs="+", default=[], metavar="NAME=DIR",
+                   help="the server of variant NAME imports jaxserve from DIR (its PYTHONPATH): another checkout's "
+                   "code, e.g. a candidate rule against this one in one invocation")
+    p.add_argument("--port-base", type=int, default=None,
+                   help="variant i's server listens on PORT_BASE + i (default: a free port each)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--output-file", default=None, help="append one JSON line per (variant, workload), with each request's ITLs (s)")
@@ -330,31 +353,41 @@ def main(argv=None) -> None:
                 for r in results:
                     f.write(json.dumps(r) + "\n")
         return
-    for v in args.variants:
+    pythonpaths = dict(v.partition("=")[::2] for v in args.variant_pythonpath)
+    for i, v in enumerate(args.variants):
         name, _, flags = v.partition("=")
-        results += run_variant(name, base + shlex.split(flags), args.workloads, args.seed, Path(args.log_dir), args.backend)
+        port = args.port_base + i if args.port_base is not None else None
+        rows = run_variant(name, base + shlex.split(flags), args.workloads, args.seed, Path(args.log_dir), args.backend,
+                           port, pythonpaths.get(name))
+        results += rows
+        if args.output_file:  # each server's rows as soon as it is done: a run cut short keeps them
+            with open(args.output_file, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
         if args.engine_itl and args.engine_itl_per_variant:
             results.append(engine_itl(base + shlex.split(flags), args.engine_itl, args.seed, f"engine:{name}"))
     if args.engine_itl and not args.engine_itl_per_variant:
         results.append(engine_itl(base, args.engine_itl, args.seed))
-    print("\n| variant | workload | output tok/s | median TPOT (ms) | median ITL (ms) | P99 ITL (ms) | P99 / median ITL | accept length | accept rate |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| variant | workload | output tok/s | median TPOT (ms) | median ITL (ms) | P99 ITL (ms) | P99 / median ITL | accept length | accept rate | start-up (s) | peak RSS (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if _is_engine(r):
-            print(f"| Engine.generate{r['variant'][len('engine'):]} | {r['workload']} | | {r['median_tpot_ms']:.2f} | | | | | |")
+            print(f"| Engine.generate{r['variant'][len('engine'):]} | {r['workload']} | | {r['median_tpot_ms']:.2f} | | | | | | | |")
             continue
         ratio = r["p99_itl_ms"] / r["median_itl_ms"] if r["median_itl_ms"] else float("nan")
         acc = f"{r['spec_accept_length']:.2f}" if r["spec_accept_length"] else "-"
         rate = f"{r['spec_accept_rate']:.2f}" if r["spec_accept_rate"] is not None else "-"
         print(f"| {r['variant']} | {r['workload']} | {r['output_throughput']:.1f} | {r['median_tpot_ms']:.1f} | "
-              f"{r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | {ratio:.2f} | {acc} | {rate} |")
+              f"{r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | {ratio:.2f} | {acc} | {rate} | "
+              f"{r['startup_s']:.1f} | {r['server_peak_rss_mib'] or float('nan'):.0f} |")
     print_overhead(results)
     if args.plot:
         plot(results, args.plot)
     if args.output_file:
         with open(args.output_file, "a") as f:
             for r in results:
-                f.write(json.dumps(r) + "\n")
+                if _is_engine(r):  # the servers' rows are written above
+                    f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

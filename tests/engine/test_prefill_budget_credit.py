@@ -3,12 +3,12 @@ when it finishes, and the P99 ITL it allows checked by brute force on a simulate
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
 from jaxserve.engine.prefill_budget import PrefillBudget
+from tests.engine import prefill_sim as sim
+from tests.engine.prefill_sim import Machine, Run, fill_bucket, pow2
 
 BUCKETS = (16, 32, 64, 128, 256, 512)
 CHUNK = 512
@@ -97,94 +97,21 @@ def test_scheduler_grants_when_queued_and_takes_back_at_finish(tiny_model_dir):
     assert budget.stall_credit == 0.0
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+# a synthetic machine shaped like the measured one (docs/benchmarks.md, Third pass): a decode step of 8
+# ~66 ms, 2.5 ms per token of the extend bucket, so 16 tokens beside 7 decodes are 1.6x a decode step,
+# 32 2.2x and 64 3.4x
+SYNTHETIC = Machine(BUCKETS, lambda num_decodes, num_tokens: (
+    0.05 + 0.002 * pow2(num_decodes) * (num_decodes > 0)
+    + 0.0025 * (fill_bucket(num_tokens, BUCKETS) if num_tokens > num_decodes else 0)))
 
 
-def _step_seconds(num_decodes: int, num_tokens: int) -> float:
-    """A synthetic machine shaped like the measured one (docs/benchmarks.md, Third pass): a decode step
-    of 8 ~66 ms, 2.5 ms per token of the extend bucket, so 16 tokens beside 7 decodes are 1.6x a decode
-    step, 32 2.2x and 64 3.4x."""
-    extend = next((t for t in BUCKETS if t >= num_tokens), num_tokens) if num_tokens > num_decodes else 0
-    return 0.05 + 0.002 * _bucket(num_decodes) * (num_decodes > 0) + 0.0025 * extend
-
-
-def simulate(budget: PrefillBudget, seed: int, num_requests: int = 64, concurrency: int = 8,
-             early_stop: float = 0.0) -> tuple[np.ndarray, int, int]:
-    """A closed-loop served run on the synthetic machine, with the scheduler's rule for a step's prefill
-    tokens (Scheduler._schedule_prefill): the first request alone, the others arriving while its step
-    runs; prompts 16-480 tokens, max_new_tokens 2-128; with probability `early_stop` a request stops
-    (EOS) at a random token before its max_new_tokens. Returns every ITL (seconds), the ITLs of steps
-    the budget counted as long (over `long_ratio` x their decode step) and the number of whole-chunk
-    steps the credit paid for."""
-    rng = random.Random(seed)
-    specs = []
-    for _ in range(num_requests):
-        max_new = rng.randint(2, 128)
-        stop = rng.randint(1, max_new) if rng.random() < early_stop else max_new
-        specs.append((rng.randint(16, 480), max_new, stop))
-    pending = list(enumerate(specs))
-    waiting: list[list] = []  # [rid, remaining prompt tokens, max_new, stop]
-    running: dict[str, list] = {}  # rid -> [token times, stop]
-    itls, num_long, num_stalls, clock = [], 0, 0, 0.0
-
-    def arrive():
-        i, (prompt, max_new, stop) = pending.pop(0)
-        budget.admit_request(str(i), max_new)
-        waiting.append([str(i), prompt, max_new, stop])
-
-    arrive()
-    first = True
-    for n in (1, 2, 4, 8):  # the warm-up measures each decode bucket's step, as a server's first steps do
-        budget.observe(n, 0, _step_seconds(n, n))
-    while waiting or running:
-        n = len(running)
-        after = min(concurrency, n + len(waiting))
-        tokens = CHUNK
-        stall = bool(n) and budget.can_stall(n)
-        if n and not stall:
-            cap = budget.budget(n, after)
-            tokens = budget.step_tokens(n, cap, BUCKETS, after) if cap else n
-        room = max(0, min(CHUNK, tokens) - n)
-        prefills, joined = 0, []
-        for w in waiting:
-            take = min(room, w[1])
-            w[1] -= take
-            room -= take
-            prefills += take
-            if w[1] == 0:
-                joined.append(w)
-            if room == 0:
-                break
-        seconds = _step_seconds(n, n + prefills)
-        clock += seconds
-        if n and prefills:
-            reference = budget.reference_seconds(n, after)
-            num_long += n if seconds > budget.long_ratio * reference else 0
-            num_stalls += stall
-        budget.observe(n, prefills, seconds, next((t for t in BUCKETS if t >= n + prefills), n + prefills), after)
-        for rid, (times, stop) in list(running.items()):
-            itls.append(clock - times[-1])
-            times.append(clock)
-            if len(times) == stop:
-                del running[rid]
-                budget.finish_request(rid, stop)
-                if pending:
-                    arrive()
-        for w in joined:
-            waiting.remove(w)
-            running[w[0]] = [[clock], w[3]]
-            if w[3] == 1:
-                del running[w[0]]
-                budget.finish_request(w[0], 1)
-                if pending:
-                    arrive()
-        if first:  # the rest of the first wave arrived while the first step ran
-            first = False
-            while pending and len(running) + len(waiting) < concurrency:
-                arrive()
-    budget.end_busy_period()
-    return np.array(itls), num_long, num_stalls
+def simulate(budget: PrefillBudget, seed: int, early_stop: float = 0.0) -> Run:
+    """A closed-loop served run of 64 requests on the synthetic machine, without noise, each finished
+    request's successor queued for the next step (tests/engine/prefill_sim.py): prompts 16-480 tokens,
+    max_new_tokens 2-128; with probability `early_stop` a request stops (EOS) at a random token before
+    its max_new_tokens."""
+    return sim.simulate(budget, sim.early_stop_workload(seed, 64, early_stop), seed, noise=0.0, machine=SYNTHETIC,
+                        arrival_seconds=0.0)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -193,12 +120,11 @@ def test_simulated_p99_itl_within_3x_the_median(seed):
     the credit let over 3x a decode step delayed at most 1% of the ITLs (every request runs to its
     max_new_tokens, so every grant is earned), and the credit did pay for whole chunks. The same
     run without a bound breaks the P99 bound (the check can fail)."""
-    itls, num_long, num_stalls = simulate(PrefillBudget(2.5, 32, CHUNK, stall_fraction=0.01), seed)
-    assert np.percentile(itls, 99) <= 3 * np.median(itls)
-    assert num_long <= 0.01 * len(itls)
-    assert num_stalls >= 1  # the first wave at least: its prompts beside the first request's decode
-    unbounded, _, _ = simulate(PrefillBudget(0.0, 32, CHUNK, stall_fraction=0.01), seed)
-    assert np.percentile(unbounded, 99) > 3 * np.median(unbounded)
+    run = simulate(PrefillBudget(2.5, 32, CHUNK, stall_fraction=0.01), seed)
+    assert run.p99_over_median <= 3
+    assert run.num_charged <= 0.01 * len(run.itls)
+    assert run.num_stalls >= 1  # the first wave at least: its prompts beside the first request's decode
+    assert simulate(PrefillBudget(0.0, 32, CHUNK, stall_fraction=0.01), seed).p99_over_median > 3
 
 
 def test_simulated_early_stops_are_taken_back():
@@ -211,10 +137,9 @@ def test_simulated_early_stops_are_taken_back():
 
     with_take_back = without = total = 0
     for seed in range(6):
-        itls, num_long, _ = simulate(PrefillBudget(2.5, 32, CHUNK, stall_fraction=0.01), seed, early_stop=0.5)
-        with_take_back += num_long
-        total += len(itls)
-        _, num_long_kept, _ = simulate(NoTakeBack(2.5, 32, CHUNK, stall_fraction=0.01), seed, early_stop=0.5)
-        without += num_long_kept
+        run = simulate(PrefillBudget(2.5, 32, CHUNK, stall_fraction=0.01), seed, early_stop=0.5)
+        with_take_back += run.num_charged
+        total += len(run.itls)
+        without += simulate(NoTakeBack(2.5, 32, CHUNK, stall_fraction=0.01), seed, early_stop=0.5).num_charged
     assert with_take_back <= 0.015 * total
     assert without > with_take_back

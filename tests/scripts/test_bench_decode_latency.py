@@ -49,3 +49,15 @@ def test_paired_refuses_concurrency_above_one(bench):
 def test_a_run_needs_workloads_or_paired(bench):
     with pytest.raises(SystemExit):
         bench.main(["--variants", "off="])
+
+
+def test_peak_rss_is_the_kernels_high_water_mark(bench):
+    """VmHWM of a live process against getrusage's ru_maxrss (KiB on Linux), read independently;
+    a process that does not exist has none."""
+    import os
+    import resource
+
+    before = bench.peak_rss_mib(os.getpid())
+    maxrss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert before == pytest.approx(maxrss_mib, rel=0.05)
+    assert bench.peak_rss_mib(2**22 + 12345) is None  # above the kernel's pid_max
