@@ -422,7 +422,9 @@ class ModelRunner:
         """The compiled step of bucket `key` over a padded host batch (`build_forward_batch`); returns
         what `forward` returns. The unit the other ranks of a multi-host server replay."""
         with self._routed("run_batch", batch, key, input_logprobs):
-            exe = self._step_exec.get((key, input_logprobs)) or self._compile_step(key, batch, input_logprobs)
+            exe = self._step_exec.get((key, input_logprobs))
+            if exe is None:
+                exe = self._compile_step(key, batch, input_logprobs)
             logits, prompt_logprobs, self.k_pool, self.v_pool = exe(self.params, self.k_pool, self.v_pool, batch)
             if input_logprobs:
                 return logits, np.asarray(prompt_logprobs)
@@ -487,7 +489,9 @@ class ModelRunner:
 
     def _compile_step(self, key: BucketKey, batch: ForwardBatch, input_logprobs: bool = False) -> Callable:
         # the host loop's embed and layer programs are the same for both variants: compile only a head
-        other = self._step_exec.get((key, False)) or self._step_exec.get((key, True))
+        other = self._step_exec.get((key, False))
+        if other is None:
+            other = self._step_exec.get((key, True))
         reused = {"embed": other.embed, "layer": other.layers} if isinstance(other, HostLayerLoop) else {}
         lowered = self._lower_step(batch, input_logprobs, [p for p in ("embed", "layer", "head") if p not in reused])
         exe = self._compile(
