@@ -36,11 +36,10 @@ class ReasonerMatcher:
             raise ValueError("the reasoning's end token sequence must not be empty")
         self.inner = inner
         self.think_end_ids = tuple(int(t) for t in think_end_ids)
-        self._matched = 0  # tokens of think_end_ids matched by the end of the reasoning so far
-        self._recent: list[int] = []  # the reasoning's last len(think_end_ids) tokens
-        # one entry per accepted token, for rollback: (matched, recent) before a reasoning token, None
-        # for a token the inner grammar accepted
-        self._history: list[tuple[int, tuple[int, ...]] | None] = []
+        self._recent: tuple[int, ...] = ()  # the reasoning's last len(think_end_ids) tokens
+        # one entry per accepted token, for rollback: `_recent` before a reasoning token, None for a
+        # token the inner grammar accepted
+        self._history: list[tuple[int, ...] | None] = []
         self.is_reasoning = True
 
     @property
@@ -60,10 +59,9 @@ class ReasonerMatcher:
             if ok:
                 self._history.append(None)
             return ok
-        self._history.append((self._matched, tuple(self._recent)))
-        self._recent = (self._recent + [int(token_id)])[-len(self.think_end_ids):]
-        self._matched = _longest_prefix_suffix(self._recent, self.think_end_ids)
-        if self._matched == len(self.think_end_ids):
+        self._history.append(self._recent)
+        self._recent = (self._recent + (int(token_id),))[-len(self.think_end_ids):]
+        if self._recent == self.think_end_ids:
             self.is_reasoning = False
         return True
 
@@ -106,17 +104,9 @@ class ReasonerMatcher:
             self.inner.rollback(num_inner)
         first_reasoning = next((h for h in undone if h is not None), None)
         if first_reasoning is not None:
-            self._matched, recent = first_reasoning
-            self._recent = list(recent)
+            self._recent = first_reasoning
             self.is_reasoning = True
 
     def error_message(self) -> str | None:
         return None if self.is_reasoning else self.inner.error_message()
 
-
-def _longest_prefix_suffix(recent: Sequence[int], end: Sequence[int]) -> int:
-    """The length of the longest prefix of `end` that `recent` ends with."""
-    for k in range(min(len(recent), len(end)), 0, -1):
-        if tuple(recent[-k:]) == tuple(end[:k]):
-            return k
-    return 0
