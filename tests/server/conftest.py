@@ -115,15 +115,16 @@ def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict:
 
 
 @contextlib.contextmanager
-def real_router(worker_urls: list[str], policy: str, log_path: Path):
+def real_router(worker_urls: list[str], policy: str, log_path: Path, log_level: str = "warning"):
     """The real sglang-router (`python -m sglang_router.launch_router`, the argv the --dp-size launcher
-    builds) on a free loopback port in front of `worker_urls`; yields its URL once it lists every worker
-    as healthy (60 s at most), and stops it after."""
+    builds) on a free loopback port in front of `worker_urls`, logging to `log_path` at `log_level` (a
+    --log-level of serve.py); yields its URL once it lists every worker as healthy (60 s at most), and
+    stops it after."""
     from jaxserve.config import ServerArgs
     from jaxserve.server.dp_launcher import router_argv
 
     port = free_port()
-    argv = router_argv(ServerArgs(port=port, router_policy=policy, dp_size=len(worker_urls), log_level="warning"), worker_urls)
+    argv = router_argv(ServerArgs(port=port, router_policy=policy, dp_size=len(worker_urls), log_level=log_level), worker_urls)
     argv[argv.index("--prometheus-port") + 1] = str(free_port())  # not port + N + 1: free for certain
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:

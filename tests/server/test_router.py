@@ -204,9 +204,20 @@ def _flush(urls: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def cache_aware_router(dp, tmp_path_factory):
-    """A second real sglang-router, policy cache_aware, in front of the launcher's two workers."""
-    with real_router(dp.worker_urls, "cache_aware", tmp_path_factory.mktemp("router") / "router.log") as url:
-        yield url
+    """A second real sglang-router, policy cache_aware, in front of the launcher's two workers; yields
+    its URL and its log (debug level: its routing decisions, kept for a failure's message)."""
+    log_path = tmp_path_factory.mktemp("router") / "router.log"
+    with real_router(dp.worker_urls, "cache_aware", log_path, log_level="debug") as url:
+        yield url, log_path
+
+
+def _router_state(url: str, log_path) -> str:
+    """What a failed routing assertion prints: the router's worker list (health, load) and its log's tail."""
+    try:
+        workers = httpx.get(url + "/workers", timeout=10).text
+    except httpx.HTTPError as e:
+        workers = f"unreadable: {e!r}"
+    return f"router /workers: {workers}\nrouter log tail:\n{log_path.read_text()[-6000:]}"
 
 
 def test_cache_aware_keeps_one_workers_hit_rate(dp, cache_aware_router):
@@ -215,13 +226,15 @@ def test_cache_aware_keeps_one_workers_hit_rate(dp, cache_aware_router):
     one_worker = _hit_rate(dp.worker_urls[0], groups)
     _flush(dp.worker_urls)
     before = [_finished(u) for u in dp.worker_urls]
-    routed = _hit_rate(cache_aware_router, groups)
+    router_url, router_log = cache_aware_router
+    routed = _hit_rate(router_url, groups)
     used = [_finished(u) - b for u, b in zip(dp.worker_urls, before)]
     _flush(dp.worker_urls)
     round_robin = _hit_rate(dp.url, groups)
     assert one_worker > 0.5, one_worker  # the workload shares prefixes at all
-    assert abs(routed - one_worker) <= 0.05, (routed, one_worker)
-    assert min(used) > 0, used  # cache_aware still spread the groups over both workers
+    assert abs(routed - one_worker) <= 0.05, (routed, one_worker, _router_state(router_url, router_log))
+    # cache_aware still spread the groups over both workers
+    assert min(used) > 0, (used, _router_state(router_url, router_log))
     # the workload tells policies apart: round_robin computes every prefix on both workers
     assert round_robin < one_worker - 0.05, (round_robin, one_worker)
 
