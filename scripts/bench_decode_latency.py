@@ -21,6 +21,13 @@ drift between runs does not enter the ratio:
     python scripts/bench_decode_latency.py --variants "off=" "ngram=--speculative-algorithm NGRAM" \
         --workloads copy-heavy:1:6 copy-heavy:8:16 --output-file docs/bench/spec.jsonl
 
+`--interleaved` measures (1) with every server up at once and the workloads run in rounds, the
+servers taking turns (ABBA) on the same new prompts each round (`interleaved`), so that the machine's
+drift between servers started minutes apart does not enter the comparison:
+
+    python scripts/bench_decode_latency.py --interleaved --rounds 6 \
+        --variants "default=" "unbounded=--prefill-decode-itl-ratio 0" --workloads random:8:24 copy-heavy:8:16
+
 A workload is DATASET:CONCURRENCY:NUM_PROMPTS (random: 128 in / 64 out; copy-heavy: 6 sentences,
 128 out). Acceptance comes from the server's `jaxserve_spec_*_total` counters, before and after.
 """
@@ -38,6 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -122,6 +130,29 @@ def request_tpots_ms(record: dict) -> list[float]:
             if n > 1]
 
 
+def measure_workload(name: str, flags: list[str], workload: str, port: int, seed: int, backend: str = "jaxserve",
+                     extra_argv: tuple[str, ...] = ()) -> dict:
+    """One bench_serving run of `workload` against the server on `port`: its throughput, TPOT, ITL and TTFT
+    figures, each request's ITLs (s) and TPOT (ms), the run's duration (s) and total output tokens, and
+    the speculative acceptance from the server's counters before and after."""
+    before = spec_counters(port)
+    record = bench_serving.main(workload_argv(workload, port, seed, backend) + list(extra_argv))
+    after = spec_counters(port)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
+    ver = delta["verifications"]
+    return {
+        "variant": name, "flags": " ".join(flags), "workload": workload, "seed": seed,
+        "output_throughput": record["output_throughput"],
+        "duration_s": record["duration"], "total_output_tokens": record["total_output_tokens"],
+        "median_tpot_ms": record["median_tpot_ms"], "median_itl_ms": record["median_itl_ms"],
+        "p99_itl_ms": record["p99_itl_ms"], "median_ttft_ms": record["median_ttft_ms"],
+        "spec_accept_length": (delta["accepted_tokens"] + ver) / ver if ver else None,
+        "spec_accept_rate": delta["accepted_tokens"] / delta["draft_tokens"] if delta["draft_tokens"] else None,
+        "itls": record["itls"],
+        "tpots_ms": request_tpots_ms(record),
+    }
+
+
 def run_variant(name: str, flags: list[str], workloads: list[str], seed: int, log_dir: Path,
                 backend: str = "jaxserve", port: int | None = None, pythonpath: str | None = None) -> list[dict]:
     port = port or free_port()
@@ -131,22 +162,8 @@ def run_variant(name: str, flags: list[str], workloads: list[str], seed: int, lo
     rows = []
     try:
         for w in workloads:
-            before = spec_counters(port)
-            record = bench_serving.main(workload_argv(w, port, seed, backend))
-            after = spec_counters(port)
-            delta = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
-            ver = delta["verifications"]
-            rows.append({
-                "variant": name, "flags": " ".join(flags), "workload": w,
-                "output_throughput": record["output_throughput"],
-                "median_tpot_ms": record["median_tpot_ms"], "median_itl_ms": record["median_itl_ms"],
-                "p99_itl_ms": record["p99_itl_ms"], "median_ttft_ms": record["median_ttft_ms"],
-                "spec_accept_length": (delta["accepted_tokens"] + ver) / ver if ver else None,
-                "spec_accept_rate": delta["accepted_tokens"] / delta["draft_tokens"] if delta["draft_tokens"] else None,
-                "itls": record["itls"],
-                "tpots_ms": request_tpots_ms(record),
-                "pythonpath": pythonpath, "startup_s": startup_s,
-            })
+            rows.append({**measure_workload(name, flags, w, port, seed, backend),
+                         "pythonpath": pythonpath, "startup_s": startup_s})
         rss = peak_rss_mib(proc.pid)
         for r in rows:
             r["server_peak_rss_mib"] = rss
@@ -154,6 +171,92 @@ def run_variant(name: str, flags: list[str], workloads: list[str], seed: int, lo
         proc.terminate()
         proc.wait(60)
     return rows
+
+
+class Target(NamedTuple):
+    """A running server that `run_rounds` measures: its name in the rows, the flags it was started with
+    (for the rows), its port and its start-up seconds."""
+
+    name: str
+    flags: list[str]
+    port: int
+    startup_s: float
+
+
+def run_rounds(targets: list[Target], workloads: list[str], rounds: int, settle_rounds: int, seed: int,
+               backend: str = "jaxserve", extra_argv: tuple[str, ...] = ()) -> list[dict]:
+    """The workloads in rounds over servers that are all up: round r (from -settle_rounds; rounds below 0
+    settle the machine and are not counted) runs each workload on every target with seed `seed + r +
+    settle_rounds`, so all targets get the same prompts within a round and new ones in each round; the
+    targets take turns in ABBA order (the order reversed every other round), so that a drift of the
+    machine's speed within the invocation falls on every target alike and the runs compared sit seconds
+    apart instead of one server's lifetime. Returns one row per (round, workload, target):
+    `measure_workload`'s plus `round` and the target's start-up seconds. Servers measured one after the
+    other each met a different machine (docs/benchmarks.md, "Seventh pass: a 48-token bucket": two
+    servers of the same code differed by up to 9%)."""
+    rows: list[dict] = []
+    for r in range(-settle_rounds, rounds):
+        order = targets if (r + settle_rounds) % 2 == 0 else targets[::-1]
+        for w in workloads:
+            for t in order:
+                row = measure_workload(t.name, t.flags, w, t.port, seed + r + settle_rounds, backend, extra_argv)
+                rows.append({**row, "round": r, "startup_s": t.startup_s})
+                print(f"round {r} {w} {t.name}: {row['output_throughput']:.1f} tok/s, median TPOT "
+                      f"{row['median_tpot_ms']:.2f} ms, P99/median ITL {row['p99_itl_ms'] / row['median_itl_ms']:.2f}",
+                      flush=True)
+    return rows
+
+
+def interleaved(variants: list[tuple[str, list[str]]], workloads: list[str], rounds: int, settle_rounds: int, seed: int,
+                log_dir: Path, backend: str = "jaxserve", port_base: int | None = None,
+                pythonpaths: dict[str, str] | None = None) -> list[dict]:
+    """Every variant's server started (one after the other) and kept up, then `run_rounds` over them;
+    each run flushes its server's prefix cache after bench_serving's warm-up request (--flush-cache, the
+    native backend), so no round finds an earlier round's prompts cached. Rows as `run_rounds`'s, with
+    the server's PYTHONPATH (`--variant-pythonpath`)."""
+    pythonpaths = pythonpaths or {}
+    procs, targets = [], []
+    try:
+        for i, (name, flags) in enumerate(variants):
+            port = port_base + i if port_base is not None else free_port()
+            started = time.monotonic()
+            procs.append(start_server(flags, port, log_dir / f"server_{name}.log", pythonpaths.get(name)))
+            targets.append(Target(name, flags, port, time.monotonic() - started))
+        rows = run_rounds(targets, workloads, rounds, settle_rounds, seed, backend, ("--flush-cache",))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(60)
+    return [{**r, "pythonpath": pythonpaths.get(r["variant"])} for r in rows]
+
+
+def print_interleaved(rows: list[dict], baseline: str, ratio_bound: float = 3.0, loss_bound: float = 0.05) -> None:
+    """The counted rounds (round >= 0) of `interleaved`, per workload and variant: ITLs pooled over all
+    rounds (median, P99, P99 / median), output tok/s over all rounds (tokens / seconds), and each round's
+    tok/s against `baseline`'s run in the same round (mean, min, max of the per-round changes); the last
+    column counts the rounds that met issue 20's goal on their own (P99 <= `ratio_bound` x median ITL
+    and at most `loss_bound` of the baseline's tok/s lost)."""
+    import numpy as np
+
+    counted = [r for r in rows if r["round"] >= 0]
+    print("\n| workload | variant | rounds | output tok/s (pooled) | vs baseline: mean / min / max per round | "
+          "median ITL (ms) | P99 ITL (ms) | P99 / median (pooled) | rounds meeting the goal |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for w in dict.fromkeys(r["workload"] for r in counted):
+        base = {r["round"]: r for r in counted if r["workload"] == w and r["variant"] == baseline}
+        for v in dict.fromkeys(r["variant"] for r in counted):
+            mine = [r for r in counted if r["workload"] == w and r["variant"] == v]
+            itls = np.asarray([g for r in mine for req in r["itls"] for g in req]) * 1e3
+            med, p99 = float(np.median(itls)), float(np.percentile(itls, 99))
+            tok_s = sum(r["total_output_tokens"] for r in mine) / sum(r["duration_s"] for r in mine)
+            changes = [r["output_throughput"] / base[r["round"]]["output_throughput"] - 1 for r in mine if r["round"] in base]
+            met = sum(1 for r, c in zip(mine, changes)
+                      if r["p99_itl_ms"] <= ratio_bound * r["median_itl_ms"] and c >= -loss_bound)
+            vs = (f"{100 * statistics.mean(changes):+.1f}% / {100 * min(changes):+.1f}% / {100 * max(changes):+.1f}%"
+                  if v != baseline else "(baseline)")
+            print(f"| {w} | {v} | {len(mine)} | {tok_s:.1f} | {vs} | {med:.1f} | {p99:.1f} | {p99 / med:.2f} | "
+                  f"{met if v != baseline else '-'} of {len(mine)} |")
 
 
 def engine_itl(flags: list[str], workload: str, seed: int, variant: str = "engine") -> dict:
@@ -330,6 +433,13 @@ def main(argv=None) -> None:
                    "code, e.g. a candidate rule against this one in one invocation")
     p.add_argument("--port-base", type=int, default=None,
                    help="variant i's server listens on PORT_BASE + i (default: a free port each)")
+    p.add_argument("--interleaved", action="store_true",
+                   help="every variant's server up at once and the workloads run in rounds, the variants in ABBA "
+                   "order, new prompts each round (`interleaved`); a table per workload against --baseline")
+    p.add_argument("--rounds", type=int, default=6, help="--interleaved: counted rounds")
+    p.add_argument("--settle-rounds", type=int, default=1, help="--interleaved: rounds run first and not counted")
+    p.add_argument("--baseline", default=None, help="--interleaved: the variant the others' tok/s is compared with "
+                   "(default: the last)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--output-file", default=None, help="append one JSON line per (variant, workload), with each request's ITLs (s)")
@@ -354,6 +464,19 @@ def main(argv=None) -> None:
                     f.write(json.dumps(r) + "\n")
         return
     pythonpaths = dict(v.partition("=")[::2] for v in args.variant_pythonpath)
+    if args.interleaved:
+        variants = [(name, base + shlex.split(flags)) for name, _, flags in (v.partition("=") for v in args.variants)]
+        baseline = args.baseline or variants[-1][0]
+        if baseline not in dict(variants):
+            p.error(f"--baseline {baseline} is not one of the variants")
+        rows = interleaved(variants, args.workloads, args.rounds, args.settle_rounds, args.seed, Path(args.log_dir),
+                           args.backend, args.port_base, pythonpaths)
+        if args.output_file:
+            with open(args.output_file, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+        print_interleaved(rows, baseline)
+        return
     for i, v in enumerate(args.variants):
         name, _, flags = v.partition("=")
         port = args.port_base + i if args.port_base is not None else None

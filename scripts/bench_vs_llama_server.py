@@ -10,6 +10,9 @@ each measured by bench_serving.py's OpenAI completions backend on the same workl
         --jaxserve-flags "--speculative-algorithm NGRAM" \
         --workloads copy-heavy:1:6 random:1:6 copy-heavy:8:16 random:8:24 --output-file docs/bench/vs_llama.jsonl
 
+`--interleaved --rounds N` keeps both servers up and runs the workloads in rounds, the servers taking
+turns on the same new prompts each round, and reports jaxserve's TPOT over llama-server's per round.
+
 A workload is DATASET:CONCURRENCY:NUM_PROMPTS as in bench_decode_latency.py.
 """
 
@@ -19,8 +22,10 @@ import argparse
 import importlib.util
 import json
 import shlex
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -67,6 +72,52 @@ def run_workloads(server: str, port: int, workloads: list[str], tokenizer: str, 
     return rows
 
 
+def interleaved(args: argparse.Namespace, gguf: str, tokenizer: str) -> list[dict]:
+    """llama-server and jaxserve both up, measured in rounds by `bench_decode_latency.run_rounds` (OpenAI
+    completions backend, the same prompts on both within a round, the servers' order reversed every
+    other round). Rows as `run_rounds`'s, the `variant` field naming the server."""
+    procs, targets = [], []
+    try:
+        port = latency.free_port()
+        started = time.monotonic()
+        procs.append(start_llama_server(args.llama_server, gguf, port, args.threads, args.parallel, args.ctx,
+                                        Path(args.log_dir) / "llama_server.log"))
+        targets.append(latency.Target("llama-server", [], port, time.monotonic() - started))
+        port = latency.free_port()
+        flags = shlex.split(args.server_flags) + shlex.split(args.jaxserve_flags)
+        started = time.monotonic()
+        procs.append(latency.start_server(flags, port, Path(args.log_dir) / "jaxserve_vs_llama.log"))
+        targets.append(latency.Target("jaxserve", flags, port, time.monotonic() - started))
+        return latency.run_rounds(targets, args.workloads, args.rounds, args.settle_rounds, args.seed, "openai",
+                                  ("--tokenizer", tokenizer))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(60)
+
+
+def print_interleaved(rows: list[dict]) -> None:
+    """Per workload, over the counted rounds: each server's median TPOT over all its requests, output tok/s
+    (tokens / seconds over all rounds), and jaxserve's median TPOT over llama-server's in the same round
+    (mean, min, max of the per-round ratios, and the rounds where jaxserve's was at or below)."""
+    counted = [r for r in rows if r["round"] >= 0]
+    print("\n| workload | rounds | median TPOT (ms), llama-server / jaxserve | output tok/s, llama-server / jaxserve | "
+          "jaxserve / llama-server TPOT per round: mean / min / max | rounds jaxserve <= llama-server |")
+    print("|---|---|---|---|---|---|")
+    for w in dict.fromkeys(r["workload"] for r in counted):
+        by = {s: {r["round"]: r for r in counted if r["workload"] == w and r["variant"] == s}
+              for s in ("llama-server", "jaxserve")}
+        rounds = sorted(set(by["llama-server"]) & set(by["jaxserve"]))
+        med = {s: statistics.median(t for k in rounds for t in by[s][k]["tpots_ms"]) for s in by}
+        tok_s = {s: sum(by[s][k]["total_output_tokens"] for k in rounds) / sum(by[s][k]["duration_s"] for k in rounds)
+                 for s in by}
+        ratios = [by["jaxserve"][k]["median_tpot_ms"] / by["llama-server"][k]["median_tpot_ms"] for k in rounds]
+        print(f"| {w} | {len(rounds)} | {med['llama-server']:.2f} / {med['jaxserve']:.2f} | "
+              f"{tok_s['llama-server']:.1f} / {tok_s['jaxserve']:.1f} | {statistics.mean(ratios):.3f} / "
+              f"{min(ratios):.3f} / {max(ratios):.3f} | {sum(x <= 1 for x in ratios)} of {len(ratios)} |")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", required=True, help="path of the llama-server binary")
@@ -80,9 +131,22 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--output-file", default=None)
+    p.add_argument("--interleaved", action="store_true",
+                   help="both servers up at once and the workloads run in rounds, the servers taking turns (ABBA) on "
+                   "new prompts each round (bench_decode_latency.run_rounds); a per-round TPOT ratio table")
+    p.add_argument("--rounds", type=int, default=6, help="--interleaved: counted rounds")
+    p.add_argument("--settle-rounds", type=int, default=1, help="--interleaved: rounds run first and not counted")
     args = p.parse_args(argv)
     gguf = args.gguf or default_gguf()
     tokenizer = converted_tokenizer_dir(gguf)
+    if args.interleaved:
+        rows = interleaved(args, gguf, tokenizer)
+        if args.output_file:
+            with open(args.output_file, "a") as f:
+                for r in rows:
+                    f.write(json.dumps({**r, "jaxserve_flags": args.jaxserve_flags}) + "\n")
+        print_interleaved(rows)
+        return
     results = []
     port = latency.free_port()
     proc = start_llama_server(args.llama_server, gguf, port, args.threads, args.parallel, args.ctx,

@@ -1,0 +1,31 @@
+"""Tests for scripts/bench_vs_llama_server.py's interleaved table (no server, no model)."""
+
+import pytest
+
+from tests.scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench_vs_llama_server")
+
+
+def _row(server: str, round_: int, tpots_ms: list[float], median_tpot: float, tok_s: float) -> dict:
+    return {"variant": server, "workload": "copy-heavy:1:6", "round": round_, "tpots_ms": tpots_ms,
+            "median_tpot_ms": median_tpot, "total_output_tokens": 100, "duration_s": 100 / tok_s}
+
+
+def test_interleaved_table_pairs_each_round(bench, capsys):
+    rows = [
+        _row("llama-server", -1, [1.0], 1.0, 1.0),  # settle round: not counted
+        _row("jaxserve", -1, [99.0], 99.0, 1.0),
+        _row("llama-server", 0, [9.0, 10.0, 11.0], 10.0, 80.0),
+        _row("jaxserve", 0, [8.0, 9.0, 12.0], 9.0, 100.0),
+        _row("llama-server", 1, [10.0, 10.0], 10.0, 80.0),
+        _row("jaxserve", 1, [11.0, 11.0], 11.0, 60.0),
+    ]
+    bench.print_interleaved(rows)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| copy-heavy"))
+    # medians of all counted requests: llama 9, 10, 10, 10, 11 -> 10; jaxserve 8, 9, 11, 11, 12 -> 11;
+    # tok/s: 200 / (1.25 + 1.25) = 80 and 200 / (1 + 1/0.6) = 75; per-round ratios 0.9 and 1.1
+    assert line == "| copy-heavy:1:6 | 2 | 10.00 / 11.00 | 80.0 / 75.0 | 1.000 / 0.900 / 1.100 | 1 of 2 |"
