@@ -10,8 +10,9 @@ each measured by bench_serving.py's OpenAI completions backend on the same workl
         --jaxserve-flags "--speculative-algorithm NGRAM" \
         --workloads copy-heavy:1:6 random:1:6 copy-heavy:8:16 random:8:24 --output-file docs/bench/vs_llama.jsonl
 
-`--interleaved --rounds N` keeps both servers up and runs the workloads in rounds, the servers taking
-turns on the same new prompts each round, and reports jaxserve's TPOT over llama-server's per round.
+`--interleaved --rounds N` keeps every server up and runs the workloads in rounds, the servers taking
+turns on the same new prompts each round, and reports jaxserve's TPOT over llama-server's per round
+(`--jaxserve-variants NAME=FLAGS ...`: several jaxserve servers beside the one llama-server).
 
 A workload is DATASET:CONCURRENCY:NUM_PROMPTS as in bench_decode_latency.py.
 """
@@ -73,9 +74,12 @@ def run_workloads(server: str, port: int, workloads: list[str], tokenizer: str, 
 
 
 def interleaved(args: argparse.Namespace, gguf: str, tokenizer: str) -> list[dict]:
-    """llama-server and jaxserve both up, measured in rounds by `bench_decode_latency.run_rounds` (OpenAI
-    completions backend, the same prompts on both within a round, the servers' order reversed every
-    other round). Rows as `run_rounds`'s, the `variant` field naming the server."""
+    """llama-server and one jaxserve per variant (`--jaxserve-variants`, else one with --jaxserve-flags),
+    all up, measured in rounds by `bench_decode_latency.run_rounds` (OpenAI completions backend, the
+    same prompts on every server within a round, the order reversed every other round). Rows as
+    `run_rounds`'s, the `variant` field naming the server: llama-server, jaxserve or jaxserve:NAME."""
+    variants = ([(f"jaxserve:{name}", flags) for name, _, flags in (v.partition("=") for v in args.jaxserve_variants)]
+                or [("jaxserve", args.jaxserve_flags)])
     procs, targets = [], []
     try:
         port = latency.free_port()
@@ -83,11 +87,12 @@ def interleaved(args: argparse.Namespace, gguf: str, tokenizer: str) -> list[dic
         procs.append(start_llama_server(args.llama_server, gguf, port, args.threads, args.parallel, args.ctx,
                                         Path(args.log_dir) / "llama_server.log"))
         targets.append(latency.Target("llama-server", [], port, time.monotonic() - started))
-        port = latency.free_port()
-        flags = shlex.split(args.server_flags) + shlex.split(args.jaxserve_flags)
-        started = time.monotonic()
-        procs.append(latency.start_server(flags, port, Path(args.log_dir) / "jaxserve_vs_llama.log"))
-        targets.append(latency.Target("jaxserve", flags, port, time.monotonic() - started))
+        for name, flags in variants:
+            port = latency.free_port()
+            argv = shlex.split(args.server_flags) + shlex.split(flags)
+            started = time.monotonic()
+            procs.append(latency.start_server(argv, port, Path(args.log_dir) / f"{name.replace(':', '_')}_vs_llama.log"))
+            targets.append(latency.Target(name, argv, port, time.monotonic() - started))
         return latency.run_rounds(targets, args.workloads, args.rounds, args.settle_rounds, args.seed, "openai",
                                   ("--tokenizer", tokenizer))
     finally:
@@ -98,24 +103,27 @@ def interleaved(args: argparse.Namespace, gguf: str, tokenizer: str) -> list[dic
 
 
 def print_interleaved(rows: list[dict]) -> None:
-    """Per workload, over the counted rounds: each server's median TPOT over all its requests, output tok/s
-    (tokens / seconds over all rounds), and jaxserve's median TPOT over llama-server's in the same round
-    (mean, min, max of the per-round ratios, and the rounds where jaxserve's was at or below)."""
+    """Per workload and jaxserve variant, over the counted rounds: the median TPOT over all requests and
+    the output tok/s (tokens / seconds over all rounds) of llama-server and of the variant, and the
+    variant's median TPOT over llama-server's in the same round (mean, min, max of the per-round
+    ratios, and the rounds where the variant's was at or below)."""
     counted = [r for r in rows if r["round"] >= 0]
-    print("\n| workload | rounds | median TPOT (ms), llama-server / jaxserve | output tok/s, llama-server / jaxserve | "
-          "jaxserve / llama-server TPOT per round: mean / min / max | rounds jaxserve <= llama-server |")
-    print("|---|---|---|---|---|---|")
+    print("\n| workload | jaxserve | rounds | median TPOT (ms), llama-server / jaxserve | output tok/s, llama-server / "
+          "jaxserve | jaxserve / llama-server TPOT per round: mean / min / max | rounds jaxserve <= llama-server |")
+    print("|---|---|---|---|---|---|---|")
     for w in dict.fromkeys(r["workload"] for r in counted):
-        by = {s: {r["round"]: r for r in counted if r["workload"] == w and r["variant"] == s}
-              for s in ("llama-server", "jaxserve")}
-        rounds = sorted(set(by["llama-server"]) & set(by["jaxserve"]))
-        med = {s: statistics.median(t for k in rounds for t in by[s][k]["tpots_ms"]) for s in by}
-        tok_s = {s: sum(by[s][k]["total_output_tokens"] for k in rounds) / sum(by[s][k]["duration_s"] for k in rounds)
-                 for s in by}
-        ratios = [by["jaxserve"][k]["median_tpot_ms"] / by["llama-server"][k]["median_tpot_ms"] for k in rounds]
-        print(f"| {w} | {len(rounds)} | {med['llama-server']:.2f} / {med['jaxserve']:.2f} | "
-              f"{tok_s['llama-server']:.1f} / {tok_s['jaxserve']:.1f} | {statistics.mean(ratios):.3f} / "
-              f"{min(ratios):.3f} / {max(ratios):.3f} | {sum(x <= 1 for x in ratios)} of {len(ratios)} |")
+        by = {v: {r["round"]: r for r in counted if r["workload"] == w and r["variant"] == v}
+              for v in dict.fromkeys(r["variant"] for r in counted)}
+        llama = by.pop("llama-server")
+        for v, mine in by.items():
+            rounds = sorted(set(llama) & set(mine))
+            med = [statistics.median(t for k in rounds for t in side[k]["tpots_ms"]) for side in (llama, mine)]
+            tok_s = [sum(side[k]["total_output_tokens"] for k in rounds) / sum(side[k]["duration_s"] for k in rounds)
+                     for side in (llama, mine)]
+            ratios = [mine[k]["median_tpot_ms"] / llama[k]["median_tpot_ms"] for k in rounds]
+            print(f"| {w} | {v} | {len(rounds)} | {med[0]:.2f} / {med[1]:.2f} | {tok_s[0]:.1f} / {tok_s[1]:.1f} | "
+                  f"{statistics.mean(ratios):.3f} / {min(ratios):.3f} / {max(ratios):.3f} | "
+                  f"{sum(x <= 1 for x in ratios)} of {len(ratios)} |")
 
 
 def main(argv=None) -> None:
@@ -134,6 +142,9 @@ def main(argv=None) -> None:
     p.add_argument("--interleaved", action="store_true",
                    help="both servers up at once and the workloads run in rounds, the servers taking turns (ABBA) on "
                    "new prompts each round (bench_decode_latency.run_rounds); a per-round TPOT ratio table")
+    p.add_argument("--jaxserve-variants", nargs="+", default=[], metavar="NAME=FLAGS",
+                   help="--interleaved: one jaxserve server per variant (its flags after --server-flags) instead of "
+                   "one with --jaxserve-flags")
     p.add_argument("--rounds", type=int, default=6, help="--interleaved: counted rounds")
     p.add_argument("--settle-rounds", type=int, default=1, help="--interleaved: rounds run first and not counted")
     args = p.parse_args(argv)
