@@ -32,7 +32,8 @@ from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.context_length import resolve_context_length
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
-from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, ModelRunner
+from jaxserve.engine.buckets import EXTEND_BLOCK_Q
+from jaxserve.engine.model_runner import ModelRunner
 from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.engine.outputs import EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, grammar_spec, new_rid

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.engine.model_runner import EXTEND_BLOCK_Q, ModelRunner, extend_token_buckets, layers_per_call
+from jaxserve.engine.buckets import EXTEND_BLOCK_Q, extend_token_buckets, layers_per_call
+from jaxserve.engine.model_runner import ModelRunner
 
 PAGE_SIZE = 16
 

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.model_runner import MAX_LAYERS_PER_CALL, BatchEntry, ModelRunner
+from jaxserve.engine.buckets import MAX_LAYERS_PER_CALL
+from jaxserve.engine.model_runner import BatchEntry, ModelRunner
 from jaxserve.model import llama
 from jaxserve.pallas.reference import ragged_paged_attention_xla
 
