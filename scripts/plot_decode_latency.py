@@ -2,7 +2,9 @@
 
 Reads the JSON lines that `bench_decode_latency.py --output-file` and `bench_vs_llama_server.py
 --output-file` write and draws one bar chart per input file (the variant is a line's "variant", or its
-"server"; in-process `Engine.generate` rows are left out).
+"server"; in-process `Engine.generate` rows are left out). The rows of an `--interleaved` run (they have a
+"round") are drawn per round instead (`plot_rounds`): median TPOT, output tok/s and P99 / median ITL of
+every counted round, a line per variant, a row of panels per workload.
 
     python scripts/plot_decode_latency.py docs/bench/spec_adaptive.jsonl --output docs/img/spec_tpot.png
 """
@@ -51,6 +53,39 @@ def plot(rows: list[dict], output: str, title: str | None = None) -> None:
     plt.close(fig)
 
 
+PANELS = (("median_tpot_ms", "median TPOT (ms)"), ("output_throughput", "output tok/s"),
+          ("itl_ratio", "P99 / median ITL"))
+
+
+def plot_rounds(rows: list[dict], output: str, title: str | None = None) -> None:
+    """The counted rounds (round >= 0) of an interleaved run: for each workload (a row of panels) and
+    variant (a line), its median TPOT, output tok/s and P99 / median ITL in each round; a dashed line
+    at issue 20's 3x bound on the ITL panel."""
+    rows = [r for r in rows if r["round"] >= 0]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, axes = plt.subplots(len(workloads), len(PANELS), figsize=(3.6 * len(PANELS), 2.6 * len(workloads)),
+                             squeeze=False)
+    for i, w in enumerate(workloads):
+        for j, (key, label) in enumerate(PANELS):
+            ax = axes[i][j]
+            for v in variants:
+                mine = sorted((r for r in rows if r["workload"] == w and r["variant"] == v), key=lambda r: r["round"])
+                ys = [r["p99_itl_ms"] / r["median_itl_ms"] if key == "itl_ratio" else r[key] for r in mine]
+                ax.plot([r["round"] for r in mine], ys, marker="o", label=v)
+            if key == "itl_ratio":
+                ax.axhline(3.0, color="grey", linestyle="--", linewidth=1)
+            ax.set_title(f"{w}: {label}", fontsize=8)
+            ax.set_xlabel("round", fontsize=8)
+            ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(output, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("inputs", nargs="+", help="JSON-lines result files (one chart from all of them)")
@@ -60,7 +95,10 @@ def main(argv=None) -> None:
     rows = [r for path in args.inputs for r in load(path)]
     if not rows:
         raise SystemExit("no result rows in the inputs")
-    plot(rows, args.output, args.title)
+    if all("round" in r for r in rows):
+        plot_rounds(rows, args.output, args.title)
+    else:
+        plot(rows, args.output, args.title)
 
 
 if __name__ == "__main__":

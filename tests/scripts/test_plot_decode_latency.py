@@ -41,3 +41,30 @@ def test_no_rows_is_an_error(tmp_path):
     empty.write_text("\n")
     with pytest.raises(SystemExit):
         plot_mod.main([str(empty), "--output", str(tmp_path / "x.png")])
+
+
+def test_interleaved_rows_are_drawn_per_round(tmp_path, monkeypatch):
+    """Rows with a round: one line per (workload, variant, panel) over the counted rounds, in round order;
+    the settle round (-1) is left out."""
+    def row(variant, round_, tpot, tok_s, p99):
+        return {"variant": variant, "workload": "random:8:24", "round": round_, "median_tpot_ms": tpot,
+                "output_throughput": tok_s, "median_itl_ms": 100.0, "p99_itl_ms": p99}
+
+    rows = [row("a", -1, 99.0, 1.0, 900.0), row("a", 1, 12.0, 50.0, 250.0), row("a", 0, 10.0, 40.0, 200.0),
+            row("b", 0, 11.0, 45.0, 500.0), row("b", 1, 13.0, 47.0, 550.0)]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    drawn = []
+    real_plot = plot_mod.plt.Axes.plot
+
+    def spy(self, xs, ys, *args, label=None, **kwargs):
+        drawn.append((label, list(xs), [round(y, 3) for y in ys]))
+        return real_plot(self, xs, ys, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(plot_mod.plt.Axes, "plot", spy)
+    out = tmp_path / "rounds.png"
+    plot_mod.main([str(path), "--output", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn == [("a", [0, 1], [10.0, 12.0]), ("b", [0, 1], [11.0, 13.0]),  # median TPOT
+                     ("a", [0, 1], [40.0, 50.0]), ("b", [0, 1], [45.0, 47.0]),  # output tok/s
+                     ("a", [0, 1], [2.0, 2.5]), ("b", [0, 1], [5.0, 5.5])]  # P99 / median ITL
