@@ -211,8 +211,9 @@ def interleaved(variants: list[tuple[str, list[str]]], workloads: list[str], rou
                 log_dir: Path, backend: str = "jaxserve", port_base: int | None = None,
                 pythonpaths: dict[str, str] | None = None) -> list[dict]:
     """Every variant's server started (one after the other) and kept up, then `run_rounds` over them;
-    each run flushes its server's prefix cache after bench_serving's warm-up request (--flush-cache, the
-    native backend), so no round finds an earlier round's prompts cached. Rows as `run_rounds`'s, with
+    each run flushes its server's prefix cache after bench_serving's warm-up request (--flush-cache; the
+    native backend only, bench_serving's OpenAI backends do not flush), so no round finds an earlier
+    round's prompts cached. Rows as `run_rounds`'s, with
     the server's PYTHONPATH (`--variant-pythonpath`)."""
     pythonpaths = pythonpaths or {}
     procs, targets = [], []
@@ -250,9 +251,9 @@ def print_interleaved(rows: list[dict], baseline: str, ratio_bound: float = 3.0,
             itls = np.asarray([g for r in mine for req in r["itls"] for g in req]) * 1e3
             med, p99 = float(np.median(itls)), float(np.percentile(itls, 99))
             tok_s = sum(r["total_output_tokens"] for r in mine) / sum(r["duration_s"] for r in mine)
-            changes = [r["output_throughput"] / base[r["round"]]["output_throughput"] - 1 for r in mine if r["round"] in base]
-            met = sum(1 for r, c in zip(mine, changes)
-                      if r["p99_itl_ms"] <= ratio_bound * r["median_itl_ms"] and c >= -loss_bound)
+            paired = [(r, r["output_throughput"] / base[r["round"]]["output_throughput"] - 1) for r in mine if r["round"] in base]
+            changes = [c for _, c in paired]
+            met = sum(1 for r, c in paired if r["p99_itl_ms"] <= ratio_bound * r["median_itl_ms"] and c >= -loss_bound)
             vs = (f"{100 * statistics.mean(changes):+.1f}% / {100 * min(changes):+.1f}% / {100 * max(changes):+.1f}%"
                   if v != baseline else "(baseline)")
             print(f"| {w} | {v} | {len(mine)} | {tok_s:.1f} | {vs} | {med:.1f} | {p99:.1f} | {p99 / med:.2f} | "
