@@ -18,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 -- the backend must be chosen first
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def load(path: str) -> list[dict]:
@@ -77,6 +78,7 @@ def plot_rounds(rows: list[dict], output: str, title: str | None = None) -> None
                 ax.axhline(3.0, color="grey", linestyle="--", linewidth=1)
             ax.set_title(f"{w}: {label}", fontsize=8)
             ax.set_xlabel("round", fontsize=8)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=7)
     if title:
