@@ -103,25 +103,27 @@ def interleaved(args: argparse.Namespace, gguf: str, tokenizer: str) -> list[dic
 
 
 def print_interleaved(rows: list[dict]) -> None:
-    """Per workload and jaxserve variant, over the counted rounds: the median TPOT over all requests and
-    the output tok/s (tokens / seconds over all rounds) of llama-server and of the variant, and the
+    """Per workload and jaxserve variant, over the counted rounds: the median and mean TPOT over all requests
+    (every request makes the same tokens, so the mean is the total decode time per token) and the output tok/s (tokens / seconds over all rounds) of llama-server and of the variant, and the
     variant's median TPOT over llama-server's in the same round (mean, min, max of the per-round
     ratios, and the rounds where the variant's was at or below)."""
     counted = [r for r in rows if r["round"] >= 0]
-    print("\n| workload | jaxserve | rounds | median TPOT (ms), llama-server / jaxserve | output tok/s, llama-server / "
+    print("\n| workload | jaxserve | rounds | median TPOT (ms), llama-server / jaxserve | mean TPOT (ms), llama-server / "
+          "jaxserve | output tok/s, llama-server / "
           "jaxserve | jaxserve / llama-server TPOT per round: mean / min / max | rounds jaxserve <= llama-server |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for w in dict.fromkeys(r["workload"] for r in counted):
         by = {v: {r["round"]: r for r in counted if r["workload"] == w and r["variant"] == v}
               for v in dict.fromkeys(r["variant"] for r in counted)}
         llama = by.pop("llama-server")
         for v, mine in by.items():
             rounds = sorted(set(llama) & set(mine))
-            med = [statistics.median(t for k in rounds for t in side[k]["tpots_ms"]) for side in (llama, mine)]
+            tpots = [[t for k in rounds for t in side[k]["tpots_ms"]] for side in (llama, mine)]
+            med, mean = [statistics.median(t) for t in tpots], [statistics.mean(t) for t in tpots]
             tok_s = [sum(side[k]["total_output_tokens"] for k in rounds) / sum(side[k]["duration_s"] for k in rounds)
                      for side in (llama, mine)]
             ratios = [mine[k]["median_tpot_ms"] / llama[k]["median_tpot_ms"] for k in rounds]
-            print(f"| {w} | {v} | {len(rounds)} | {med[0]:.2f} / {med[1]:.2f} | {tok_s[0]:.1f} / {tok_s[1]:.1f} | "
+            print(f"| {w} | {v} | {len(rounds)} | {med[0]:.2f} / {med[1]:.2f} | {mean[0]:.2f} / {mean[1]:.2f} | {tok_s[0]:.1f} / {tok_s[1]:.1f} | "
                   f"{statistics.mean(ratios):.3f} / {min(ratios):.3f} / {max(ratios):.3f} | "
                   f"{sum(x <= 1 for x in ratios)} of {len(ratios)} |")
 
@@ -140,7 +142,7 @@ def main(argv=None) -> None:
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--output-file", default=None)
     p.add_argument("--interleaved", action="store_true",
-                   help="both servers up at once and the workloads run in rounds, the servers taking turns (ABBA) on "
+                   help="every server up at once and the workloads run in rounds, the servers taking turns (ABBA) on "
                    "new prompts each round (bench_decode_latency.run_rounds); a per-round TPOT ratio table")
     p.add_argument("--jaxserve-variants", nargs="+", default=[], metavar="NAME=FLAGS",
                    help="--interleaved: one jaxserve server per variant (its flags after --server-flags) instead of "
@@ -148,6 +150,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=6, help="--interleaved: counted rounds")
     p.add_argument("--settle-rounds", type=int, default=1, help="--interleaved: rounds run first and not counted")
     args = p.parse_args(argv)
+    if args.jaxserve_variants and not args.interleaved:
+        p.error("--jaxserve-variants needs --interleaved")
     gguf = args.gguf or default_gguf()
     tokenizer = converted_tokenizer_dir(gguf)
     if args.interleaved:
@@ -155,7 +159,7 @@ def main(argv=None) -> None:
         if args.output_file:
             with open(args.output_file, "a") as f:
                 for r in rows:
-                    f.write(json.dumps({**r, "jaxserve_flags": args.jaxserve_flags}) + "\n")
+                    f.write(json.dumps(r) + "\n")  # each row has its server's flags
         print_interleaved(rows)
         return
     results = []
@@ -176,7 +180,7 @@ def main(argv=None) -> None:
         proc.terminate()
         proc.wait(60)
     print("\n| server | workload | output tok/s | median TPOT (ms) | median ITL (ms) | P99 ITL (ms) | median TTFT (ms) |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['server']} | {r['workload']} | {r['output_throughput']:.1f} | {r['median_tpot_ms']:.1f} | "
               f"{r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | {r['median_ttft_ms']:.1f} |")

@@ -27,8 +27,10 @@ def test_interleaved_table_pairs_each_round(bench, capsys):
     bench.print_interleaved(rows)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| copy-heavy"))
     # medians of all counted requests: llama 9, 10, 10, 10, 11 -> 10; jaxserve 8, 9, 11, 11, 12 -> 11;
-    # tok/s: 200 / (1.25 + 1.25) = 80 and 200 / (1 + 1/0.6) = 75; per-round ratios 0.9 and 1.1
-    assert line == "| copy-heavy:1:6 | jaxserve | 2 | 10.00 / 11.00 | 80.0 / 75.0 | 1.000 / 0.900 / 1.100 | 1 of 2 |"
+    # means 50 / 5 = 10 and 51 / 5 = 10.2; tok/s: 200 / (1.25 + 1.25) = 80 and 200 / (1 + 1/0.6) = 75;
+    # per-round ratios 0.9 and 1.1
+    assert line == ("| copy-heavy:1:6 | jaxserve | 2 | 10.00 / 11.00 | 10.00 / 10.20 | 80.0 / 75.0 | "
+                    "1.000 / 0.900 / 1.100 | 1 of 2 |")
 
 
 def test_interleaved_table_has_a_row_per_jaxserve_variant(bench, capsys):
@@ -39,5 +41,12 @@ def test_interleaved_table_has_a_row_per_jaxserve_variant(bench, capsys):
     ]
     bench.print_interleaved(rows)
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| copy-heavy")]
-    assert lines == ["| copy-heavy:1:6 | jaxserve:f32 | 1 | 10.00 / 12.00 | 80.0 / 70.0 | 1.200 / 1.200 / 1.200 | 0 of 1 |",
-                     "| copy-heavy:1:6 | jaxserve:int8 | 1 | 10.00 / 8.00 | 80.0 / 90.0 | 0.800 / 0.800 / 0.800 | 1 of 1 |"]
+    assert lines == [
+        "| copy-heavy:1:6 | jaxserve:f32 | 1 | 10.00 / 12.00 | 10.00 / 12.00 | 80.0 / 70.0 | 1.200 / 1.200 / 1.200 | 0 of 1 |",
+        "| copy-heavy:1:6 | jaxserve:int8 | 1 | 10.00 / 8.00 | 10.00 / 8.00 | 80.0 / 90.0 | 0.800 / 0.800 / 0.800 | 1 of 1 |",
+    ]
+
+
+def test_variants_need_interleaved(bench):
+    with pytest.raises(SystemExit):
+        bench.main(["--llama-server", "x", "--workloads", "copy-heavy:1:6", "--jaxserve-variants", "a=--x"])
