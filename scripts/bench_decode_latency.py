@@ -413,6 +413,37 @@ def print_overhead(results: list[dict]) -> None:
         print(f"| {name} | {workload} | {served:.2f} | {inproc:.2f} | {served / inproc:.3f} | {paired:.3f} |")
 
 
+# the modes that read each option; the others would ignore it, so it is refused there
+_OPTION_MODES = {
+    "paired_rounds": ("paired",),
+    "rounds": ("interleaved",),
+    "settle_rounds": ("interleaved",),
+    "baseline": ("interleaved",),
+    "engine_itl": ("sequential",),
+    "engine_itl_per_variant": ("sequential",),
+    "plot": ("sequential",),
+    "variant_pythonpath": ("sequential", "interleaved"),
+    "port_base": ("sequential", "interleaved"),
+}
+
+
+def _check_mode_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit (argparse's status 2) on a combination that would be silently ignored: --paired with
+    --interleaved or with --workloads, no workload at all, or an option its mode does not read
+    (`_OPTION_MODES`)."""
+    if args.paired and args.interleaved:
+        p.error("--paired and --interleaved are two ways to run: give one")
+    if not args.paired and not args.workloads:
+        p.error("give --workloads (or --paired)")
+    if args.paired and args.workloads:
+        p.error("--paired runs its own workload: --workloads would be ignored")
+    mode = "paired" if args.paired else "interleaved" if args.interleaved else "sequential"
+    for name, modes in _OPTION_MODES.items():
+        if mode not in modes and getattr(args, name) not in (None, False, []):
+            here = "without --paired or --interleaved" if mode == "sequential" else f"with --{mode}"
+            p.error(f"--{name.replace('_', '-')} does nothing {here}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", required=True, help='NAME=FLAGS, e.g. "off=" "ngram=--speculative-algorithm NGRAM"')
@@ -428,7 +459,7 @@ def main(argv=None) -> None:
                    help="instead of the runs above: per variant, this workload's prompts alternately served and "
                    "through Engine.generate in this process, request by request (`paired_overhead`); "
                    "concurrency must be 1")
-    p.add_argument("--paired-rounds", type=int, default=2, help="--paired: passes over the workload")
+    p.add_argument("--paired-rounds", type=int, default=None, help="--paired: passes over the workload (default 2)")
     p.add_argument("--variant-pythonpath", nargs="+", default=[], metavar="NAME=DIR",
                    help="the server of variant NAME imports jaxserve from DIR (its PYTHONPATH): another checkout's "
                    "code, e.g. a candidate rule against this one in one invocation")
@@ -437,8 +468,8 @@ def main(argv=None) -> None:
     p.add_argument("--interleaved", action="store_true",
                    help="every variant's server up at once and the workloads run in rounds, the variants in ABBA "
                    "order, new prompts each round (`interleaved`); a table per workload against --baseline")
-    p.add_argument("--rounds", type=int, default=6, help="--interleaved: counted rounds")
-    p.add_argument("--settle-rounds", type=int, default=1, help="--interleaved: rounds run first and not counted")
+    p.add_argument("--rounds", type=int, default=None, help="--interleaved: counted rounds (default 6)")
+    p.add_argument("--settle-rounds", type=int, default=None, help="--interleaved: rounds run first and not counted (default 1)")
     p.add_argument("--baseline", default=None, help="--interleaved: the variant the others' tok/s is compared with "
                    "(default: the last)")
     p.add_argument("--seed", type=int, default=1)
@@ -446,10 +477,9 @@ def main(argv=None) -> None:
     p.add_argument("--output-file", default=None, help="append one JSON line per (variant, workload), with each request's ITLs (s)")
     p.add_argument("--plot", default=None, help="write a PNG: median TPOT per workload, one bar per variant")
     args = p.parse_args(argv)
+    _check_mode_options(p, args)
     base = shlex.split(args.server_flags)
     results = []
-    if not args.paired and not args.workloads:
-        p.error("give --workloads (or --paired)")
     if args.paired:
         if args.paired.split(":")[1] != "1":
             p.error("--paired runs one request at a time: give DATASET:1:NUM_PROMPTS")
@@ -457,7 +487,7 @@ def main(argv=None) -> None:
         for v in args.variants:
             name, _, flags = v.partition("=")
             results.append(paired_overhead(name, base + shlex.split(flags), args.paired, args.seed, Path(args.log_dir),
-                                           args.backend, args.paired_rounds))
+                                           args.backend, args.paired_rounds or 2))
         print_paired(results)
         if args.output_file:
             with open(args.output_file, "a") as f:
@@ -470,7 +500,8 @@ def main(argv=None) -> None:
         baseline = args.baseline or variants[-1][0]
         if baseline not in dict(variants):
             p.error(f"--baseline {baseline} is not one of the variants")
-        rows = interleaved(variants, args.workloads, args.rounds, args.settle_rounds, args.seed, Path(args.log_dir),
+        rows = interleaved(variants, args.workloads, 6 if args.rounds is None else args.rounds,
+                           1 if args.settle_rounds is None else args.settle_rounds, args.seed, Path(args.log_dir),
                            args.backend, args.port_base, pythonpaths)
         if args.output_file:
             with open(args.output_file, "a") as f:

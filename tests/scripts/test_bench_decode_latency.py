@@ -118,3 +118,20 @@ def test_interleaved_table_pools_itls_and_pairs_rounds(bench, capsys):
 def test_interleaved_needs_a_baseline_among_the_variants(bench):
     with pytest.raises(SystemExit):
         bench.main(["--interleaved", "--variants", "a=", "b=--x", "--workloads", "random:8:8", "--baseline", "c"])
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--workloads", "random:1:2", "--rounds", "3"], "--rounds does nothing without --paired or --interleaved"),
+    (["--workloads", "random:1:2", "--baseline", "off"], "--baseline does nothing without"),
+    (["--paired", "random:1:2", "--interleaved"], "--paired and --interleaved"),
+    (["--paired", "random:1:2", "--workloads", "random:1:2"], "--workloads would be ignored"),
+    (["--paired", "random:1:2", "--port-base", "9000"], "--port-base does nothing with --paired"),
+    (["--interleaved", "--workloads", "random:8:8", "--plot", "x.png"], "--plot does nothing with --interleaved"),
+    (["--interleaved", "--workloads", "random:8:8", "--paired-rounds", "2"], "--paired-rounds does nothing with --interleaved"),
+])
+def test_an_option_its_mode_would_ignore_is_refused(bench, capsys, argv, named):
+    """Every mode's options are checked before a server starts (no server is started here: exit 2 first)."""
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--variants", "off=", *argv])
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
