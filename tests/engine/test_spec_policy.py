@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.speculative import DraftPolicy, DraftState
-from jaxserve.engine.speculative.policy import MAX_PROBE_STEPS, MIN_PROBE_STEPS, match_class
+from jaxserve.engine.speculative.policy import COST_WINDOW, MAX_PROBE_STEPS, MIN_PROBE_STEPS, match_class
 
 DECODE_S, PER_DRAFT_TOKEN_S = 0.030, 0.003  # a batch-1 decode step and a verified draft token
 
@@ -49,6 +49,26 @@ def test_marginal_cost_rule():
     assert not policy.wants_draft(DraftState(accept_ema=1.3), 8, 12)
     assert policy.wants_draft(DraftState(accept_ema=4.6), 8, 12)
     assert DraftPolicy(adaptive=False).wants_draft(DraftState(accept_ema=0.0), 1, 12)
+
+
+def test_one_slow_step_does_not_move_the_costs():
+    """A step that compiled on first use (here 10x the others) is one of the last COST_WINDOW steps, not
+    their cost: the rule's decision is the same before and after it, and the costs follow a slower
+    spell that lasts (median of the window)."""
+    policy = measured_policy()
+    for _ in range(4):
+        policy.costs.observe_decode(1, DECODE_S)
+        policy.costs.observe_verify(1, 10, DECODE_S + 10 * PER_DRAFT_TOKEN_S)
+    policy.costs.observe_decode(1, 10 * DECODE_S)
+    policy.costs.observe_verify(1, 10, 10 * DECODE_S)  # a first-use compile: 27 ms per draft token
+    assert policy.costs.decode_seconds(1) == pytest.approx(DECODE_S)
+    assert policy.costs.seconds_per_draft_token == pytest.approx(PER_DRAFT_TOKEN_S)
+    assert policy.wants_draft(DraftState(accept_ema=1.3), 1, 12)  # as in test_marginal_cost_rule
+    for _ in range(COST_WINDOW):  # the machine got 2x slower for good
+        policy.costs.observe_decode(1, 2 * DECODE_S)
+        policy.costs.observe_verify(1, 10, 2 * DECODE_S + 10 * 2 * PER_DRAFT_TOKEN_S)
+    assert policy.costs.decode_seconds(1) == pytest.approx(2 * DECODE_S)
+    assert policy.costs.seconds_per_draft_token == pytest.approx(2 * PER_DRAFT_TOKEN_S)
 
 
 def test_switches_off_probes_with_backoff_and_switches_back_on():

@@ -1,7 +1,8 @@
 """When speculation pays: a per-request draft decision from measured step costs and acceptance.
 
 Verifying a draft costs the step more tokens; it pays when the tokens it is expected to add are worth
-more than that. With, from the steps the engine has run (exponential moving averages):
+more than that. With, from the steps the engine has run (step costs: medians of the last `COST_WINDOW`;
+acceptance: exponential moving averages):
 
     decode(B)  seconds of a decode-only step of B requests (per power-of-two bucket of B),
     c          marginal seconds per verified draft token: (verify step - decode(B)) / draft tokens,
@@ -35,10 +36,17 @@ request meets too few of them to learn their worth alone (docs/benchmarks.md, is
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
 
-# weight of the newest observation in the moving averages of step costs and of acceptance
-COST_EMA_WEIGHT = 0.2
+# a step cost is the median of its last this many observations (the prefill budget's rule,
+# prefill_budget.COST_WINDOW): one slow step (the first verification after start-up took 1.7x the
+# next ones; a GC pause; another process's burst) does not move it. A moving average kept it high
+# for several steps, and the drafts it refused meanwhile made no verification to bring it down
+# (a probe under a concurrent test run: 27 ms per draft token against 2.5 idle, docs/benchmarks.md)
+COST_WINDOW = 8
+# weight of the newest observation in the moving averages of acceptance
 ACCEPT_EMA_WEIGHT = 0.5
 MIN_PROBE_STEPS = 8
 MAX_PROBE_STEPS = 128
@@ -77,27 +85,30 @@ def match_class(match_len: int) -> int:
 
 
 class StepCosts:
-    """Moving averages of decode-only step seconds per batch bucket and of the marginal seconds per
-    verified draft token (see the module docstring)."""
+    """Decode-only step seconds per batch bucket and the marginal seconds per verified draft token, each
+    the median of its last `COST_WINDOW` observations (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._decode: dict[int, float] = {}
-        self.seconds_per_draft_token: float | None = None
+        self._decode: dict[int, collections.deque[float]] = {}
+        self._per_draft_token: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
 
     def observe_decode(self, num_reqs: int, seconds: float) -> None:
-        key = _bucket(num_reqs)
-        self._decode[key] = _ema(self._decode.get(key), seconds, COST_EMA_WEIGHT)
+        self._decode.setdefault(_bucket(num_reqs), collections.deque(maxlen=COST_WINDOW)).append(seconds)
 
     def observe_verify(self, num_reqs: int, num_draft_tokens: int, seconds: float) -> None:
         """A verification step of `num_reqs` requests with `num_draft_tokens` drafts in all."""
         decode = self.decode_seconds(num_reqs)
         if decode is None or num_draft_tokens == 0:
             return
-        per_token = max(seconds - decode, 0.0) / num_draft_tokens
-        self.seconds_per_draft_token = _ema(self.seconds_per_draft_token, per_token, COST_EMA_WEIGHT)
+        self._per_draft_token.append(max(seconds - decode, 0.0) / num_draft_tokens)
+
+    @property
+    def seconds_per_draft_token(self) -> float | None:
+        return statistics.median(self._per_draft_token) if self._per_draft_token else None
 
     def decode_seconds(self, num_reqs: int) -> float | None:
-        return self._decode.get(_bucket(num_reqs))
+        steps = self._decode.get(_bucket(num_reqs))
+        return statistics.median(steps) if steps else None
 
 
 class DraftPolicy:
