@@ -40,12 +40,8 @@ import collections
 import dataclasses
 import statistics
 
-# a step cost is the median of its last this many observations (the prefill budget's rule,
-# prefill_budget.COST_WINDOW): one slow step (the first verification after start-up took 1.7x the
-# next ones; a GC pause; another process's burst) does not move it. A moving average kept it high
-# for several steps, and the drafts it refused meanwhile made no verification to bring it down
-# (a probe under a concurrent test run: 27 ms per draft token against 2.5 idle, docs/benchmarks.md)
-COST_WINDOW = 8
+from jaxserve.engine.prefill_budget import COST_WINDOW
+
 # weight of the newest observation in the moving averages of acceptance
 ACCEPT_EMA_WEIGHT = 0.5
 MIN_PROBE_STEPS = 8
@@ -85,8 +81,12 @@ def match_class(match_len: int) -> int:
 
 
 class StepCosts:
-    """Decode-only step seconds per batch bucket and the marginal seconds per verified draft token, each
-    the median of its last `COST_WINDOW` observations (see the module docstring)."""
+    """Decode-only step seconds per batch bucket and the marginal seconds per verified draft token (see
+    the module docstring), each the median of its last `COST_WINDOW` observations (the prefill
+    budget's window): one slow step (the first verification after start-up took 1.7x the next ones;
+    a GC pause; another process's burst) does not move it, where a moving average stayed high for
+    several steps and the drafts it refused meanwhile made no verification to bring it down; a
+    lasting change does."""
 
     def __init__(self) -> None:
         self._decode: dict[int, collections.deque[float]] = {}
