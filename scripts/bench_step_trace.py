@@ -8,6 +8,11 @@ request's ITLs are the gaps between the steps that gave it tokens (spread over t
 step, as bench_serving does). Printed: median and P99 ITL, and the P99 tail's steps by kind.
 
     python scripts/bench_step_trace.py --flags "--max-total-tokens 16384" --concurrency 8 --num-prompts 24
+
+With --dataset-output-lens each random request runs its own output length (uniform in [1, --output-len]
+at the default --random-range-ratio 0), as bench_serving's random workload does served: requests end
+all through the run and new prompts are prefilled beside the decodes, which is where the prefill
+budget's throughput cost shows (docs/benchmarks.md, issue 20).
 """
 
 from __future__ import annotations
@@ -51,9 +56,17 @@ def main(argv=None) -> None:
                    help="copy-heavy: bench_serving's copy-heavy prompts (--copy-num-sentences, --copy-output-len)")
     p.add_argument("--copy-num-sentences", type=int, default=6)
     p.add_argument("--copy-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random: input (and, with --dataset-output-lens, output) lengths uniform in [len x ratio, len], "
+                   "as bench_serving's flag")
+    p.add_argument("--dataset-output-lens", action="store_true",
+                   help="random: each request runs its own sampled output length (bench_serving's random workload: "
+                   "requests end all through the run and prompts keep arriving) instead of --output-len for all")
     p.add_argument("--breakdown", action="store_true",
                    help="print each step kind's share of the time per output token (speculation on)")
     args = p.parse_args(argv)
+    if args.dataset_output_lens and args.dataset != "random":
+        p.error("--dataset-output-lens is for --dataset random (copy-heavy requests all run --copy-output-len)")
 
     from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
@@ -66,7 +79,7 @@ def main(argv=None) -> None:
         args.output_len = args.copy_output_len
     else:
         rows = sample_random_requests(PromptSampler(engine.tokenizer, rng), args.num_prompts,
-                                      args.input_len, args.output_len, 0.0)
+                                      args.input_len, args.output_len, args.random_range_ratio)
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     engine.generate(rows[0].prompt, {**params, "max_new_tokens": 8})  # warm-up
 
@@ -95,7 +108,8 @@ def main(argv=None) -> None:
     in_flight = 0
     while pending or engine.has_unfinished():
         while pending and in_flight < args.concurrency:
-            engine.add_request(pending.pop(0).prompt, params)
+            row = pending.pop(0)
+            engine.add_request(row.prompt, {**params, "max_new_tokens": row.output_len} if args.dataset_output_lens else params)
             in_flight += 1
         compiles = engine.runner.num_compiles_after_warmup
         verifications = engine.stats.num_spec_verifications
