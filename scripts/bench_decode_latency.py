@@ -439,7 +439,7 @@ def _check_mode_options(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error("--paired runs its own workload: --workloads would be ignored")
     mode = "paired" if args.paired else "interleaved" if args.interleaved else "sequential"
     for name, modes in _OPTION_MODES.items():
-        if mode not in modes and getattr(args, name) not in (None, False, []):
+        if mode not in modes and getattr(args, name) != p.get_default(name):  # given (defaults: None, False, [])
             here = "without --paired or --interleaved" if mode == "sequential" else f"with --{mode}"
             p.error(f"--{name.replace('_', '-')} does nothing {here}")
 
@@ -487,7 +487,7 @@ def main(argv=None) -> None:
         for v in args.variants:
             name, _, flags = v.partition("=")
             results.append(paired_overhead(name, base + shlex.split(flags), args.paired, args.seed, Path(args.log_dir),
-                                           args.backend, args.paired_rounds or 2))
+                                           args.backend, 2 if args.paired_rounds is None else args.paired_rounds))
         print_paired(results)
         if args.output_file:
             with open(args.output_file, "a") as f:

@@ -122,6 +122,7 @@ def test_interleaved_needs_a_baseline_among_the_variants(bench):
 
 @pytest.mark.parametrize("argv, named", [
     (["--workloads", "random:1:2", "--rounds", "3"], "--rounds does nothing without --paired or --interleaved"),
+    (["--workloads", "random:1:2", "--settle-rounds", "0"], "--settle-rounds does nothing without"),  # 0 is given too
     (["--workloads", "random:1:2", "--baseline", "off"], "--baseline does nothing without"),
     (["--paired", "random:1:2", "--interleaved"], "--paired and --interleaved"),
     (["--paired", "random:1:2", "--workloads", "random:1:2"], "--workloads would be ignored"),
