@@ -102,10 +102,21 @@ def interleaved(args: argparse.Namespace, gguf: str, tokenizer: str) -> list[dic
             proc.wait(60)
 
 
+def print_sequential(results: list[dict]) -> None:
+    """One row per (server, workload) of the servers run one after the other: output tok/s, median TPOT,
+    ITL (median, P99) and TTFT in ms, as bench_serving reports them."""
+    print("\n| server | workload | output tok/s | median TPOT (ms) | median ITL (ms) | P99 ITL (ms) | median TTFT (ms) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['server']} | {r['workload']} | {r['output_throughput']:.1f} | {r['median_tpot_ms']:.1f} | "
+              f"{r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | {r['median_ttft_ms']:.1f} |")
+
+
 def print_interleaved(rows: list[dict]) -> None:
-    """Per workload and jaxserve variant, over the counted rounds: the median and mean TPOT over all requests
-    (every request makes the same tokens, so the mean is the total decode time per token) and the output tok/s (tokens / seconds over all rounds) of llama-server and of the variant, and the
-    variant's median TPOT over llama-server's in the same round (mean, min, max of the per-round
+    """Per workload and jaxserve variant, over the counted rounds: the median and mean TPOT over all
+    requests (every request makes the same tokens, so the mean is the total decode time per token)
+    and the output tok/s (tokens / seconds over all rounds) of llama-server and of the variant, and
+    the variant's median TPOT over llama-server's in the same round (mean, min, max of the per-round
     ratios, and the rounds where the variant's was at or below)."""
     counted = [r for r in rows if r["round"] >= 0]
     print("\n| workload | jaxserve | rounds | median TPOT (ms), llama-server / jaxserve | mean TPOT (ms), llama-server / "
@@ -179,11 +190,7 @@ def main(argv=None) -> None:
     finally:
         proc.terminate()
         proc.wait(60)
-    print("\n| server | workload | output tok/s | median TPOT (ms) | median ITL (ms) | P99 ITL (ms) | median TTFT (ms) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['server']} | {r['workload']} | {r['output_throughput']:.1f} | {r['median_tpot_ms']:.1f} | "
-              f"{r['median_itl_ms']:.1f} | {r['p99_itl_ms']:.1f} | {r['median_ttft_ms']:.1f} |")
+    print_sequential(results)
     if args.output_file:
         with open(args.output_file, "a") as f:
             for r in results:

@@ -50,3 +50,11 @@ def test_interleaved_table_has_a_row_per_jaxserve_variant(bench, capsys):
 def test_variants_need_interleaved(bench):
     with pytest.raises(SystemExit):
         bench.main(["--llama-server", "x", "--workloads", "copy-heavy:1:6", "--jaxserve-variants", "a=--x"])
+
+
+def test_sequential_table_has_as_many_separators_as_columns(bench, capsys):
+    bench.print_sequential([{"server": "llama-server", "workload": "random:1:6", "output_throughput": 40.0,
+                             "median_tpot_ms": 14.0, "median_itl_ms": 13.5, "p99_itl_ms": 30.25, "median_ttft_ms": 800.0}])
+    header, separator, row = capsys.readouterr().out.strip().splitlines()
+    assert header.count("|") == separator.count("|") == row.count("|") == 8
+    assert row == "| llama-server | random:1:6 | 40.0 | 14.0 | 13.5 | 30.2 | 800.0 |"
