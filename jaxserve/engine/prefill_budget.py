@@ -49,6 +49,8 @@ import math
 import statistics
 from typing import Sequence
 
+from jaxserve.engine.buckets import pow2_at_least
+
 # weight of the newest step in the moving average of seconds per prefill token: about the last ten count
 EMA_WEIGHT = 0.1
 # the stall credit never exceeds stall_fraction x this many ITLs (16 stalled tokens at 1%)
@@ -102,10 +104,10 @@ class PrefillBudget:
         self._account_stall(num_decodes, num_prefill_tokens, seconds, batch_size)
         if num_prefill_tokens == 0:
             if num_decodes > 0:
-                _record(self._decode_steps, _bucket(num_decodes), seconds)
+                _record(self._decode_steps, pow2_at_least(num_decodes), seconds)
             return
         if num_decodes and step_bucket is not None:
-            _record(self._mixed_steps, (_bucket(num_decodes), step_bucket), seconds)
+            _record(self._mixed_steps, (pow2_at_least(num_decodes), step_bucket), seconds)
         base = self.decode_seconds(num_decodes) if num_decodes else 0.0
         per_token = max(seconds - (base or 0.0), 0.0) / num_prefill_tokens
         self._seconds_per_token = _ema(self._seconds_per_token, per_token)
@@ -172,7 +174,7 @@ class PrefillBudget:
     def decode_seconds(self, num_decodes: int) -> float | None:
         """Estimated seconds of a decode-only step of `num_decodes` requests (None before any was seen):
         the cost (`COST_WINDOW`) of the measured bucket, else that of the nearest smaller measured one."""
-        key = _bucket(num_decodes)
+        key = pow2_at_least(num_decodes)
         if key in self._decode_steps:
             return statistics.median(self._decode_steps[key])
         smaller = [k for k in self._decode_steps if k < key]
@@ -200,7 +202,7 @@ class PrefillBudget:
         measured."""
         if not self.enabled or num_decodes == 0:
             return self.max_tokens
-        if _bucket(num_decodes) not in self._decode_steps:
+        if pow2_at_least(num_decodes) not in self._decode_steps:
             return 0
         if self._seconds_per_token is None:
             return self.min_tokens
@@ -213,7 +215,7 @@ class PrefillBudget:
     def mixed_seconds(self, num_decodes: int, step_bucket: int) -> float | None:
         """Estimated seconds of a step of `num_decodes` decodes filled to `step_bucket` tokens: the cost
         (`COST_WINDOW`) of such steps, None if none was measured."""
-        steps = self._mixed_steps.get((_bucket(num_decodes), step_bucket))
+        steps = self._mixed_steps.get((pow2_at_least(num_decodes), step_bucket))
         return statistics.median(steps) if steps else None
 
     def step_tokens(self, num_decodes: int, cap: int, buckets: Sequence[int], batch_size: int = 0) -> int:
@@ -241,7 +243,7 @@ class PrefillBudget:
             t, cost = candidates[i], self.mixed_seconds(num_decodes, candidates[i])
             if cost is not None and cost <= limit:
                 return t
-            num_steps = len(self._mixed_steps.get((_bucket(num_decodes), t), ()))
+            num_steps = len(self._mixed_steps.get((pow2_at_least(num_decodes), t), ()))
             if num_steps < MIN_COST_STEPS and self._first_try_fits(num_decodes, candidates[:i], t, limit):
                 return t
         return candidates[0]  # every bucket is over the bound: the smallest, so that prompts progress
@@ -270,10 +272,6 @@ class PrefillBudget:
 
 def _record(steps: dict, key, seconds: float) -> None:
     steps.setdefault(key, collections.deque(maxlen=COST_WINDOW)).append(seconds)
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _ema(old: float | None, new: float) -> float:

@@ -40,6 +40,7 @@ import collections
 import dataclasses
 import statistics
 
+from jaxserve.engine.buckets import pow2_at_least
 from jaxserve.engine.prefill_budget import COST_WINDOW
 
 # weight of the newest observation in the moving averages of acceptance
@@ -93,7 +94,7 @@ class StepCosts:
         self._per_draft_token: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
 
     def observe_decode(self, num_reqs: int, seconds: float) -> None:
-        self._decode.setdefault(_bucket(num_reqs), collections.deque(maxlen=COST_WINDOW)).append(seconds)
+        self._decode.setdefault(pow2_at_least(num_reqs), collections.deque(maxlen=COST_WINDOW)).append(seconds)
 
     def observe_verify(self, num_reqs: int, num_draft_tokens: int, seconds: float) -> None:
         """A verification step of `num_reqs` requests with `num_draft_tokens` drafts in all."""
@@ -107,7 +108,7 @@ class StepCosts:
         return statistics.median(self._per_draft_token) if self._per_draft_token else None
 
     def decode_seconds(self, num_reqs: int) -> float | None:
-        steps = self._decode.get(_bucket(num_reqs))
+        steps = self._decode.get(pow2_at_least(num_reqs))
         return statistics.median(steps) if steps else None
 
 
@@ -154,10 +155,6 @@ class DraftPolicy:
         state.num_skipped = 0
         if was_probe:  # back off further after a failed probe; start over after an accepted one
             state.probe_steps = MIN_PROBE_STEPS if num_accepted else min(2 * state.probe_steps, MAX_PROBE_STEPS)
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
