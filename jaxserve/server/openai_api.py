@@ -437,12 +437,38 @@ def _chat_finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-async def chat_completions(request: Request) -> Response:
-    """POST /v1/chat/completions."""
+@dataclasses.dataclass
+class ChatRun:
+    """A chat request submitted to the engine (`submit_chat`): its request group, and how to read its
+    outputs: `plan` (the tools and their parser), `reasoning` (the format that splits the reasoning
+    out of the text, None to leave it in)."""
+
+    group: RequestGroup
+    rid: str
+    plan: ToolPlan
+    reasoning: ReasoningFormat | None
+
+
+async def submit_chat(request: Request, req: ChatCompletionRequest, field_names: dict[str, str] | None = None) -> ChatRun:
+    """Check `req`, render its prompt and submit it (on the preprocessing thread). `field_names` renames
+    fields in error params for an API that takes the chat under other names (/v1/responses' `input`,
+    `max_output_tokens`).
+
+    Raises:
+        APIError: 400 naming the field (with `field_names` applied).
+    """
+    rename = field_names or {}
+    try:
+        return await _submit_chat(request, req, rename)
+    except APIError as e:
+        if e.param is not None:
+            head, sep, rest = e.param.partition("[") if "[" in e.param else e.param.partition(".")
+            e.param = rename.get(head, head) + sep + rest
+        raise
+
+
+async def _submit_chat(request: Request, req: ChatCompletionRequest, rename: dict[str, str]) -> ChatRun:
     engine_loop = request.app.state.engine_loop
-    body = parse_json_body(await request.body())
-    check_field_types(body)  # the same wording as /generate's for a wrong type
-    req = ChatCompletionRequest.model_validate(body)
     check_openai_request(req)
     check_chat_messages(req)
     check_tokenizer_needed(request, "messages", True)
@@ -457,7 +483,7 @@ async def chat_completions(request: Request) -> Response:
     tokenizer = engine_loop.tokenizer
     rid = _new_rid(req)
     group = RequestGroup(engine_loop)
-    renames = _renames(req, "messages", max_field, "top_logprobs")
+    renames = {k: rename.get(v, v) for k, v in _renames(req, "messages", max_field, "top_logprobs").items()}
     if plan.grammar is not None:
         renames["ebnf"] = "tool_choice"
     fmt = request.app.state.reasoning_format
@@ -474,8 +500,19 @@ async def chat_completions(request: Request) -> Response:
                 think_end_ids=think_end_ids)
 
     await preprocess(request, prepare)
-    model = request.app.state.model_name
     reasoning = fmt if req.separate_reasoning and (not constrained or think_end_ids) else None
+    return ChatRun(group, rid, plan, reasoning)
+
+
+async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    body = parse_json_body(await request.body())
+    check_field_types(body)  # the same wording as /generate's for a wrong type
+    req = ChatCompletionRequest.model_validate(body)
+    run = await submit_chat(request, req)
+    group, rid, plan, reasoning = run.group, run.rid, run.plan, run.reasoning
+    tokenizer = request.app.state.engine_loop.tokenizer
+    model = request.app.state.model_name
     if req.stream:
         mark_streaming(request, group.rids)
         return SSEResponse(_chat_stream(group, req, f"chatcmpl-{rid}", model, tokenizer, plan, reasoning))
