@@ -4,6 +4,8 @@ Routes:
     POST /generate                 SGLang's native API (native_api.py)
     POST /v1/completions           OpenAI (openai_api.py)
     POST /v1/chat/completions
+    POST /v1/responses             OpenAI's Responses API (responses_api.py)
+    GET  /v1/responses/{id}        a stored response (DELETE forgets it)
     GET  /v1/models                the served model (models_api.py)
     GET  /v1/models/{model}        its card; 404 for another name
     GET  /metrics                  Prometheus metrics (metrics.py), unless --disable-metrics
@@ -44,7 +46,7 @@ from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoad, EngineLoop
 from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.model.tokenizer import tokenizer_files_path
-from jaxserve.server import models_api, native_api, openai_api
+from jaxserve.server import models_api, native_api, openai_api, responses_api
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.chat_template import load_chat_template
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
@@ -296,6 +298,9 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/generate", native_api.generate, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses_api.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses_api.retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),
         Route("/v1/models", models_api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", models_api.retrieve_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -328,6 +333,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     app.state.model_name = model_name
     app.state.chat_template = chat_template
     app.state.reasoning_format = reasoning
+    app.state.response_store = responses_api.ResponseStore()
     app.state.serving_metrics = metrics
     app.state.openapi = openapi_document()
     return app

@@ -19,6 +19,9 @@ _OPERATIONS: tuple[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] 
     ("post", "/generate", "SGLang's native generation API", protocol.GenerateRequest, protocol.GenerateOutput),
     ("post", "/v1/completions", "OpenAI completions", protocol.CompletionRequest, protocol.CompletionResponse),
     ("post", "/v1/chat/completions", "OpenAI chat completions", protocol.ChatCompletionRequest, protocol.ChatCompletionResponse),
+    ("post", "/v1/responses", "OpenAI Responses API (a Response object; named events when stream)", protocol.ResponsesRequest, None),
+    ("get", "/v1/responses/{response_id}", "a stored response; 404 (param response_id) for an unknown id", None, None),
+    ("delete", "/v1/responses/{response_id}", "forget a stored response; 404 (param response_id) for an unknown id", None, None),
     ("get", "/v1/models", "the served model", None, protocol.ModelList),
     ("get", "/v1/models/{model}", "the served model's card; 404 (model_not_found) for another name", None,
      protocol.ModelCard),
@@ -37,8 +40,11 @@ _ABORT_BODY = {"type": "object", "properties": {"rid": {"type": "string", "minLe
                "anyOf": [{"required": ["rid"]}, {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}}]}
 # a name may contain slashes (`org/name`): the route matches the rest of the path
 _PATH_PARAMETERS = {"/v1/models/{model}": ({"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
-                                            "description": "the served model name, as /v1/models lists it"},)}
-_NOT_FOUND = {"/v1/models/{model}": "no model of that name (code model_not_found, param model)"}
+                                            "description": "the served model name, as /v1/models lists it"},),
+                    "/v1/responses/{response_id}": ({"name": "response_id", "in": "path", "required": True,
+                                                     "schema": {"type": "string"}, "description": "a stored response's id"},)}
+_NOT_FOUND = {"/v1/models/{model}": "no model of that name (code model_not_found, param model)",
+              "/v1/responses/{response_id}": "no stored response of that id (code not_found, param response_id)"}
 _ERROR = {
     "type": "object",
     "properties": {"error": {"type": "object", "properties": {

@@ -1,5 +1,6 @@
 """Request and response schemas of the HTTP API (pydantic): SGLang's native /generate and OpenAI's
-/v1/completions, /v1/chat/completions and /v1/models.
+/v1/completions, /v1/chat/completions, /v1/responses (its request; responses_api.py builds the reply)
+and /v1/models.
 
 Requests validate in strict mode: a string where a number belongs is a 400 naming the field, not a
 silent conversion. A JSON `null` means "the default" for every field (OpenAI clients send
@@ -245,6 +246,83 @@ class ChatCompletionRequest(_OpenAISampling):
     # not a chat field (OpenAI refuses it); kept only to answer with a 400 that names it, and out of
     # /openapi.json, which documents what the route accepts
     best_of: SkipJsonSchema[Any] = None
+
+
+
+# ---- OpenAI Responses API: requests -------------------------------------------------------------
+class ResponseInputText(_Request):
+    """A text part of an input message: `input_text` (user, system, developer) or `output_text` (an
+    earlier assistant turn sent back; its annotations are ignored)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class ResponseInputMessage(_Request):
+    """A message of `input` (OpenAI's EasyInputMessage, or an output message of an earlier response)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponseInputText]
+
+
+class ResponseInputReasoning(_Request):
+    """A reasoning item of an earlier response sent back as input: accepted and left out of the prompt,
+    as chat templates leave out earlier turns' reasoning."""
+
+    type: Literal["reasoning"]
+
+
+class ResponseTextFormat(_Request):
+    """`text.format`: plain text, any JSON object, or JSON that matches `schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseTextConfig(_Request):
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses: OpenAI's Responses API over the chat path. `input` is a text (one user
+    message) or a list of messages; `instructions` becomes a system message first (not carried over
+    to a response that continues this one through `previous_response_id`, as OpenAI documents);
+    `max_output_tokens` bounds the reply (default: the rest of the context); `text.format` constrains
+    it to JSON; `store` (default true) keeps the response for GET /v1/responses/{id} and for
+    `previous_response_id`. Tools, `background` and `include` are refused (400 naming them); the
+    sampling extras are SGLang's fields of the same request."""
+
+    model: str | None = None
+    input: str | list[ResponseInputMessage | ResponseInputReasoning]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    text: ResponseTextConfig | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    background: bool = False
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    user: str | None = None
+    # SGLang's extra sampling fields of its ResponsesRequest
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
+    request_id: str | None = None
 
 
 # ---- OpenAI: responses --------------------------------------------------------------------------

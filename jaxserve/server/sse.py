@@ -1,4 +1,5 @@
-"""Server-sent events: `data: {json}\\n\\n` per event, `data: [DONE]` last (SGLang and OpenAI).
+"""Server-sent events: `data: {json}\\n\\n` per event, `data: [DONE]` last (SGLang and OpenAI's completions;
+the Responses API names its events and sends no [DONE]).
 
 `SSEResponse` always listens for the client's disconnect while it streams and closes the event
 generator when it stops, whatever the ASGI server's spec version: uvicorn does not fail a `send`
@@ -19,9 +20,11 @@ from starlette.types import Receive, Scope, Send
 DONE = "data: [DONE]\n\n"
 
 
-def sse_event(payload: Any) -> str:
-    """One SSE event carrying `payload` as JSON (non-ASCII kept as is)."""
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse_event(payload: Any, event: str | None = None) -> str:
+    """One SSE event carrying `payload` as JSON (non-ASCII kept as is), named `event` when given (the
+    Responses API names each event by its type)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 class SSEResponse(StreamingResponse):

@@ -1,0 +1,170 @@
+"""POST /v1/responses (and GET / DELETE of stored responses) through the official `openai` client.
+
+The Responses API runs a chat, so each answer is checked against /v1/chat/completions with the same
+conversation, greedy: the same text and token counts. Streams are read with the client's own stream
+helper, which rebuilds the Response from the events and refuses events out of order. The reasoning
+items run over the scripted fake engine of test_launch_flags (no model reasons here).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server.conftest import wait_idle
+from tests.server.test_launch_flags import serve  # noqa: F401 (fixture)
+
+QUESTION = "Name three colours."
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def chat_text(client, model, messages, max_tokens, **kwargs):
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0, **kwargs)
+    return resp.choices[0].message.content, resp.usage, resp.choices[0].finish_reason
+
+
+def test_text_input_is_a_user_message_and_instructions_a_system_one(client, model):
+    resp = client.responses.create(model=model, input=QUESTION, instructions="Answer briefly.",
+                                   max_output_tokens=10, temperature=0)
+    text, usage, finish = chat_text(client, model, [{"role": "system", "content": "Answer briefly."},
+                                                    {"role": "user", "content": QUESTION}], 10)
+    assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == model
+    assert resp.output_text == text
+    assert [item.type for item in resp.output] == ["message"]
+    assert resp.output[0].role == "assistant" and resp.output[0].content[0].type == "output_text"
+    assert resp.usage.input_tokens == usage.prompt_tokens
+    assert resp.usage.output_tokens == usage.completion_tokens
+    assert resp.usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert resp.instructions == "Answer briefly." and resp.max_output_tokens == 10
+    if finish == "length":
+        assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert resp.status == "completed" and resp.incomplete_details is None
+
+
+def test_message_list_input_and_a_cut_reply_is_incomplete(client, model):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+                {"role": "user", "content": QUESTION}]
+    items = [messages[0], {"type": "message", "role": "assistant",
+                           "content": [{"type": "output_text", "text": messages[1]["content"], "annotations": []}]},
+             {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+    resp = client.responses.create(model=model, input=items, max_output_tokens=3, temperature=0)
+    text, usage, finish = chat_text(client, model, messages, 3)
+    assert resp.output_text == text and resp.usage.input_tokens == usage.prompt_tokens
+    assert finish == "length" and usage.completion_tokens == 3  # 3 tokens cannot end the tiny model's reply
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.output[0].status == "incomplete"
+
+
+def test_stream_events_carry_the_same_response(client, model):
+    kwargs = dict(model=model, input=QUESTION, max_output_tokens=12, temperature=0)
+    full = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    types = [e.type for e in events]
+    terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}[full.status]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", terminal]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == full.output_text == final.output_text == events[-4].text
+    assert final.usage.output_tokens == full.usage.output_tokens and final.status == full.status
+    assert {e.item_id for e in events if hasattr(e, "item_id")} == {final.output[0].id}
+    assert events[0].response.id == final.id and events[0].response.status == "in_progress"
+
+
+def test_previous_response_id_continues_the_conversation(client, model):
+    first = client.responses.create(model=model, input="Hi", instructions="Be kind.", max_output_tokens=6, temperature=0)
+    second = client.responses.create(model=model, input=QUESTION, previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    # the instructions of the first response are not carried over (OpenAI's rule)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": QUESTION}]
+    text, usage, _ = chat_text(client, model, messages, 6)
+    assert second.output_text == text and second.usage.input_tokens == usage.prompt_tokens
+    assert second.previous_response_id == first.id
+
+
+def test_retrieve_and_delete_a_stored_response(client, model):
+    resp = client.responses.create(model=model, input="Hi", max_output_tokens=2, temperature=0)
+    got = client.responses.retrieve(resp.id)
+    assert got.id == resp.id and got.output_text == resp.output_text and got.usage == resp.usage
+    client.responses.delete(resp.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.retrieve(resp.id)
+    assert err.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(resp.id)
+    unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, temperature=0, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model=model, input="Hi", previous_response_id=unstored.id, max_output_tokens=2)
+    assert err.value.body["param"] == "previous_response_id"
+
+
+def test_text_format_json_schema_constrains_the_reply(client, model):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}},
+              "required": ["colour"], "additionalProperties": False}
+    resp = client.responses.create(model=model, input="Give a colour as JSON.", max_output_tokens=40, temperature=0,
+                                   text={"format": {"type": "json_schema", "name": "colour", "schema": schema}})
+    assert resp.status == "completed"
+    jsonschema.validate(json.loads(resp.output_text), schema)
+    assert resp.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("fields, param, status", [
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", 400),
+    ({"background": True}, "background", 400),
+    ({"include": ["message.output_text.logprobs"]}, "include", 400),
+    ({"input": []}, "input", 400),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type", 400),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type", 400),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", 400),
+    ({"input": [{"role": "user"}]}, "input[0].content", 400),
+    ({"max_output_tokens": -1}, "max_output_tokens", 400),
+    ({"temperature": -1.0}, "temperature", 400),
+    ({"temperature": "hot"}, "temperature", 400),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", 400),
+    ({"previous_response_id": "resp_unknown"}, "previous_response_id", 404),
+])
+def test_bad_requests_name_the_field_and_leak_nothing(http, fields, param, status):
+    resp = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2, **fields})
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["param"] is not None and error["param"].startswith(param), error
+    wait_idle(http)
+
+
+def test_a_reasoning_reply_is_a_reasoning_item_then_the_message(serve):
+    pieces = ["<think>", "six ", "sevens", "</think>", "The answer", " is 42."]
+    client, _ = serve(pieces, reasoning_parser="deepseek-r1")
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    resp = oai.responses.create(model="m", input="What is 6 x 7?")
+    assert [item.type for item in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text == "six sevens"
+    assert resp.output_text == "The answer is 42."
+    with oai.responses.stream(model="m", input="What is 6 x 7?") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert "response.reasoning_text.delta" in types and types[-1] == "response.completed"
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "six sevens"
+    assert final.output_text == "The answer is 42."
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
