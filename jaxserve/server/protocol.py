@@ -273,6 +273,38 @@ class ResponseInputReasoning(_Request):
     type: Literal["reasoning"]
 
 
+class ResponseFunctionCallInput(_Request):
+    """A function call of an earlier reply, sent back (an `output` item of type function_call)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ResponseFunctionCallOutput(_Request):
+    """The result of the function call `call_id`, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ResponseFunctionTool(_Request):
+    """A function the model may call (the Responses API's flat form of a chat `tools` entry)."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ResponseNamedFunction(_Request):
+    type: Literal["function"]
+    name: str
+
+
 class ResponseTextFormat(_Request):
     """`text.format`: plain text, any JSON object, or JSON that matches `schema`."""
 
@@ -292,12 +324,14 @@ class ResponsesRequest(_Request):
     message) or a list of messages; `instructions` becomes a system message first (not carried over
     to a response that continues this one through `previous_response_id`, as OpenAI documents);
     `max_output_tokens` bounds the reply (default: the rest of the context); `text.format` constrains
-    it to JSON; `store` (default true) keeps the response for GET /v1/responses/{id} and for
-    `previous_response_id`. Tools, `background` and `include` are refused (400 naming them); the
-    sampling extras are SGLang's fields of the same request."""
+    it to JSON; `tools` are function tools, called as in chat completions (`tool_choice` "required" or
+    named forces a call under a grammar), their calls sent back as function_call items and their
+    results as function_call_output items; `store` (default true) keeps the response for
+    GET /v1/responses/{id} and for `previous_response_id`. `background` and `include` are refused
+    (400 naming them); the sampling extras are SGLang's fields of the same request."""
 
     model: str | None = None
-    input: str | list[ResponseInputMessage | ResponseInputReasoning]
+    input: str | list[ResponseInputMessage | ResponseInputReasoning | ResponseFunctionCallInput | ResponseFunctionCallOutput]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -307,8 +341,8 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     text: ResponseTextConfig | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedFunction | None = None
     parallel_tool_calls: bool = True
     background: bool = False
     include: list[str] | None = None

@@ -2,24 +2,30 @@
 
 A request is a chat: `instructions` (a system message), the conversation that `previous_response_id`
 ended with, then `input`, run through the chat path (`openai_api.submit_chat`), so the chat template,
-sampling, JSON output (`text.format`), --reasoning-parser and the 400s are the chat's (a 400 names the
-Responses field: `input`, `max_output_tokens`, `text.format`).
+sampling, JSON output (`text.format`), function tools (`--tool-call-parser`), --reasoning-parser and
+the 400s are the chat's (a 400 names the Responses field: `input`, `max_output_tokens`, `text.format`,
+`tools[i].name`). Input items map onto chat messages: messages as they are (text parts joined),
+function_call items onto an assistant message's `tool_calls`, function_call_output items onto `tool`
+messages; reasoning items are left out, as chat templates leave out earlier reasoning.
 
-The reply is a Response object (`object: "response"`): a "reasoning" output item when the reply reasons
-(with --reasoning-parser), then one "message" item with one "output_text" part. `status` is
-"completed"; "incomplete" with `incomplete_details.reason` "max_output_tokens" when the length limit
-cut the reply; "failed" when the request was aborted (/abort_request). `usage` counts input, cached
-and output tokens (reasoning tokens: the reasoning text re-tokenized).
+The reply is a Response object (`object: "response"`): a "reasoning" output item when the reply
+reasons (with --reasoning-parser), a "message" item with one "output_text" part when it has text
+(or nothing else), then one "function_call" item per call. `status` is "completed"; "incomplete"
+with `incomplete_details.reason` "max_output_tokens" when the length limit cut the reply; "failed"
+when the request was aborted (/abort_request). `usage` counts input, cached and output tokens
+(reasoning tokens: the reasoning text re-tokenized).
 
 A stream sends OpenAI's named events, each with a `sequence_number`: response.created,
-response.in_progress, then per output item response.output_item.added, response.content_part.added,
-its text deltas (response.reasoning_text.delta or response.output_text.delta), the matching .done
-events, and last response.completed, response.incomplete or response.failed with the whole Response.
-No `[DONE]` (OpenAI sends none on this API).
+response.in_progress, then per output item response.output_item.added, for text items
+response.content_part.added, the deltas (response.reasoning_text.delta, response.output_text.delta
+or response.function_call_arguments.delta) and the matching .done events, response.output_item.done,
+and last response.completed, response.incomplete or response.failed with the whole Response. No
+`[DONE]` (OpenAI sends none on this API).
 
 Stored responses (`store`, default true) are kept in memory, the newest `MAX_STORED_RESPONSES`, for
 GET /v1/responses/{id} and for `previous_response_id`; an unknown id is a 404 naming it. Not served
-(400 naming the field): function tools (use /v1/chat/completions), `background`, `include`.
+(400 naming the field): tools other than functions, `background`, `include`, input parts other than
+text.
 """
 
 from __future__ import annotations
@@ -35,36 +41,49 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import StepOutput
-from jaxserve.server.errors import APIError, error_response, from_validation_error, parse_json_body
 from jaxserve.server.engine_client import abort_on_disconnect
+from jaxserve.server.errors import APIError, error_response, from_validation_error, parse_json_body
 from jaxserve.server.field_types import check_field_types
+from jaxserve.server.function_call.parsers import ParsedCall
+from jaxserve.server.function_call.streaming import CallArguments, CallStart, Content, ToolCallStreamer
 from jaxserve.server.metrics import mark_streaming
 from jaxserve.server.native_api import failure_of
 from jaxserve.server.openai_api import ChatRun, submit_chat
-from jaxserve.server.protocol import ChatCompletionRequest, ResponseInputMessage, ResponseInputReasoning, ResponsesRequest
+from jaxserve.server.protocol import (
+    ChatCompletionRequest,
+    ResponseFunctionCallInput,
+    ResponseFunctionCallOutput,
+    ResponseInputMessage,
+    ResponseInputReasoning,
+    ResponsesRequest,
+)
 from jaxserve.server.reasoning import ReasoningSplitter, split_reasoning
 from jaxserve.server.sse import SSEResponse, sse_event
 
 MAX_STORED_RESPONSES = 1024
 # chat names -> Responses names, for the 400s the chat path raises
 FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+_INPUT_ITEMS = {"message": ResponseInputMessage, "reasoning": ResponseInputReasoning,
+                "function_call": ResponseFunctionCallInput, "function_call_output": ResponseFunctionCallOutput}
+
+Message = dict[str, Any]  # a chat message, as /v1/chat/completions takes it
 
 
 class ResponseStore:
-    """Stored responses by id, the newest `max_entries`: each with the conversation it ended (input
-    messages, then the reply as an assistant message; instructions left out), which a later request's
-    `previous_response_id` continues."""
+    """Stored responses by id, the newest `max_entries`: each with the conversation it ended (chat
+    messages: the input, then the reply as an assistant message with its tool calls; instructions
+    left out), which a later request's `previous_response_id` continues."""
 
     def __init__(self, max_entries: int = MAX_STORED_RESPONSES):
         self.max_entries = max_entries
-        self._entries: collections.OrderedDict[str, tuple[dict[str, Any], list[dict[str, str]]]] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[str, tuple[dict[str, Any], list[Message]]] = collections.OrderedDict()
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, str]]) -> None:
+    def put(self, response: dict[str, Any], conversation: list[Message]) -> None:
         self._entries[response["id"]] = (response, conversation)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, str]]] | None:
+    def get(self, response_id: str) -> tuple[dict[str, Any], list[Message]] | None:
         return self._entries.get(response_id)
 
     def delete(self, response_id: str) -> bool:
@@ -74,8 +93,8 @@ class ResponseStore:
 # ---- request -> chat ------------------------------------------------------------------------------
 def check_input_items(body: dict[str, Any]) -> None:
     """Check each input item on its own, so that a 400 names it (the schema's validation of the union
-    of item types would only name `input`): items other than messages and reasoning (function calls
-    and their outputs, files, ...) and parts other than text are not served.
+    of item types would only name `input`): item types other than `_INPUT_ITEMS` and message parts
+    other than text are not served.
 
     Raises:
         APIError: 400 naming `input[i]` and the field in it.
@@ -87,9 +106,9 @@ def check_input_items(body: dict[str, Any]) -> None:
         if not isinstance(item, dict):
             continue
         kind = item.get("type", "message")
-        if kind not in ("message", "reasoning"):
-            raise APIError(f"input[{i}].type: {kind!r} items are not served (messages only; function calling is "
-                           "served by /v1/chat/completions)", 400, param=f"input[{i}].type", code="unsupported_parameter")
+        if kind not in _INPUT_ITEMS:
+            raise APIError(f"input[{i}].type: {kind!r} items are not served (served: {', '.join(_INPUT_ITEMS)})",
+                           400, param=f"input[{i}].type", code="unsupported_parameter")
         content = item.get("content")
         for j, part in enumerate(content if kind == "message" and isinstance(content, list) else []):
             if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text"):
@@ -97,7 +116,7 @@ def check_input_items(body: dict[str, Any]) -> None:
                                "input_text, output_text)", 400, param=f"input[{i}].content[{j}].type",
                                code="unsupported_parameter")
         try:
-            (ResponseInputMessage if kind == "message" else ResponseInputReasoning).model_validate(item)
+            _INPUT_ITEMS[kind].model_validate(item)
         except pydantic.ValidationError as e:
             error = from_validation_error(e)
             error.param = f"input[{i}].{error.param}" if error.param else f"input[{i}]"
@@ -106,27 +125,30 @@ def check_input_items(body: dict[str, Any]) -> None:
 
 
 def _check_supported(req: ResponsesRequest) -> None:
-    if req.tools:
-        raise APIError("function tools are not supported on /v1/responses; use /v1/chat/completions", 400,
-                       param="tools", code="unsupported_parameter")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise APIError("tool_choice needs tools, which /v1/responses does not serve", 400, param="tool_choice",
-                       code="unsupported_parameter")
     if req.background:
         raise APIError("background responses are not supported", 400, param="background", code="unsupported_parameter")
     if req.include:
         raise APIError(f"include is not supported (got {req.include})", 400, param="include", code="unsupported_parameter")
 
 
-def _input_messages(req: ResponsesRequest) -> list[dict[str, str]]:
-    """`input` as chat messages (text parts joined; reasoning items left out)."""
+def _input_messages(req: ResponsesRequest) -> list[Message]:
+    """`input` as chat messages: text parts joined, consecutive function calls one assistant message
+    with `tool_calls`, call outputs `tool` messages, reasoning items left out."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
-    messages = []
+    messages: list[Message] = []
     for item in req.input:
         if isinstance(item, ResponseInputMessage):
             content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
             messages.append({"role": item.role, "content": content})
+        elif isinstance(item, ResponseFunctionCallInput):
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, ResponseFunctionCallOutput):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     if not messages:
         raise APIError("input must contain at least one message", 400, param="input", code="invalid_value")
     return messages
@@ -144,8 +166,10 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_}}
 
 
-def _chat_request(req: ResponsesRequest, conversation: list[dict[str, str]]) -> ChatCompletionRequest:
+def _chat_request(req: ResponsesRequest, conversation: list[Message]) -> ChatCompletionRequest:
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in req.tools or []]
+    choice = req.tool_choice
     fields = {
         "messages": system + conversation,
         "max_tokens": req.max_output_tokens,
@@ -161,8 +185,19 @@ def _chat_request(req: ResponsesRequest, conversation: list[dict[str, str]]) -> 
         "user": req.user,
         "rid": req.request_id,
         "response_format": _response_format(req),
+        "tools": tools or None,
+        "tool_choice": {"type": "function", "function": {"name": choice.name}} if choice is not None and not isinstance(choice, str) else choice,
+        "parallel_tool_calls": req.parallel_tool_calls,
     }
     return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+
+
+def _responses_param(error: APIError) -> APIError:
+    """A chat path's tool error in the Responses API's names: tools[i].function.name -> tools[i].name."""
+    if error.param is not None and error.param.startswith(("tools", "tool_choice")):
+        error.param = error.param.replace(".function.", ".")
+        error.message = error.message.replace(".function.", ".")
+    return error
 
 
 # ---- chat output -> Response ----------------------------------------------------------------------
@@ -172,11 +207,11 @@ def _new_id(prefix: str) -> str:
 
 def _status(out: StepOutput) -> tuple[str, dict[str, str] | None, dict[str, str] | None]:
     """(status, incomplete_details, error) of a finished output."""
-    reason = (out.meta.finish_reason or {}).get("type")
-    if reason == "length":
+    reason = out.meta.finish_reason or {}
+    if reason.get("type") == "length":
         return "incomplete", {"reason": "max_output_tokens"}, None
-    if reason == "abort":
-        return "failed", None, {"code": "server_error", "message": (out.meta.finish_reason or {}).get("message") or "the request was aborted"}
+    if reason.get("type") == "abort":
+        return "failed", None, {"code": "server_error", "message": reason.get("message") or "the request was aborted"}
     return "completed", None, None
 
 
@@ -190,8 +225,24 @@ def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
+def _call_item(item_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": "call_" + item_id.partition("_")[2][:24],
+            "name": name, "arguments": arguments, "status": status}
+
+
+def _reply_message(output: list[dict[str, Any]]) -> Message:
+    """The reply as the assistant message a continuation's chat sees: its text, and its calls."""
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    message: Message = {"role": "assistant", "content": text or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
 class _Reply:
-    """What one request's Response object says, filled in as its output arrives."""
+    """What one request's Response object says."""
 
     def __init__(self, request: Request, req: ResponsesRequest):
         self.id = _new_id("resp")
@@ -204,6 +255,7 @@ class _Reply:
                  incomplete: dict[str, str] | None = None, error: dict[str, str] | None = None) -> dict[str, Any]:
         req = self.req
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
+        choice = req.tool_choice or "auto"
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "error": error, "incomplete_details": incomplete, "instructions": req.instructions,
@@ -211,7 +263,8 @@ class _Reply:
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
             "reasoning": None, "store": req.store, "temperature": req.temperature, "top_p": req.top_p,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}},
-            "tool_choice": req.tool_choice or "auto", "tools": [], "truncation": req.truncation,
+            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
+            "tools": [t.model_dump() for t in req.tools or []], "truncation": req.truncation,
             "usage": self.usage(out, output) if out is not None else None, "user": req.user,
             "metadata": req.metadata or {}, "background": False,
         }
@@ -226,6 +279,22 @@ class _Reply:
                 "total_tokens": meta.prompt_tokens + meta.completion_tokens}
 
 
+def _output_items(run: ChatRun, parallel_tool_calls: bool, text: str, status: str) -> list[dict[str, Any]]:
+    """The output items of a whole reply `text`: reasoning, message text, function calls."""
+    reasoning = ""
+    if run.reasoning is not None:
+        split = split_reasoning(run.reasoning, text)
+        reasoning, text = split.reasoning, split.content
+    calls: tuple[ParsedCall, ...] = ()
+    if run.plan.tools:
+        parsed = run.plan.parser.parse(text, run.plan.tools)
+        text, calls = parsed.content or "", parsed.calls if parallel_tool_calls else parsed.calls[:1]
+    items = [_reasoning_item(_new_id("rs"), reasoning, status)] if reasoning else []
+    if text or not calls:
+        items.append(_message_item(_new_id("msg"), text, status))
+    return items + [_call_item(_new_id("fc"), c.name, c.arguments, status) for c in calls]
+
+
 # ---- routes ---------------------------------------------------------------------------------------
 async def create_response(request: Request) -> Response:
     """POST /v1/responses."""
@@ -235,7 +304,7 @@ async def create_response(request: Request) -> Response:
     req = ResponsesRequest.model_validate(body)
     _check_supported(req)
     store: ResponseStore = request.app.state.response_store
-    history: list[dict[str, str]] = []
+    history: list[Message] = []
     if req.previous_response_id is not None:
         stored = store.get(req.previous_response_id)
         if stored is None:
@@ -243,8 +312,10 @@ async def create_response(request: Request) -> Response:
                            param="previous_response_id", code="not_found")
         history = stored[1]
     conversation = history + _input_messages(req)
-    chat = _chat_request(req, conversation)
-    run = await submit_chat(request, chat, FIELD_NAMES)
+    try:
+        run = await submit_chat(request, _chat_request(req, conversation), FIELD_NAMES)
+    except APIError as e:
+        raise _responses_param(e) from None
     reply = _Reply(request, req)
     if req.stream:
         mark_streaming(request, run.group.rids)
@@ -253,20 +324,12 @@ async def create_response(request: Request) -> Response:
         (out,) = await run.group.wait()
     if (failure := failure_of(out)) is not None:
         return error_response(failure[1], failure[0], code="engine_error")
-    reasoning, text = ("", out.text) if run.reasoning is None else _split(run, out.text)
     status, incomplete, error = _status(out)
-    item_status = "incomplete" if status != "completed" else "completed"
-    output = ([_reasoning_item(_new_id("rs"), reasoning, item_status)] if reasoning else []) + [
-        _message_item(_new_id("msg"), text, item_status)]
+    output = _output_items(run, req.parallel_tool_calls, out.text, "completed" if status == "completed" else "incomplete")
     response = reply.response(status, output, out, incomplete, error)
     if req.store:
-        store.put(response, conversation + [{"role": "assistant", "content": text}])
+        store.put(response, conversation + [_reply_message(output)])
     return JSONResponse(response)
-
-
-def _split(run: ChatRun, text: str) -> tuple[str, str]:
-    split = split_reasoning(run.reasoning, text)
-    return split.reasoning, split.content
 
 
 async def retrieve_response(request: Request) -> Response:
@@ -287,74 +350,133 @@ async def delete_response(request: Request) -> Response:
 
 
 # ---- streaming ------------------------------------------------------------------------------------
+Event = tuple[str, dict[str, Any]]  # (type, fields)
+
+
 class _ItemStream:
-    """The output items of a stream, one open at a time: text of another kind (reasoning, message)
-    closes the open item and opens the next. Each method returns the events to send, as
-    (type, fields) pairs."""
+    """The output items of a stream, one open at a time; text of another kind, or a new call, closes
+    the open item and opens the next. Each method returns the events to send."""
 
     def __init__(self):
         self.items: list[dict[str, Any]] = []  # finished items, in output order
-        self._kind: str | None = None
+        self._kind: str | None = None  # of the open item: "reasoning", "message" or "function_call"
         self._id = ""
+        self._name = ""  # of the open function call
         self._text = ""
 
-    def feed(self, kind: str, delta: str) -> list[tuple[str, dict[str, Any]]]:
-        events = []
-        if kind != self._kind:
-            events += self.close("completed")
-            events += self._open(kind)
-        if delta:
-            self._text += delta
-            events.append((f"response.{self._text_kind}.delta", {**self._where, "delta": delta}
-                           | ({"logprobs": []} if kind == "message" else {})))
-        return events
+    def text(self, kind: str, delta: str) -> list[Event]:
+        """More reasoning or message text."""
+        events = [] if kind == self._kind else self.close("completed") + self._open(kind)
+        return events + self._delta(delta)
 
-    def finish(self, status: str) -> list[tuple[str, dict[str, Any]]]:
-        """Close the open item; a reply with no message text still gets an (empty) message item."""
-        events = [] if self.items and self.items[-1]["type"] == "message" or self._kind == "message" else self.feed("message", "")
+    def call(self, name: str) -> list[Event]:
+        """A new function call; its arguments follow through `arguments`."""
+        return self.close("completed") + self._open("function_call", name)
+
+    def arguments(self, delta: str) -> list[Event]:
+        return self._delta(delta)
+
+    def finish(self, status: str) -> list[Event]:
+        """Close the open item; a reply of no text and no call still gets an (empty) message item."""
+        kinds = {item["type"] for item in self.items} | {self._kind}
+        events = [] if kinds & {"message", "function_call"} else self.text("message", "")
         return events + self.close(status)
+
+    def _delta(self, delta: str) -> list[Event]:
+        if not delta:
+            return []
+        self._text += delta
+        if self._kind == "function_call":
+            return [("response.function_call_arguments.delta", {**self._where(), "delta": delta})]
+        extra = {"logprobs": []} if self._kind == "message" else {}
+        return [(f"response.{self._text_kind}.delta", {**self._where(content=True), "delta": delta, **extra})]
 
     @property
     def _text_kind(self) -> str:
         return "output_text" if self._kind == "message" else "reasoning_text"
 
-    @property
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self._id, "output_index": len(self.items), "content_index": 0}
+    def _where(self, content: bool = False) -> dict[str, Any]:
+        return {"item_id": self._id, "output_index": len(self.items), **({"content_index": 0} if content else {})}
 
-    def _item(self, text: str, status: str) -> dict[str, Any]:
-        return (_message_item if self._kind == "message" else _reasoning_item)(self._id, text, status)
+    def _item(self, status: str) -> dict[str, Any]:
+        if self._kind == "function_call":
+            return _call_item(self._id, self._name, self._text, status)
+        return (_message_item if self._kind == "message" else _reasoning_item)(self._id, self._text, status)
 
-    def _open(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
-        self._kind, self._id, self._text = kind, _new_id("msg" if kind == "message" else "rs"), ""
-        item = self._item("", "in_progress")
-        part = item["content"][0]
-        item["content"] = []
+    def _open(self, kind: str, name: str = "") -> list[Event]:
+        prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[kind]
+        self._kind, self._id, self._name, self._text = kind, _new_id(prefix), name, ""
+        item = self._item("in_progress")
+        if kind == "function_call":
+            return [("response.output_item.added", {"output_index": len(self.items), "item": item})]
+        part, item["content"] = item["content"][0], []
         return [("response.output_item.added", {"output_index": len(self.items), "item": item}),
-                ("response.content_part.added", {**self._where, "part": part})]
+                ("response.content_part.added", {**self._where(content=True), "part": part})]
 
-    def close(self, status: str) -> list[tuple[str, dict[str, Any]]]:
+    def close(self, status: str) -> list[Event]:
         if self._kind is None:
             return []
-        item = self._item(self._text, status)
-        done = {**self._where, "text": self._text} | ({"logprobs": []} if self._kind == "message" else {})
-        events = [(f"response.{self._text_kind}.done", done),
-                  ("response.content_part.done", {**self._where, "part": item["content"][0]}),
-                  ("response.output_item.done", {"output_index": len(self.items), "item": item})]
+        item = self._item(status)
+        if self._kind == "function_call":
+            events = [("response.function_call_arguments.done", {**self._where(), "name": self._name, "arguments": self._text})]
+        else:
+            extra = {"logprobs": []} if self._kind == "message" else {}
+            events = [(f"response.{self._text_kind}.done", {**self._where(content=True), "text": self._text, **extra}),
+                      ("response.content_part.done", {**self._where(content=True), "part": item["content"][0]})]
+        events.append(("response.output_item.done", {"output_index": len(self.items), "item": item}))
         self.items.append(item)
         self._kind = None
         return events
 
 
-async def _stream(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: list[dict[str, str]]) -> AsyncIterator[str]:
+class _ReplyStream:
+    """Turns a reply's text deltas into item events: the reasoning split off first (--reasoning-parser),
+    then, with tools, the calls parsed out of the rest (`ToolCallStreamer`, as the chat stream does)."""
+
+    def __init__(self, run: ChatRun, parallel_tool_calls: bool):
+        self.items = _ItemStream()
+        self._splitter = ReasoningSplitter(run.reasoning, True) if run.reasoning is not None else None
+        self._calls = ToolCallStreamer(run.plan.parser, run.plan.tools, run.plan.grammar is not None) if run.plan.tools else None
+        self._parallel = parallel_tool_calls
+        self._num_calls = 0
+        self._skipping = False  # parallel_tool_calls false: a second call is not sent
+
+    def feed(self, delta: str, finished: bool) -> list[Event]:
+        if self._splitter is None:
+            return self._answer(delta, finished)
+        split = self._splitter.feed(delta)
+        events = self.items.text("reasoning", split.reasoning) if split.reasoning else []
+        events += self._answer(split.content, False)
+        if finished:  # the text held back in case it began a tag
+            rest = self._splitter.finish()
+            events += self.items.text("reasoning", rest.reasoning) if rest.reasoning else []
+            events += self._answer(rest.content, True)
+        return events
+
+    def _answer(self, text: str, finished: bool) -> list[Event]:
+        if self._calls is None:
+            return self.items.text("message", text) if text else []
+        events: list[Event] = []
+        for piece in self._calls.feed(text) + (self._calls.finish() if finished else []):
+            if isinstance(piece, Content):
+                events += self.items.text("message", piece.text) if piece.text else []
+            elif isinstance(piece, CallStart):
+                self._skipping = not self._parallel and self._num_calls >= 1
+                if not self._skipping:
+                    self._num_calls += 1
+                    events += self.items.call(piece.name)
+            elif isinstance(piece, CallArguments) and not self._skipping:
+                events += self.items.arguments(piece.text)
+        return events
+
+
+async def _stream(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: list[Message]) -> AsyncIterator[str]:
     sequence = itertools.count()
 
     def event(event_type: str, fields: dict[str, Any]) -> str:
         return sse_event({"type": event_type, "sequence_number": next(sequence), **fields}, event=event_type)
 
-    items = _ItemStream()
-    splitter = ReasoningSplitter(run.reasoning, True) if run.reasoning is not None else None
-    answer: list[str] = []
+    stream = _ReplyStream(run, reply.req.parallel_tool_calls)
     try:
         started = reply.response("in_progress", [])
         yield event("response.created", {"response": started})
@@ -362,30 +484,19 @@ async def _stream(run: ChatRun, reply: _Reply, store: ResponseStore, conversatio
         out = None
         async for out in run.group:
             if (failure := failure_of(out)) is not None:
-                error = {"code": "engine_error", "message": failure[1]}
-                for event_type, fields in items.finish("incomplete"):
+                for event_type, fields in stream.items.finish("incomplete"):
                     yield event(event_type, fields)
-                yield event("response.failed", {"response": reply.response("failed", items.items, out, error=error)})
+                error = {"code": "engine_error", "message": failure[1]}
+                yield event("response.failed", {"response": reply.response("failed", stream.items.items, out, error=error)})
                 return
-            if splitter is None:
-                pieces = [("message", out.text_delta)]
-            else:
-                fed = splitter.feed(out.text_delta)
-                pieces = [("reasoning", fed.reasoning), ("message", fed.content)]
-                if out.finished:  # the text held back in case it began a tag
-                    rest = splitter.finish()
-                    pieces += [("reasoning", rest.reasoning), ("message", rest.content)]
-            for kind, text in pieces:
-                if text:
-                    answer += [text] if kind == "message" else []
-                    for event_type, fields in items.feed(kind, text):
-                        yield event(event_type, fields)
+            for event_type, fields in stream.feed(out.text_delta, out.finished):
+                yield event(event_type, fields)
         status, incomplete, error = _status(out)
-        for event_type, fields in items.finish("completed" if status == "completed" else "incomplete"):
+        for event_type, fields in stream.items.finish("completed" if status == "completed" else "incomplete"):
             yield event(event_type, fields)
-        response = reply.response(status, items.items, out, incomplete, error)
+        response = reply.response(status, stream.items.items, out, incomplete, error)
         if reply.req.store:
-            store.put(response, conversation + [{"role": "assistant", "content": "".join(answer)}])
+            store.put(response, conversation + [_reply_message(stream.items.items)])
         yield event({"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed"),
                     {"response": response})
     finally:

@@ -375,6 +375,76 @@ def test_idle_after_everything(http):
     wait_idle(http, timeout=60)
 
 
+
+# ---- function tools on the Responses API ----------------------------------------------------------------
+def _flat(tool: dict) -> dict:
+    """A chat `tools` entry in the Responses API's flat form."""
+    return {"type": "function", **tool["function"]}
+
+
+def test_responses_forced_call_is_the_chat_call_streamed_and_not(client):
+    """A forced call through /v1/responses is the call /v1/chat/completions makes for the same conversation,
+    as a function_call item; streamed, its arguments arrive in pieces that add up to it."""
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], tools=[WEATHER, TIME],
+                                          tool_choice="required", temperature=0, max_tokens=200)
+    want = chat.choices[0].message.tool_calls[0].function
+    kw = dict(model=MODEL, input=QUESTION, tools=[_flat(WEATHER), _flat(TIME)], tool_choice="required",
+              temperature=0, max_output_tokens=200)
+    resp = client.responses.create(**kw)
+    assert [item.type for item in resp.output] == ["function_call"] and resp.status == "completed"
+    call = resp.output[0]
+    assert (call.name, call.arguments) == (want.name, want.arguments) and call.call_id.startswith("call_")
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 3 and "".join(deltas) == want.arguments  # a forced call streams as it is decoded
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == want.arguments and done[0].name == want.name
+    assert [(i.type, i.name, i.arguments) for i in final.output] == [("function_call", want.name, want.arguments)]
+    named = client.responses.create(**{**kw, "tool_choice": {"type": "function", "name": "get_time"}})
+    assert named.output[0].name == "get_time"
+    jsonschema.validate(json.loads(named.output[0].arguments), TIME["function"]["parameters"])
+
+
+def test_responses_tool_result_round_trip_equals_the_chat(client):
+    """The call's output sent back, through previous_response_id and as explicit input items: the
+    answer is the chat's with the same assistant call and tool message."""
+    tools = [_flat(WEATHER)]
+    first = client.responses.create(model=MODEL, input=QUESTION, tools=tools, tool_choice="required", temperature=0,
+                                    max_output_tokens=200)
+    call = first.output[0]
+    result = json.dumps({"temperature": 21, "sky": "sunny"})
+    output_item = {"type": "function_call_output", "call_id": call.call_id, "output": result}
+    kw = dict(model=MODEL, tools=tools, tool_choice="none", temperature=0, max_output_tokens=24)
+    chained = client.responses.create(previous_response_id=first.id, input=[output_item], **kw)
+    explicit = client.responses.create(input=[{"role": "user", "content": QUESTION},
+                                              {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                               "arguments": call.arguments}, output_item], **kw)
+    msgs = [{"role": "user", "content": QUESTION},
+            {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function",
+                                                  "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": result}]
+    ref = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="none", temperature=0,
+                                         max_tokens=24)
+    assert chained.output_text == explicit.output_text == ref.choices[0].message.content
+    assert chained.usage.input_tokens == explicit.usage.input_tokens == ref.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "name": "x</tool_call>y", "parameters": {"type": "object"}}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "bogus"}}]}, "tools[0].parameters"),
+    ({"tools": [_flat(WEATHER)], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+])
+def test_responses_tool_refusals_name_the_responses_field(http, body, param):
+    r = http.post("/v1/responses", json={"input": QUESTION, "max_output_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"].startswith(param) and ".function." not in error["param"], error
+    wait_idle(http, timeout=60)
+
 # ---- the default model behind the real sglang-router: a tokenizer path it can load ------------------
 def test_server_info_names_a_tokenizer_dir_the_router_loads(server, http, tmp_path):
     from transformers import AutoTokenizer

@@ -128,11 +128,12 @@ def test_text_format_json_schema_constrains_the_reply(client, model):
 
 
 @pytest.mark.parametrize("fields, param, status", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", 400),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]", 400),
     ({"background": True}, "background", 400),
     ({"include": ["message.output_text.logprobs"]}, "include", 400),
     ({"input": []}, "input", 400),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type", 400),
+    ({"input": [{"type": "computer_call_output", "call_id": "c", "output": "x"}]}, "input[0].type", 400),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output", 400),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type", 400),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", 400),
     ({"input": [{"role": "user"}]}, "input[0].content", 400),
