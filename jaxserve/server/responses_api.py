@@ -63,6 +63,9 @@ from jaxserve.server.sse import SSEResponse, sse_event
 MAX_STORED_RESPONSES = 1024
 # chat names -> Responses names, for the 400s the chat path raises
 FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+# fields a chat request takes under the same name and meaning
+_CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                "stop", "seed", "user", "parallel_tool_calls")
 _INPUT_ITEMS = {"message": ResponseInputMessage, "reasoning": ResponseInputReasoning,
                 "function_call": ResponseFunctionCallInput, "function_call_output": ResponseFunctionCallOutput}
 
@@ -170,25 +173,15 @@ def _chat_request(req: ResponsesRequest, conversation: list[Message]) -> ChatCom
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in req.tools or []]
     choice = req.tool_choice
-    fields = {
+    fields = {name: getattr(req, name) for name in _CHAT_FIELDS}
+    fields.update({
         "messages": system + conversation,
         "max_tokens": req.max_output_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "frequency_penalty": req.frequency_penalty,
-        "presence_penalty": req.presence_penalty,
-        "repetition_penalty": req.repetition_penalty,
-        "stop": req.stop,
-        "seed": req.seed,
-        "user": req.user,
         "rid": req.request_id,
         "response_format": _response_format(req),
         "tools": tools or None,
         "tool_choice": {"type": "function", "function": {"name": choice.name}} if choice is not None and not isinstance(choice, str) else choice,
-        "parallel_tool_calls": req.parallel_tool_calls,
-    }
+    })
     return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
 
 

@@ -16,18 +16,9 @@ import pytest
 
 from tests.server.conftest import wait_idle
 from tests.server.test_launch_flags import serve  # noqa: F401 (fixture)
+from tests.server.test_openai_api import client, model  # noqa: F401 (fixtures: the openai client of the shared server)
 
 QUESTION = "Name three colours."
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def chat_text(client, model, messages, max_tokens, **kwargs):
