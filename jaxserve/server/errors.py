@@ -15,8 +15,8 @@ from typing import Any, Mapping
 
 import pydantic
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError
 from jaxserve.engine.engine_loop import EngineUnavailableError
@@ -190,6 +190,17 @@ async def _unavailable_error(request: Request, exc: Exception) -> JSONResponse:
     return unavailable_response(str(exc), exc.retry_after_s)
 
 
+# nginx's code for "the client closed the request": the access log's status of a request whose client
+# left before its body arrived (nobody reads the response)
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client disconnected while sending the body: nothing was submitted, nothing to answer, and not
+    a server error (no 500, no traceback in the log)."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises the exception after this response, and uvicorn logs its traceback
     return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, code="internal_error")
@@ -202,5 +213,6 @@ EXCEPTION_HANDLERS = {
     pydantic.ValidationError: _validation_error,
     HTTPException: _http_error,
     EngineUnavailableError: _unavailable_error,
+    ClientDisconnect: _client_gone,
     Exception: _internal_error,
 }

@@ -484,6 +484,8 @@ async def _submit_chat(request: Request, req: ChatCompletionRequest, rename: dic
     rid = _new_rid(req)
     group = RequestGroup(engine_loop)
     renames = {k: rename.get(v, v) for k, v in _renames(req, "messages", max_field, "top_logprobs").items()}
+    for name, other in rename.items():  # engine fields the chat keeps its own name for (rid)
+        renames.setdefault(name, other)
     if plan.grammar is not None:
         renames["ebnf"] = "tool_choice"
     fmt = request.app.state.reasoning_format

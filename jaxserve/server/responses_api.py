@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -43,7 +44,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.engine.engine import StepOutput
 from jaxserve.server.engine_client import abort_on_disconnect
 from jaxserve.server.errors import APIError, error_response, from_validation_error, parse_json_body
-from jaxserve.server.field_types import check_field_types
+from jaxserve.server.field_types import SAMPLING_FIELD_TYPES, check_field_types, describe
 from jaxserve.server.function_call.parsers import ParsedCall
 from jaxserve.server.function_call.streaming import CallArguments, CallStart, Content, ToolCallStreamer
 from jaxserve.server.metrics import mark_streaming
@@ -55,6 +56,7 @@ from jaxserve.server.protocol import (
     ResponseFunctionCallOutput,
     ResponseInputMessage,
     ResponseInputReasoning,
+    ResponseInputText,
     ResponsesRequest,
 )
 from jaxserve.server.reasoning import ReasoningSplitter, split_reasoning
@@ -62,7 +64,19 @@ from jaxserve.server.sse import SSEResponse, sse_event
 
 MAX_STORED_RESPONSES = 1024
 # chat names -> Responses names, for the 400s the chat path raises
-FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+# (a response_format error is the schema's: `_response_format` checks the rest)
+FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format.schema",
+               "rid": "request_id"}
+# the sampling fields' JSON types under this API's names (field_types: the same wording as the other routes)
+FIELD_TYPES = {name: t for name, t in SAMPLING_FIELD_TYPES.items()
+               if name in ResponsesRequest.model_fields and name != "input"} | {"max_output_tokens": SAMPLING_FIELD_TYPES["max_tokens"]}
+# chat fields a user of this API may send by mistake: refused with the name to use (others are ignored)
+CHAT_ONLY_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
+                    "response_format": "text.format"}
+# OpenAI's limits on metadata (the store keeps it)
+METADATA_MAX_PAIRS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
+# the store's bound on the JSON size of what it keeps (responses echo tools and schemas of any size)
+MAX_STORED_BYTES = 256 * 2**20
 # fields a chat request takes under the same name and meaning
 _CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                 "stop", "seed", "user", "parallel_tool_calls")
@@ -73,24 +87,37 @@ Message = dict[str, Any]  # a chat message, as /v1/chat/completions takes it
 
 
 class ResponseStore:
-    """Stored responses by id, the newest `max_entries`: each with the conversation it ended (chat
-    messages: the input, then the reply as an assistant message with its tool calls; instructions
-    left out), which a later request's `previous_response_id` continues."""
+    """Stored responses by id, the newest `max_entries` within `max_bytes` of JSON: each with the
+    conversation it ended (chat messages: the input, then the reply as an assistant message with its
+    tool calls; instructions left out), which a later request's `previous_response_id` continues. A
+    response larger than `max_bytes` on its own is not kept."""
 
-    def __init__(self, max_entries: int = MAX_STORED_RESPONSES):
+    def __init__(self, max_entries: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES):
         self.max_entries = max_entries
-        self._entries: collections.OrderedDict[str, tuple[dict[str, Any], list[Message]]] = collections.OrderedDict()
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        # id -> (response, conversation, JSON size of both)
+        self._entries: collections.OrderedDict[str, tuple[dict[str, Any], list[Message], int]] = collections.OrderedDict()
 
     def put(self, response: dict[str, Any], conversation: list[Message]) -> None:
-        self._entries[response["id"]] = (response, conversation)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self.delete(response["id"])
+        size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
+        if size > self.max_bytes:
+            return
+        self._entries[response["id"]] = (response, conversation, size)
+        self.num_bytes += size
+        while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
+            self.num_bytes -= self._entries.popitem(last=False)[1][2]
 
     def get(self, response_id: str) -> tuple[dict[str, Any], list[Message]] | None:
-        return self._entries.get(response_id)
+        entry = self._entries.get(response_id)
+        return None if entry is None else entry[:2]
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.num_bytes -= entry[2]
+        return entry is not None
 
 
 # ---- request -> chat ------------------------------------------------------------------------------
@@ -107,24 +134,67 @@ def check_input_items(body: dict[str, Any]) -> None:
         return
     for i, item in enumerate(items):
         if not isinstance(item, dict):
-            continue
+            raise APIError(f"input[{i}]: an item must be an object (a message or a typed item), got {describe(item)}",
+                           400, param=f"input[{i}]", code="invalid_type")
         kind = item.get("type", "message")
         if kind not in _INPUT_ITEMS:
             raise APIError(f"input[{i}].type: {kind!r} items are not served (served: {', '.join(_INPUT_ITEMS)})",
                            400, param=f"input[{i}].type", code="unsupported_parameter")
         content = item.get("content")
         for j, part in enumerate(content if kind == "message" and isinstance(content, list) else []):
-            if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text"):
-                raise APIError(f"input[{i}].content[{j}].type: {part.get('type')!r} parts are not served (text only: "
-                               "input_text, output_text)", 400, param=f"input[{i}].content[{j}].type",
-                               code="unsupported_parameter")
-        try:
-            _INPUT_ITEMS[kind].model_validate(item)
-        except pydantic.ValidationError as e:
-            error = from_validation_error(e)
-            error.param = f"input[{i}].{error.param}" if error.param else f"input[{i}]"
-            error.message = f"input[{i}].{error.message}"
-            raise error from None
+            where = f"input[{i}].content[{j}]"
+            if not isinstance(part, dict):
+                raise APIError(f"{where}: a content part must be an object, got {describe(part)}", 400, param=where,
+                               code="invalid_type")
+            if part.get("type") not in ("input_text", "output_text"):
+                raise APIError(f"{where}.type: {part.get('type')!r} parts are not served (text only: input_text, "
+                               "output_text)", 400, param=f"{where}.type", code="unsupported_parameter")
+            _validate(ResponseInputText, part, where)
+        _validate(_INPUT_ITEMS[kind], item, f"input[{i}]")
+
+
+def _validate(model: type[pydantic.BaseModel], value: dict[str, Any], where: str) -> None:
+    """Validate `value` as `model`; a 400 names the field under `where`."""
+    try:
+        model.model_validate(value)
+    except pydantic.ValidationError as e:
+        error = from_validation_error(e)
+        error.param = f"{where}.{error.param}" if error.param else where
+        error.message = f"{where}.{error.message}"
+        raise error from None
+
+
+def check_metadata(metadata: Any) -> None:
+    """OpenAI's limits: at most 16 pairs, keys of at most 64 characters, string values of at most 512.
+
+    Raises:
+        APIError: 400 naming `metadata` (or the key).
+    """
+    if not isinstance(metadata, dict):
+        return  # a wrong type: the schema's 400
+    if len(metadata) > METADATA_MAX_PAIRS:
+        raise APIError(f"metadata: at most {METADATA_MAX_PAIRS} pairs, got {len(metadata)}", 400, param="metadata",
+                       code="invalid_value")
+    for key, value in metadata.items():
+        if len(key) > METADATA_MAX_KEY_CHARS:
+            raise APIError(f"metadata: keys are at most {METADATA_MAX_KEY_CHARS} characters, got {len(key)}", 400,
+                           param="metadata", code="invalid_value")
+        if isinstance(value, str) and len(value) > METADATA_MAX_VALUE_CHARS:
+            raise APIError(f"metadata.{key}: values are at most {METADATA_MAX_VALUE_CHARS} characters, got {len(value)}",
+                           400, param=f"metadata.{key}", code="invalid_value")
+
+
+def check_chat_only_fields(body: dict[str, Any]) -> None:
+    """Refuse the chat completions' names of this API's fields (`CHAT_ONLY_FIELDS`), which would
+    otherwise be ignored (a `max_tokens` that limits nothing).
+
+    Raises:
+        APIError: 400 naming the field, with the name to use.
+    """
+    for name, ours in CHAT_ONLY_FIELDS.items():
+        if name in body:
+            raise APIError(f"{name} is a chat completions field; /v1/responses takes {ours}", 400, param=name,
+                           code="unknown_parameter")
 
 
 def _check_supported(req: ResponsesRequest) -> None:
@@ -169,7 +239,7 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_}}
 
 
-def _chat_request(req: ResponsesRequest, conversation: list[Message]) -> ChatCompletionRequest:
+def _chat_request(req: ResponsesRequest, conversation: list[Message], rid: str) -> ChatCompletionRequest:
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in req.tools or []]
     choice = req.tool_choice
@@ -177,7 +247,7 @@ def _chat_request(req: ResponsesRequest, conversation: list[Message]) -> ChatCom
     fields.update({
         "messages": system + conversation,
         "max_tokens": req.max_output_tokens,
-        "rid": req.request_id,
+        "rid": rid,
         "response_format": _response_format(req),
         "tools": tools or None,
         "tool_choice": {"type": "function", "function": {"name": choice.name}} if choice is not None and not isinstance(choice, str) else choice,
@@ -238,7 +308,7 @@ class _Reply:
     """What one request's Response object says."""
 
     def __init__(self, request: Request, req: ResponsesRequest):
-        self.id = _new_id("resp")
+        self.id = req.request_id or _new_id("resp")  # SGLang's: the response id is the engine's request id
         self.req = req
         self.model = request.app.state.model_name
         self.tokenizer = request.app.state.engine_loop.tokenizer
@@ -292,8 +362,10 @@ def _output_items(run: ChatRun, parallel_tool_calls: bool, text: str, status: st
 async def create_response(request: Request) -> Response:
     """POST /v1/responses."""
     body = parse_json_body(await request.body())
-    check_field_types(body)
+    check_chat_only_fields(body)
+    check_field_types(body, FIELD_TYPES)
     check_input_items(body)
+    check_metadata(body.get("metadata"))
     req = ResponsesRequest.model_validate(body)
     _check_supported(req)
     store: ResponseStore = request.app.state.response_store
@@ -305,11 +377,11 @@ async def create_response(request: Request) -> Response:
                            param="previous_response_id", code="not_found")
         history = stored[1]
     conversation = history + _input_messages(req)
+    reply = _Reply(request, req)
     try:
-        run = await submit_chat(request, _chat_request(req, conversation), FIELD_NAMES)
+        run = await submit_chat(request, _chat_request(req, conversation, reply.id), FIELD_NAMES)
     except APIError as e:
         raise _responses_param(e) from None
-    reply = _Reply(request, req)
     if req.stream:
         mark_streaming(request, run.group.rids)
         return SSEResponse(_stream(run, reply, store, conversation))
@@ -325,21 +397,17 @@ async def create_response(request: Request) -> Response:
     return JSONResponse(response)
 
 
-async def retrieve_response(request: Request) -> Response:
-    """GET /v1/responses/{response_id}: a stored response; 404 naming response_id otherwise."""
+async def stored_response(request: Request) -> Response:
+    """GET /v1/responses/{response_id}: a stored response; DELETE: forget it. An unknown id: 404 naming
+    response_id."""
     response_id = request.path_params["response_id"]
-    stored = request.app.state.response_store.get(response_id)
-    if stored is None:
+    store: ResponseStore = request.app.state.response_store
+    found = store.delete(response_id) if request.method == "DELETE" else store.get(response_id)
+    if not found:
         return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
-    return JSONResponse(stored[0])
-
-
-async def delete_response(request: Request) -> Response:
-    """DELETE /v1/responses/{response_id}: forget a stored response; 404 naming response_id if unknown."""
-    response_id = request.path_params["response_id"]
-    if not request.app.state.response_store.delete(response_id):
-        return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
-    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+    if request.method == "DELETE":
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+    return JSONResponse(found[0])
 
 
 # ---- streaming ------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from jaxserve.server.responses_api import FIELD_TYPES as RESPONSES_FIELD_TYPES
+
 LONG_TEXT = "hello " * 400  # > 256 tokens, the test server's context length
 HUGE_TEXT = "x" * 3_000_000  # too long for any tokenization: refused before the tokenizer runs
 
@@ -183,6 +185,8 @@ def test_same_bad_value_same_error_on_every_route(http, field, native, value, ex
         COMPLETIONS: http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, field: value}),
         "/generate": http.post("/generate", json={"text": "hi", "sampling_params": {native: value}}),
     }
+    if field in RESPONSES_FIELD_TYPES:  # the fields /v1/responses has under the same name
+        answers["/v1/responses"] = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, field: value})
     for path, r in answers.items():
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
@@ -208,6 +212,25 @@ def test_prompt_too_long_message_gives_both_numbers(http):
     num_tokens = int(re.search(r"prompt has (\d+) tokens", message).group(1))
     assert num_tokens > 256 and "context length is 256" in message, message
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_client_gone_before_its_body_arrived_is_not_a_server_error(server, http):
+    """A client that closes the connection while its body is still due: logged as 499, no 500, no
+    traceback (nothing was submitted), and the server serves on."""
+    import socket
+    import time
+
+    for path in ("/v1/responses", CHAT):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 1000\r\n\r\n{{\"input\": ".encode())
+        deadline = time.monotonic() + 30
+        while f"POST {path} 499" not in server.log():
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.1)
+    log = server.log()
+    assert "ClientDisconnect" not in log and "POST /v1/responses 500" not in log, log[-3000:]
+    assert http.get("/health").status_code == 200
 
 
 def test_null_means_default(http):

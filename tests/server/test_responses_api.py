@@ -133,6 +133,16 @@ def test_text_format_json_schema_constrains_the_reply(client, model):
     ({"temperature": "hot"}, "temperature", 400),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", 400),
     ({"previous_response_id": "resp_unknown"}, "previous_response_id", 404),
+    ({"input": ["hi"]}, "input[0]", 400),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text", 400),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text", 400),
+    ({"input": [{"role": "user", "content": ["x"]}]}, "input[0].content[0]", 400),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format.schema", 400),
+    ({"max_tokens": 5}, "max_tokens", 400),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "messages", 400),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", 400),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", 400),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k", 400),
 ])
 def test_bad_requests_name_the_field_and_leak_nothing(http, fields, param, status):
     resp = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2, **fields})
@@ -140,6 +150,36 @@ def test_bad_requests_name_the_field_and_leak_nothing(http, fields, param, statu
     error = resp.json()["error"]
     assert error["param"] is not None and error["param"].startswith(param), error
     wait_idle(http)
+
+
+def test_request_id_is_the_response_id_and_one_in_flight_at_a_time(serve):
+    pieces = ["a"] * 40
+    client, engine = serve(pieces)
+    body = {"input": "Hi", "request_id": "resp_mine", "stream": True}
+    with client.stream("POST", "/v1/responses", json=body) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["response"]["id"] == "resp_mine"
+        again = client.post("/v1/responses", json={**body, "stream": False})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "request_id", again.text
+        list(lines)
+    got = client.get("/v1/responses/resp_mine").json()
+    assert got["id"] == "resp_mine" and got["output"][0]["content"][0]["text"] == "".join(pieces)
+
+
+def test_store_keeps_the_newest_within_its_entries_and_bytes():
+    from jaxserve.server.responses_api import ResponseStore
+
+    store = ResponseStore(max_entries=3, max_bytes=2000)
+    for i in range(5):
+        store.put({"id": f"r{i}", "text": "x" * 100}, [{"role": "user", "content": "hi"}])
+    assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    store.put({"id": "big", "text": "x" * 1800}, [])  # over the bytes with r3 and r4: r3 goes too
+    assert store.get("big") is not None and store.get("r3") is None and store.num_bytes <= 2000
+    store.put({"id": "huge", "text": "x" * 3000}, [])  # larger than the whole budget: not kept
+    assert store.get("huge") is None and store.get("big") is not None
+    assert store.delete("big") and not store.delete("big")
+    assert store.num_bytes == sum(len(json.dumps(store.get(k)[0])) + len(json.dumps(store.get(k)[1])) for k in ("r4",))
 
 
 def test_a_reasoning_reply_is_a_reasoning_item_then_the_message(serve):
@@ -160,3 +200,8 @@ def test_a_reasoning_reply_is_a_reasoning_item_then_the_message(serve):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "six sevens"
     assert final.output_text == "The answer is 42."
     assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+
+
+def test_a_stored_response_route_names_both_its_methods(http):
+    r = http.post("/v1/responses/resp_x")
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) >= {"GET", "DELETE"}, r.headers
