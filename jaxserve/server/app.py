@@ -299,7 +299,8 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/responses", responses_api.create_response, methods=["POST"]),
-        Route("/v1/responses/{response_id}", responses_api.stored_response, methods=["GET", "DELETE"]),
+        # an id may contain slashes (a request_id is the client's): the route matches the rest of the path
+        Route("/v1/responses/{response_id:path}", responses_api.stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", models_api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", models_api.retrieve_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

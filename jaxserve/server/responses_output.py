@@ -9,10 +9,9 @@ import uuid
 from typing import Any
 
 from jaxserve.engine.engine import StepOutput
-from jaxserve.server.function_call.parsers import ParsedCall
 from jaxserve.server.function_call.streaming import CallArguments, CallStart, Content, ToolCallStreamer
 from jaxserve.server.openai_api import ChatRun
-from jaxserve.server.reasoning import ReasoningSplitter, split_reasoning
+from jaxserve.server.reasoning import ReasoningSplitter
 from jaxserve.server.responses_input import Message
 
 Event = tuple[str, dict[str, Any]]  # a stream event: (type, fields)
@@ -59,19 +58,14 @@ def reply_message(output: list[dict[str, Any]]) -> Message:
 
 
 def output_items(run: ChatRun, parallel_tool_calls: bool, text: str, status: str) -> list[dict[str, Any]]:
-    """The output items of a whole reply `text`: reasoning, message text, function calls."""
-    reasoning = ""
-    if run.reasoning is not None:
-        split = split_reasoning(run.reasoning, text)
-        reasoning, text = split.reasoning, split.content
-    calls: tuple[ParsedCall, ...] = ()
-    if run.plan.tools:
-        parsed = run.plan.parser.parse(text, run.plan.tools)
-        text, calls = parsed.content or "", parsed.calls if parallel_tool_calls else parsed.calls[:1]
-    items = [_reasoning_item(new_id("rs"), reasoning, status)] if reasoning else []
-    if text or not calls:
-        items.append(_message_item(new_id("msg"), text, status))
-    return items + [_call_item(new_id("fc"), c.name, c.arguments, status) for c in calls]
+    """The output items of a whole reply `text`, the last one with `status`: those a stream of it
+    would end with (`ReplyStream` over the text in one piece), so a reply reads the same streamed
+    or not, a forced call cut by the length limit included (a function_call item with the
+    arguments decoded so far)."""
+    stream = ReplyStream(run, parallel_tool_calls)
+    stream.feed(text, True)
+    stream.items.finish(status)
+    return stream.items.items
 
 
 class _ItemStream:
@@ -111,6 +105,10 @@ class _ItemStream:
             return [("response.function_call_arguments.delta", {**self._where(), "delta": delta})]
         extra = {"logprobs": []} if self._kind == "message" else {}
         return [(f"response.{self._text_kind}.delta", {**self._where(content=True), "delta": delta, **extra})]
+
+    @property
+    def in_message(self) -> bool:
+        return self._kind == "message"
 
     @property
     def _text_kind(self) -> str:
@@ -161,6 +159,7 @@ class ReplyStream:
         self._parallel = parallel_tool_calls
         self._num_calls = 0
         self._skipping = False  # parallel_tool_calls false: a second call is not sent
+        self._held = ""  # whitespace outside a message: it joins one only if text follows
 
     def feed(self, delta: str, finished: bool) -> list[Event]:
         if self._splitter is None:
@@ -180,7 +179,7 @@ class ReplyStream:
         events: list[Event] = []
         for piece in self._calls.feed(text) + (self._calls.finish() if finished else []):
             if isinstance(piece, Content):
-                events += self.items.text("message", piece.text) if piece.text else []
+                events += self._content(piece.text)
             elif isinstance(piece, CallStart):
                 self._skipping = not self._parallel and self._num_calls >= 1
                 if not self._skipping:
@@ -188,4 +187,15 @@ class ReplyStream:
                     events += self.items.call(piece.name)
             elif isinstance(piece, CallArguments) and not self._skipping:
                 events += self.items.arguments(piece.text)
+        if finished and self._held and not self._num_calls:  # a reply of whitespace alone is its text
+            events += self.items.text("message", self._held)
         return events
+
+    def _content(self, text: str) -> list[Event]:
+        """Message text beside calls. Whitespace outside a message (around calls: a format's newlines)
+        waits in `_held`, and is dropped if no text follows, as the parsed reply drops it."""
+        if not self.items.in_message and not text.strip():
+            self._held += text
+            return []
+        text, self._held = self._held + text, ""
+        return self.items.text("message", text) if text else []

@@ -214,9 +214,13 @@ def _tool(name: str = "f", parameters: dict | None = None) -> dict:
     ([_tool("x</tool_call>y")], "tools[0].function.name", "must be 1 to 64 of a-z"),
     ([_tool("ok"), _tool("")], "tools[1].function.name", "must be 1 to 64 of a-z"),
     ([_tool("a" * 65)], "tools[0].function.name", "must be 1 to 64 of a-z"),
-    ([_tool("a", {"type": "bogus"})], "tools[0].function.parameters", "invalid JSON schema: Invalid type: bogus"),
-    ([_tool("ok"), _tool("b", {"type": "integer", "minimum": 5, "maximum": 3})], "tools[1].function.parameters",
-     "invalid JSON schema: Unsatisfiable schema"),
+    ([_tool("a", {"type": "bogus"})], "tools[0].function.parameters", "must be a JSON schema of an object"),
+    ([_tool("a", {"type": "string"})], "tools[0].function.parameters", "must be a JSON schema of an object"),
+    ([_tool("a", {"type": ["string", "null"]})], "tools[0].function.parameters", "must be a JSON schema of an object"),
+    ([_tool("a", {"properties": {"x": {"type": "bogus"}}})], "tools[0].function.parameters",
+     "invalid JSON schema: Invalid type: bogus"),
+    ([_tool("ok"), _tool("b", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 3}},
+                               "required": ["n"]})], "tools[1].function.parameters", "invalid JSON schema: Unsatisfiable schema"),
     ([_tool("a", {"type": "object", "properties": {"s": {"type": "string", "pattern": "("}}})],
      "tools[0].function.parameters", "invalid JSON schema: regex parse error"),
 ])
@@ -235,3 +239,5 @@ def test_good_tool_names_pass_the_check():
     from jaxserve.server.function_call.plan import check_tools
 
     check_tools([Tool.model_validate(_tool(n)) for n in ("a", "get-weather_2", "Z" * 64)] + TOOLS)
+    # an object schema with no type keyword, or a type list that allows an object, is an object schema
+    check_tools([Tool.model_validate(_tool("a", {})), Tool.model_validate(_tool("b", {"type": ["object", "null"]}))])

@@ -328,7 +328,7 @@ def test_tools_round_trip(client):
      "tool_choice.function.name", "do not declare"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "constrains"),
-    ({"tools": [WEATHER, WEATHER]}, "tools", "same function name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "'get_weather' twice"),
     ({"tools": [{"type": "function", "function": {"description": "x"}}]}, "tools[0].function.name", "required"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "wrong type"),
 ])
@@ -431,12 +431,25 @@ def test_responses_tool_result_round_trip_equals_the_chat(client):
     assert chained.usage.input_tokens == explicit.usage.input_tokens == ref.usage.prompt_tokens
 
 
+def test_responses_forced_call_cut_by_the_length_limit_reads_the_same_streamed_or_not(client):
+    kw = dict(model=MODEL, input=QUESTION, tools=[_flat(WEATHER)], tool_choice="required", temperature=0, max_output_tokens=18)
+    whole = client.responses.create(**kw)
+    streamed = list(client.responses.create(**kw, stream=True))[-1].response
+    assert whole.status == streamed.status == "incomplete"
+    assert [(i.type, i.name, i.arguments, i.status) for i in whole.output] == \
+        [(i.type, i.name, i.arguments, i.status) for i in streamed.output] == \
+        [("function_call", "get_weather", whole.output[0].arguments, "incomplete")]
+    assert whole.output[0].arguments and not whole.output[0].arguments.endswith("}")  # cut inside the arguments
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "function", "name": "x</tool_call>y", "parameters": {"type": "object"}}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools[0].parameters"),
+    ({"tools": [_flat(WEATHER), _flat(WEATHER)]}, "tools[1].name"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "bogus"}}]}, "tools[0].parameters"),
     ({"tools": [_flat(WEATHER)], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice.name"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
 ])
 def test_responses_tool_refusals_name_the_responses_field(http, body, param):
     r = http.post("/v1/responses", json={"input": QUESTION, "max_output_tokens": 4, **body})

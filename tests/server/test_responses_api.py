@@ -202,6 +202,47 @@ def test_a_reasoning_reply_is_a_reasoning_item_then_the_message(serve):
     assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
 
 
+CALL = '<tool_call>\n{{"name": "f", "arguments": {{"a": {}}}}}\n</tool_call>'
+F_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+
+
+def _items(resp: dict) -> list[tuple]:
+    return [(i["type"], i.get("name"), i.get("arguments"), i.get("status")) for i in resp["output"]]
+
+
+def _streamed(client, body: dict) -> dict:
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events[-1]["response"]
+
+
+@pytest.mark.parametrize("parallel, want", [(True, [("function_call", "f", '{"a": 1}', "completed"),
+                                                     ("function_call", "f", '{"a": 2}', "completed")]),
+                                            (False, [("function_call", "f", '{"a": 1}', "completed")])])
+def test_whitespace_between_calls_is_no_message_streamed_or_not(serve, parallel, want):
+    client, _ = serve(["\n", CALL.format(1), "\n", CALL.format(2), "\n"], tool_call_parser="qwen25")
+    body = {"input": "Call f twice.", "tools": [F_TOOL], "parallel_tool_calls": parallel}
+    assert _items(client.post("/v1/responses", json=body).json()) == want
+    assert _items(_streamed(client, body)) == want
+
+
+def test_text_around_a_call_is_a_message_streamed_or_not(serve):
+    client, _ = serve(["Sure.", "\n", CALL.format(3)], tool_call_parser="qwen25")
+    body = {"input": "Call f.", "tools": [F_TOOL]}
+    whole, streamed = client.post("/v1/responses", json=body).json(), _streamed(client, body)
+    assert _items(whole) == _items(streamed) == [("message", None, None, "completed"), ("function_call", "f", '{"a": 3}', "completed")]
+    assert whole["output"][0]["content"][0]["text"] == streamed["output"][0]["content"][0]["text"] == "Sure.\n"
+
+
+def test_a_request_id_with_slashes_is_retrieved_and_deleted(serve):
+    client, _ = serve(["ok"])
+    assert client.post("/v1/responses", json={"input": "Hi", "request_id": "team/a/1"}).json()["id"] == "team/a/1"
+    assert client.get("/v1/responses/team/a/1").json()["output"][0]["content"][0]["text"] == "ok"
+    assert client.delete("/v1/responses/team/a/1").json()["deleted"] is True
+    assert client.get("/v1/responses/team/a/1").json()["error"]["param"] == "response_id"
+
+
 def test_a_stored_response_route_names_both_its_methods(http):
     r = http.post("/v1/responses/resp_x")
     assert r.status_code == 405 and set(r.headers["allow"].split(", ")) >= {"GET", "DELETE"}, r.headers

@@ -37,7 +37,9 @@ def tool_plan(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
         raise APIError(f"tool_choice {_choice_name(choice)} needs tools", 400, param="tool_choice", code="invalid_value")
     names = [t.function.name for t in req.tools]
     if len(set(names)) != len(names):
-        raise APIError("tools declare the same function name twice", 400, param="tools", code="invalid_value")
+        again = next(i for i, name in enumerate(names) if name in names[:i])
+        raise APIError(f"tools declare the function name {names[again]!r} twice", 400,
+                       param=f"tools[{again}].function.name", code="invalid_value")
     if choice == "auto":
         return ToolPlan(list(req.tools), parser, None)
     forced = list(req.tools)
@@ -59,8 +61,9 @@ _MAX_SCHEMA_ERROR_CHARS = 200
 
 
 def check_tools(tools: list[Tool]) -> None:
-    """Each function name matches OpenAI's ^[a-zA-Z0-9_-]{1,64}$ and each `parameters` is a JSON schema
-    llguidance compiles (the grammar a forced call uses), whatever tool_choice is.
+    """Each function name matches OpenAI's ^[a-zA-Z0-9_-]{1,64}$ and each `parameters` is a JSON schema of
+    an object (a call's arguments are one) that llguidance compiles (the grammar a forced call uses),
+    whatever tool_choice is.
 
     Raises:
         APIError: 400 with param "tools[i].function.name" or "tools[i].function.parameters".
@@ -72,6 +75,11 @@ def check_tools(tools: list[Tool]) -> None:
                            param=f"tools[{i}].function.name", code="invalid_value")
         if fn.parameters is None:
             continue
+        kind = fn.parameters.get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            # the arguments are a JSON object (OpenAI's rule; every call format writes an object)
+            raise APIError(f"parameters must be a JSON schema of an object (type \"object\"), got type {kind!r}", 400,
+                           param=f"tools[{i}].function.parameters", code="invalid_value")
         # tokenizer-free: the schema's own errors ("Invalid type: bogus", "Unsatisfiable schema: ...")
         try:
             error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(fn.parameters))
