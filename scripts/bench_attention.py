@@ -37,8 +37,9 @@ def block_gather_attention(q, k_pool, v_pool, layer, meta: AttentionMetadata, sm
     kv_len = meta.page_table.shape[1] * PAGE_SIZE
     qb = q[meta.block_token_idx].reshape(num_blocks, block_q, KV_HEADS, GROUP, HEAD_DIM)
     pages = meta.page_table[meta.block_seq_id]
-    k = k_pool[layer, pages].reshape(num_blocks, kv_len, KV_HEADS, HEAD_DIM)
-    v = v_pool[layer, pages].reshape(num_blocks, kv_len, KV_HEADS, HEAD_DIM)
+    # pages [NB, P, KVH, ps, D] -> tokens [NB, P * ps, KVH, D]
+    k = k_pool[layer, pages].transpose(0, 1, 3, 2, 4).reshape(num_blocks, kv_len, KV_HEADS, HEAD_DIM)
+    v = v_pool[layer, pages].transpose(0, 1, 3, 2, 4).reshape(num_blocks, kv_len, KV_HEADS, HEAD_DIM)
     s = jnp.einsum("bqkgd,bskd->bkgqs", qb, k) * sm_scale
     q_pos = meta.block_q_start[:, None] + jnp.arange(block_q)[None, :]
     mask = jnp.arange(kv_len)[None, None, :] <= q_pos[:, :, None]
@@ -61,7 +62,7 @@ def run_case(name, extend_lens, prefix_lens, num_tokens, num_seqs, block_q, repe
     kv_lens = [e + p for e, p in zip(extend_lens, prefix_lens)]
     pages_per_seq = 1 << (max(kv_lens) // PAGE_SIZE).bit_length()
     num_pages = pages_per_seq * len(kv_lens) + 1
-    shape = (1, num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+    shape = (1, num_pages, KV_HEADS, PAGE_SIZE, HEAD_DIM)
     k_pool = jnp.asarray(rng.standard_normal(shape, np.float32))
     v_pool = jnp.asarray(rng.standard_normal(shape, np.float32))
     q = jnp.asarray(rng.standard_normal((num_tokens, KV_HEADS * GROUP, HEAD_DIM), np.float32))
@@ -81,8 +82,8 @@ def run_case(name, extend_lens, prefix_lens, num_tokens, num_seqs, block_q, repe
     t_dense = None
     if len(extend_lens) == 1 and prefix_lens[0] == 0:
         n = extend_lens[0]
-        k = k_pool[0].reshape(-1, KV_HEADS, HEAD_DIM)[PAGE_SIZE : PAGE_SIZE + n]
-        v = v_pool[0].reshape(-1, KV_HEADS, HEAD_DIM)[PAGE_SIZE : PAGE_SIZE + n]
+        k = k_pool[0].transpose(0, 2, 1, 3).reshape(-1, KV_HEADS, HEAD_DIM)[PAGE_SIZE : PAGE_SIZE + n]
+        v = v_pool[0].transpose(0, 2, 1, 3).reshape(-1, KV_HEADS, HEAD_DIM)[PAGE_SIZE : PAGE_SIZE + n]
         dense = jax.jit(lambda q, k, v: dense_causal_attention(q, k, v, SM_SCALE))
         t_dense = median_ms(dense, q[:n], k, v, repeats=repeats)
     return name, t_flash, t_gather, t_dense

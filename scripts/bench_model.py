@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.cache.kv_pool import PoolShape
 from jaxserve.engine.buckets import MAX_LAYERS_PER_CALL
 from jaxserve.engine.model_runner import BatchEntry, ModelRunner
 from jaxserve.model import llama
@@ -58,7 +59,7 @@ def jax_runner(config, params, max_seqs: int, context: int, layer_loop: str) -> 
     """A runner for `layer_loop` ("scan", "host" or "host:G") with pools for `max_seqs` sequences."""
     loop, _, group = layer_loop.partition(":")
     num_pages = max_seqs * (context // PAGE_SIZE + 1) + 1
-    shape = (config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim)
+    shape = PoolShape(config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads, config.head_dim, "float32").shape
     return ModelRunner(
         config, params, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
         attn_fn=ragged_paged_attention_xla, max_running_requests=max_seqs,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import bench_model
+from jaxserve.cache.kv_pool import PoolShape
 from jaxserve.engine.model_runner import BatchEntry, ModelRunner
 from jaxserve.model.loader import load_model
 from jaxserve.pallas.reference import _MASK_VALUE, KV_BLOCK_TOKENS, ragged_paged_attention_xla
@@ -40,7 +41,7 @@ def padded_map_attention(q, k_pool, v_pool, layer, meta, sm_scale, kv_block=KV_B
     """Baseline: `ragged_paged_attention_xla`'s math under a `lax.map` over all NB query blocks, each
     padding block paying its setup, and outputs gathered through `token_out_idx`."""
     _, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = k_pool.shape
+    _, _, num_kv_heads, page_size, _ = k_pool.shape
     group = num_heads // num_kv_heads
     num_blocks, block_q = meta.block_token_idx.shape
     pages_per_seq = meta.page_table.shape[1]
@@ -60,8 +61,8 @@ def padded_map_attention(q, k_pool, v_pool, layer, meta, sm_scale, kv_block=KV_B
         def kv_step(c, carry):
             run_max, denom, acc = carry
             pages = jax.lax.dynamic_slice(page_table[seq], (c * pages_per_chunk,), (pages_per_chunk,))
-            k = k_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim)
-            v = v_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim)
+            k = k_pool[layer, pages].transpose(0, 2, 1, 3).reshape(chunk, num_kv_heads, head_dim)
+            v = v_pool[layer, pages].transpose(0, 2, 1, 3).reshape(chunk, num_kv_heads, head_dim)
             s = jnp.einsum("krd,skd->krs", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
             kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
             s = jnp.where(kv_pos[None, None, :] <= q_pos[None, :, None], s, _MASK_VALUE)
@@ -88,7 +89,8 @@ def runner_with(config, params, attn_fn, max_seqs: int, context: int) -> ModelRu
     """`bench_model.jax_runner`'s host-loop runner with another attention function; the extend buckets
     start at 2 tokens, as with `--speculative-algorithm`."""
     ps = bench_model.PAGE_SIZE
-    shape = (config.num_layers, max_seqs * (context // ps + 1) + 1, ps, config.num_kv_heads, config.head_dim)
+    shape = PoolShape(config.num_layers, max_seqs * (context // ps + 1) + 1, ps, config.num_kv_heads, config.head_dim,
+                      "float32").shape
     return ModelRunner(config, params, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
                        attn_fn=attn_fn, max_running_requests=max_seqs, max_extend_tokens=context,
                        context_length=context + ps, layer_loop="host", min_extend_tokens=2)

@@ -101,12 +101,12 @@ class Batch:
 
 
 def make_pool(sizes: Sizes, num_pages: int, dtype, key) -> tuple[jax.Array, jax.Array]:
-    """Pools `[L, N, page_size, KVH, D]`: random in the last layer (the one attended), zeros elsewhere.
+    """Pools `[L, N, KVH, page_size, D]`: random in the last layer (the one attended), zeros elsewhere.
 
     With `sizes.num_layers` None, L is chosen so that the last layer starts past 4 GiB: its offsets
     then need 64-bit arithmetic in the kernel.
     """
-    page_shape = (num_pages, sizes.page_size, sizes.num_kv_heads, sizes.head_dim)
+    page_shape = (num_pages, sizes.num_kv_heads, sizes.page_size, sizes.head_dim)
     num_layers = sizes.num_layers
     if num_layers is None:
         layer_bytes = int(np.prod(page_shape)) * jnp.dtype(dtype).itemsize
@@ -154,10 +154,12 @@ def numpy_reference(batch: Batch, k_pool, v_pool, layer: int, sm_scale: float, s
     out = {}
     for s in seq_ids:
         pre, ext = batch.seqs[s]
-        n = -(-(pre + ext) // k_pool.shape[2])
+        _, _, num_kv_heads, page_size, head_dim = k_pool.shape
+        n = -(-(pre + ext) // page_size)
         pages = meta.page_table[s, :n]
-        k = np.asarray(k_pool[layer, pages].astype(jnp.float32), np.float64).reshape(-1, *k_pool.shape[3:])
-        v = np.asarray(v_pool[layer, pages].astype(jnp.float32), np.float64).reshape(-1, *v_pool.shape[3:])
+        # [n, KVH, ps, D] pages -> [n * ps, KVH, D] tokens
+        k, v = (np.asarray(pool[layer, pages].astype(jnp.float32), np.float64).transpose(0, 2, 1, 3)
+                .reshape(-1, num_kv_heads, head_dim) for pool in (k_pool, v_pool))
         group = q.shape[1] // k.shape[1]
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         qs = q[starts[s] : starts[s] + ext]
@@ -303,8 +305,8 @@ def check_correctness(setup: Setup, report: Report) -> jax.Array:
 
 def time_jax_paged_attention(setup: Setup, ref_dec, iters: int, report: Report) -> float:
     """Time JAX's reference decode kernel on the decode batch (its pool layout is [KVH, N, page_size, D])."""
-    k_pages = jnp.transpose(setup.k_pool[setup.layer], (2, 0, 1, 3))
-    v_pages = jnp.transpose(setup.v_pool[setup.layer], (2, 0, 1, 3))
+    k_pages = jnp.transpose(setup.k_pool[setup.layer], (1, 0, 2, 3))
+    v_pages = jnp.transpose(setup.v_pool[setup.layer], (1, 0, 2, 3))
     n = len(setup.decode.seqs)
     meta = setup.decode.host_meta
     block_tables = jnp.asarray(meta.page_table[:n])

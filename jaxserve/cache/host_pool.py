@@ -2,7 +2,7 @@
 
 Release policy stage 2 (DESIGN.md, "Radix cache and release policy") moves the KV of cold radix-tree
 nodes here instead of dropping it, and copies it back on a later match. The layout mirrors the device
-pool, `[num_layers, num_pages, page_size, num_kv_heads, head_dim]`, so one page moves with one slice.
+pool, `[num_layers, num_pages, num_kv_heads, page_size, head_dim]`, so one page moves with one slice.
 After SGLang's hierarchical cache (`HostKVCache`, python/sglang/srt/mem_cache/memory_pool_host.py),
 sized by `--hicache-ratio` (host pages / device pages) or `--hicache-size` (GB).
 
@@ -53,9 +53,9 @@ class HostKVPool:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         s = device_shape
         self.num_pages = num_pages
-        self.page_shape = (s.page_size, s.num_kv_heads, s.head_dim)
+        self.page_shape = (s.num_kv_heads, s.page_size, s.head_dim)
         dtype = np.dtype(jnp.dtype(s.dtype))
-        # [L, H, ps, KVH, D]
+        # [L, H, KVH, ps, D]
         self.k = np.zeros((s.num_layers, num_pages, *self.page_shape), dtype)
         self.v = np.zeros((s.num_layers, num_pages, *self.page_shape), dtype)
         self.bytes_per_page = 2 * self.k[:, 0].nbytes
@@ -101,11 +101,11 @@ class HostKVPool:
         self._free.extend(arr.tolist())
 
     def write(self, pages: Int32[np.ndarray, " P"], k: np.ndarray, v: np.ndarray) -> None:
-        """Store K/V `[L, len(pages), ps, KVH, D]` into `pages` (extra rows of k/v are ignored)."""
+        """Store K/V `[L, len(pages), KVH, ps, D]` into `pages` (extra rows of k/v are ignored)."""
         n = len(pages)
         self.k[:, pages] = k[:, :n]
         self.v[:, pages] = v[:, :n]
 
     def read(self, pages: Int32[np.ndarray, " P"]) -> tuple[np.ndarray, np.ndarray]:
-        """K/V of `pages`, each `[L, len(pages), ps, KVH, D]` (copies)."""
+        """K/V of `pages`, each `[L, len(pages), KVH, ps, D]` (copies)."""
         return self.k[:, pages], self.v[:, pages]

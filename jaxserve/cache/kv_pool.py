@@ -1,6 +1,8 @@
 """The paged KV pool: device arrays and the host-side page allocator.
 
-Layout (DESIGN.md): `k_pool, v_pool : [num_layers, num_pages, page_size, num_kv_heads, head_dim]`.
+Layout (DESIGN.md): `k_pool, v_pool : [num_layers, num_pages, num_kv_heads, page_size, head_dim]`: a page holds
+each kv head's `page_size x head_dim` rows contiguously, which decode attention reads as whole blocks
+(docs/benchmarks.md, issue 20's tenth pass).
 Page 0 is a reserved dummy page that padding tokens write to; it is never handed out.
 
 Sizing (`pool_budget` / `size_pool`): `--max-total-tokens` wins; otherwise `--mem-fraction-static`
@@ -43,7 +45,7 @@ class PoolShape:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.num_pages, self.num_kv_heads, self.page_size, self.head_dim)
 
     @property
     def bytes_per_token(self) -> int:

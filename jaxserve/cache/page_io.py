@@ -26,12 +26,12 @@ class PendingRead(Protocol):
     """A device -> host copy in flight."""
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """Block until done; K and V as numpy `[L, >=n, ps, KVH, D]` (the first n rows are the pages)."""
+        """Block until done; K and V as numpy `[L, >=n, KVH, ps, D]` (the first n rows are the pages)."""
         ...
 
 
 class KVPageIO(Protocol):
-    """Copies of whole KV pages; K and V move together. Arrays are `[L, n, ps, KVH, D]`."""
+    """Copies of whole KV pages; K and V move together. Arrays are `[L, n, KVH, ps, D]`."""
 
     def read_pages(self, pages: Int32[np.ndarray, " n"]) -> PendingRead: ...
 
@@ -51,7 +51,7 @@ class DoneRead:
 
 
 class NumpyKVPages:
-    """A device pool made of numpy arrays `[L, N, ps, KVH, D]` (synchronous `KVPageIO`)."""
+    """A device pool made of numpy arrays `[L, N, KVH, ps, D]` (synchronous `KVPageIO`)."""
 
     def __init__(self, shape: PoolShape):
         self.k = np.zeros(shape.shape, np.dtype(shape.dtype))

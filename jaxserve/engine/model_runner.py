@@ -60,15 +60,15 @@ logger = logging.getLogger(__name__)
 
 def forward_step(
     params: llama.Params,
-    k_pool: Float[Array, "L N ps KVH D"],
-    v_pool: Float[Array, "L N ps KVH D"],
+    k_pool: Float[Array, "L N KVH ps D"],
+    v_pool: Float[Array, "L N KVH ps D"],
     batch: ForwardBatch,
     *,
     config: ModelConfig,
     attn_fn: Callable,
     forward_fn: Callable = llama.forward,
     return_input_logprobs: bool = False,
-) -> tuple[Float[Array, "S V"], Float[Array, " T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+) -> tuple[Float[Array, "S V"], Float[Array, " T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
     """One engine step: write the batch's K/V into the pools and return float32 logits [S, V] at
     `batch.logits_idx`, the prompt logprobs [T] and the updated pools.
 
@@ -214,7 +214,7 @@ class ModelRunner:
         shardings: dict[str, object] = {}
         if self.mesh is not None:
             params = parallel.shard_params(params, llama.logical_axes(config), self.mesh)
-            pool = parallel.pool_sharding(self.mesh, k_pool.shape[3])
+            pool = parallel.pool_sharding(self.mesh, k_pool.shape[2])
             k_pool, v_pool = parallel.sharding.put(k_pool, pool), parallel.sharding.put(v_pool, pool)
             attn_fn = parallel.shard_attention(attn_fn, self.mesh)
             rep, logits = parallel.replicated(self.mesh), parallel.vocab_sharding(self.mesh, config.vocab_size)
@@ -225,7 +225,7 @@ class ModelRunner:
         out = {name: {"out_shardings": sh} for name, sh in shardings.items()}
         self.k_pool = k_pool
         self.v_pool = v_pool
-        self.page_size = k_pool.shape[2]
+        self.page_size = k_pool.shape[3]
         self.max_seqs = pow2_at_least(max_running_requests)
         self.max_extend_tokens = pow2_at_least(max_extend_tokens, EXTEND_BLOCK_Q)
         self.extend_tokens = extend_token_buckets(min(min_extend_tokens, EXTEND_BLOCK_Q), self.max_extend_tokens)
@@ -541,7 +541,7 @@ class ModelRunner:
         return DevicePageRead(k, v)
 
     def write_pages(self, pages, k: np.ndarray, v: np.ndarray) -> None:
-        """Write host K/V `[L, len(pages), ps, KVH, D]` into device `pages`. With several processes
+        """Write host K/V `[L, len(pages), KVH, ps, D]` into device `pages`. With several processes
         the contents reach the other ranks through a collective (`StepChannel.share`)."""
         with self._routed("write_pages", pages, (k.shape, k.dtype.str), (v.shape, v.dtype.str)):
             if self.channel is not None:
@@ -578,7 +578,7 @@ def _padded_page_ids(pages) -> np.ndarray:
 
 
 def _gather_pages(k_pool, v_pool, pages):
-    # [L, N, ps, KVH, D] -> [L, n, ps, KVH, D]
+    # [L, N, KVH, ps, D] -> [L, n, KVH, ps, D]
     return k_pool[:, pages], v_pool[:, pages]
 
 

@@ -163,14 +163,14 @@ class Attention(nnx.Module):
     def __call__(
         self,
         x: Float[Array, "E T"],
-        k_pool: Float[Array, "L N ps KVH D"],
-        v_pool: Float[Array, "L N ps KVH D"],
+        k_pool: Float[Array, "L N KVH ps D"],
+        v_pool: Float[Array, "L N KVH ps D"],
         layer: Int32[Array, ""],
         batch: ForwardBatch,
         cos: Float[Array, "T D"],
         sin: Float[Array, "T D"],
         attn_fn: AttentionFn,
-    ) -> tuple[Float[Array, "E T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+    ) -> tuple[Float[Array, "E T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
         cfg = self.config
         num_tokens, d, nkv, g = x.shape[1], cfg.head_dim, cfg.num_kv_heads, cfg.group_size
         # a 2-D matmul on the flattened rows (a split kv-head axis stays a split of the rows): the
@@ -232,14 +232,14 @@ class DecoderLayer(nnx.Module):
     def __call__(
         self,
         h: Float[Array, "E T"],
-        k_pool: Float[Array, "L N ps KVH D"],
-        v_pool: Float[Array, "L N ps KVH D"],
+        k_pool: Float[Array, "L N KVH ps D"],
+        v_pool: Float[Array, "L N KVH ps D"],
         layer: Int32[Array, ""],
         batch: ForwardBatch,
         cos: Float[Array, "T D"],
         sin: Float[Array, "T D"],
         attn_fn: AttentionFn,
-    ) -> tuple[Float[Array, "E T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+    ) -> tuple[Float[Array, "E T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
         """The residual stream is feature-major, [E, T], so every projection is `W @ x` with W in the
         checkpoint's [out, in] layout. On XLA:CPU this runs decode batches (T = 2..64) 1.2-1.9x faster
         than x [T, E] @ W [in, out], and a 512-token chunk 6% slower (docs/benchmarks.md, "Projection
@@ -381,8 +381,8 @@ def embed_tokens(
 def decoder_layers(
     ps: tuple[Params, ...],
     h: Float[Array, "E T"],
-    k_pool: Float[Array, "L N ps KVH D"],
-    v_pool: Float[Array, "L N ps KVH D"],
+    k_pool: Float[Array, "L N KVH ps D"],
+    v_pool: Float[Array, "L N KVH ps D"],
     first_layer: Int32[Array, ""],
     batch: ForwardBatch,
     cos: Float[Array, "T D"],
@@ -390,7 +390,7 @@ def decoder_layers(
     *,
     config: ModelConfig,
     attn_fn: AttentionFn,
-) -> tuple[Float[Array, "E T"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+) -> tuple[Float[Array, "E T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
     """Consecutive decoder layers `first_layer`, `first_layer + 1`, ... with per-layer params `ps`
     (unrolled): write each layer's K/V into the pools, attend, run the MLP."""
     layer_def, attn_fn = model_defs(config).layer, paged_attention(attn_fn)
@@ -414,13 +414,13 @@ def compute_logits(
 
 def forward(
     params: Params,
-    k_pool: Float[Array, "L N ps KVH D"],
-    v_pool: Float[Array, "L N ps KVH D"],
+    k_pool: Float[Array, "L N KVH ps D"],
+    v_pool: Float[Array, "L N KVH ps D"],
     batch: ForwardBatch,
     *,
     config: ModelConfig,
     attn_fn: AttentionFn,
-) -> tuple[Float[Array, "T E"], Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+) -> tuple[Float[Array, "T E"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
     """Run the decoder over a ragged batch: write every token's K/V into the pools and return the final
     (normed) hidden states [T, E] with the updated pools.
 

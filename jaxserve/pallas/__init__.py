@@ -32,7 +32,7 @@ def get_attention_backend(name: str) -> Callable:
     """Return the ragged paged attention function registered under `name`.
 
     Every backend has the signature of `ragged_paged_attention_xla`
-    `(q [T, H, D], k_pool, v_pool [L, N, page_size, KVH, D], layer, meta, sm_scale) -> [T, H, D]`.
+    `(q [T, H, D], k_pool, v_pool [L, N, KVH, page_size, D], layer, meta, sm_scale) -> [T, H, D]`.
 
     Raises:
         ValueError: `name` is not a registered backend (the message lists the supported ones).

@@ -13,7 +13,7 @@ Kernel layout (the design of vLLM's and SGLang's ragged paged attention, written
   dimension: `R = Bq' * G'` rows (`Bq'`, `G'` rounded up to powers of two, `R >= 16` because Triton's
   `dot` needs M, N, K >= 16).
 - The inner loop walks the sequence's page-table row `PPB` pages at a time and gathers those pages of
-  the whole stacked pool in-kernel (`k_ref[layer, pages, :, h, :]`, an indexed load), so no per-layer
+  the whole stacked pool in-kernel (`k_ref[layer, pages, h]`, an indexed load of `PPB` contiguous `[page_size, D]` blocks), so no per-layer
   slice or per-sequence copy of the pool is ever made. It only visits the pages the block needs:
   `ceil((q_start + num_q) / (PPB * page_size))` steps, bounded by the page-table width.
 - Online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; FlashAttention,
@@ -64,8 +64,8 @@ def _attention_kernel(
     num_q_ref,  # [NB]
     page_table_ref,  # [S, P'] (P' a multiple of pages_per_block)
     q_ref,  # [R, D] (this block and kv head)
-    k_pool_ref,  # [L, N, ps, KVH, D] (whole pool)
-    v_pool_ref,  # [L, N, ps, KVH, D]
+    k_pool_ref,  # [L, N, KVH, ps, D] (whole pool)
+    v_pool_ref,  # [L, N, KVH, ps, D]
     o_ref,  # [R, D]
     *,
     group_pad: int,
@@ -85,7 +85,7 @@ def _attention_kernel(
     sm_scale = scale_ref[0]
 
     rows, head_dim = q_ref.shape
-    page_size = k_pool_ref.shape[2]
+    page_size = k_pool_ref.shape[3]
     block_kv = pages_per_block * page_size
 
     q = q_ref[...]
@@ -97,8 +97,8 @@ def _attention_kernel(
     def body(i, carry):
         acc, m_prev, l_prev = carry
         pages = page_table_ref[seq, pl.ds(i * pages_per_block, pages_per_block)]  # [PPB]
-        k = k_pool_ref[layer, pages, :, kv_head, :].reshape(block_kv, head_dim)
-        v = v_pool_ref[layer, pages, :, kv_head, :].reshape(block_kv, head_dim)
+        k = k_pool_ref[layer, pages, kv_head].reshape(block_kv, head_dim)  # PPB contiguous [ps, D] blocks
+        v = v_pool_ref[layer, pages, kv_head].reshape(block_kv, head_dim)
         s = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
@@ -129,7 +129,7 @@ def _check_shapes(q, k_pool, v_pool, meta: AttentionMetadata) -> None:
     num_tokens, num_heads, head_dim = q.shape
     if k_pool.shape != v_pool.shape:
         raise ValueError(f"k_pool {k_pool.shape} and v_pool {v_pool.shape} differ")
-    _, _, page_size, num_kv_heads, pool_head_dim = k_pool.shape
+    _, _, num_kv_heads, page_size, pool_head_dim = k_pool.shape
     if pool_head_dim != head_dim:
         raise ValueError(f"q head_dim {head_dim} != pool head_dim {pool_head_dim}")
     if num_heads % num_kv_heads:
@@ -144,8 +144,8 @@ def _check_shapes(q, k_pool, v_pool, meta: AttentionMetadata) -> None:
 
 def ragged_paged_attention(
     q: Float[Array, "T H D"],
-    k_pool: Float[Array, "L N ps KVH D"],
-    v_pool: Float[Array, "L N ps KVH D"],
+    k_pool: Float[Array, "L N KVH ps D"],
+    v_pool: Float[Array, "L N KVH ps D"],
     layer: Int32[Array, ""],
     meta: AttentionMetadata,
     sm_scale: float,
@@ -155,7 +155,7 @@ def ragged_paged_attention(
     """Causal attention of each packed query token over its sequence's KV in layer `layer` of the pool.
 
     The Pallas twin of `ragged_paged_attention_xla`, with the same arguments and results: q `[T, H, D]`
-    packed tokens (`H = KVH * G`), pools `[L, N, page_size, KVH, D]` (page 0 a dummy page), `layer` an
+    packed tokens (`H = KVH * G`), pools `[L, N, KVH, page_size, D]` (page 0 a dummy page), `layer` an
     int32 scalar, `meta` the batch layout (`NB` blocks of `Bq` rows). The K/V of this step's tokens must
     already be written (`write_kv`). Returns `[T, H, D]` in q's dtype; rows of padding tokens hold
     garbage (finite: padding blocks yield zeros). Softmax in float32.
@@ -176,7 +176,7 @@ def ragged_paged_attention(
     _check_shapes(q, k_pool, v_pool, meta)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    page_size = k_pool.shape[2]
+    page_size = k_pool.shape[3]
     return _ragged_paged_attention(
         q,
         k_pool,
@@ -194,7 +194,7 @@ def _ragged_paged_attention(q, k_pool, v_pool, layer, meta: AttentionMetadata, s
     from jax.experimental.pallas import triton as pl_triton
 
     num_tokens, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = k_pool.shape
+    _, _, num_kv_heads, page_size, _ = k_pool.shape
     group = num_heads // num_kv_heads
     num_blocks, block_q = meta.block_token_idx.shape
     num_seqs, pages_per_seq = meta.page_table.shape

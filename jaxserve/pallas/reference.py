@@ -18,30 +18,31 @@ KV_BLOCK_TOKENS = 256  # keys per inner-loop step of the XLA path; measured best
 
 
 def write_kv(
-    k_pool: Float[Array, "L N ps KVH D"],
-    v_pool: Float[Array, "L N ps KVH D"],
+    k_pool: Float[Array, "L N KVH ps D"],
+    v_pool: Float[Array, "L N KVH ps D"],
     layer: Int32[Array, ""],
     k: Float[Array, "T KVH D"],
     v: Float[Array, "T KVH D"],
     slot_mapping: Int32[Array, " T"],
-) -> tuple[Float[Array, "L N ps KVH D"], Float[Array, "L N ps KVH D"]]:
+) -> tuple[Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
     """Scatter the step's new K/V into layer `layer` of the pools.
 
     `slot_mapping[t] = page * page_size + slot`; padding tokens point at the dummy page 0. Out-of-range
     slots are dropped rather than clamped.
     """
-    page_size = k_pool.shape[2]
+    page_size = k_pool.shape[3]
     page = slot_mapping // page_size
     slot = slot_mapping % page_size
-    k_pool = k_pool.at[layer, page, slot].set(k.astype(k_pool.dtype), mode="drop")
-    v_pool = v_pool.at[layer, page, slot].set(v.astype(v_pool.dtype), mode="drop")
+    # two index arrays around a slice: the indexed view is [T, KVH, D], the shape of k and v
+    k_pool = k_pool.at[layer, page, :, slot].set(k.astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[layer, page, :, slot].set(v.astype(v_pool.dtype), mode="drop")
     return k_pool, v_pool
 
 
 def ragged_paged_attention_xla(
     q: Float[Array, "T H D"],
-    k_pool: Float[Array, "L N ps KVH D"],
-    v_pool: Float[Array, "L N ps KVH D"],
+    k_pool: Float[Array, "L N KVH ps D"],
+    v_pool: Float[Array, "L N KVH ps D"],
     layer: Int32[Array, ""],
     meta: AttentionMetadata,
     sm_scale: float,
@@ -67,7 +68,7 @@ def ragged_paged_attention_xla(
     `scripts/bench_attention.py`).
     """
     num_tokens, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = k_pool.shape
+    _, _, num_kv_heads, page_size, _ = k_pool.shape
     group = num_heads // num_kv_heads
     num_blocks, block_q = meta.block_token_idx.shape
     pages_per_seq = meta.page_table.shape[1]
@@ -99,11 +100,12 @@ def ragged_paged_attention_xla(
             pages = jax.lax.dynamic_slice(page_table[seq], (c * pages_per_chunk,), (pages_per_chunk,))
             # Index the pool directly: slicing out the layer first would copy the whole layer. The
             # chunk goes head-major, [KVH, chunk, D], before the dots: with the kv-head batch axis in
-            # the middle of the operand XLA:CPU's dots ran slower (30 layers after 200 cached tokens:
-            # 3.5 -> 2.8 ms at decode, 7.3 -> 6.5 ms for a 16-row block; docs/benchmarks.md, issue
-            # 20's sixth pass)
-            k = k_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim).transpose(1, 0, 2)
-            v = v_pool[layer, pages].reshape(chunk, num_kv_heads, head_dim).transpose(1, 0, 2)
+            # the middle of the operand XLA:CPU's dots ran slower (docs/benchmarks.md, issue 20's
+            # sixth pass). A page holds each head's rows contiguously ([KVH, ps, D]), so the gather
+            # moves page_size x D blocks and the transpose swaps whole blocks (issue 20's tenth pass:
+            # decode attention 1.3-1.5x faster than with [ps, KVH, D] pages)
+            k = k_pool[layer, pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, chunk, head_dim)
+            v = v_pool[layer, pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, chunk, head_dim)
             s = jnp.einsum("krd,ksd->krs", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
             kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
             s = jnp.where(kv_pos[None, None, :] <= q_pos[None, :, None], s, _MASK_VALUE)

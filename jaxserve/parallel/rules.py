@@ -25,8 +25,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "page": None,
 }
 
-# the KV pool [L, N, ps, KVH, D]
-POOL_AXES = ("layers", "pages", "page", "kv_heads", "head_dim")
+# the KV pool [L, N, KVH, ps, D]
+POOL_AXES = ("layers", "pages", "kv_heads", "page", "head_dim")
 
 
 def partition_spec(axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None, tp_size: int = 1) -> PartitionSpec:

@@ -88,14 +88,14 @@ def per_device_nbytes(params, axes, tp: int) -> int:
 
 
 def pool_shards(num_kv_heads: int, tp: int) -> int:
-    """Into how many pieces the KV pool [L, N, ps, KVH, D] is split over kv heads at `tp` (after kv-head
+    """Into how many pieces the KV pool [L, N, KVH, ps, D] is split over kv heads at `tp` (after kv-head
     replication, `num_kv_heads` is a multiple of tp; 1 when tp does not divide it)."""
-    return num_shards(POOL_AXES, (1, 1, 1, num_kv_heads, 1), tp)
+    return num_shards(POOL_AXES, (1, 1, num_kv_heads, 1, 1), tp)
 
 
 def pool_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
-    """The KV pool [L, N, ps, KVH, D] split over kv heads."""
-    shape = (1, 1, 1, num_kv_heads, 1)
+    """The KV pool [L, N, KVH, ps, D] split over kv heads."""
+    shape = (1, 1, num_kv_heads, 1, 1)
     return NamedSharding(mesh, partition_spec(POOL_AXES, shape, tp_size(mesh)))
 
 
@@ -112,7 +112,7 @@ def shard_attention(attn_fn: Callable, mesh: Mesh) -> Callable:
     runs inside. `check_vma=False`: a `pallas_call` inside shard_map needs it (JAX 0.10.2).
     """
     heads = P(None, "tensor", None)
-    pool = P(None, None, None, "tensor", None)
+    pool = P(None, None, "tensor", None, None)
 
     def sharded(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale):
         fn = jax.shard_map(

@@ -41,8 +41,8 @@ def write_kv(io: NumpyKVPages, page_table, tokens, start: int, end: int, page_si
     for pos in range(start, end):
         page, slot = page_table[pos // page_size], pos % page_size
         for layer in range(NUM_LAYERS):
-            io.k[layer, page, slot] = kv_value(tokens[pos], pos, layer)
-            io.v[layer, page, slot] = -kv_value(tokens[pos], pos, layer)
+            io.k[layer, page, :, slot] = kv_value(tokens[pos], pos, layer)
+            io.v[layer, page, :, slot] = -kv_value(tokens[pos], pos, layer)
 
 
 def node_tokens(node):
@@ -67,8 +67,8 @@ def assert_kv_of_node(h, node) -> None:
         pos = len(before) + i
         page, slot = int(pages[i // ps]), i % ps
         for layer in range(NUM_LAYERS):
-            assert k[layer, page, slot, 0, 0] == kv_value(t, pos, layer), (node, pos, "K")
-            assert v[layer, page, slot, 0, 0] == -kv_value(t, pos, layer), (node, pos, "V")
+            assert k[layer, page, 0, slot, 0] == kv_value(t, pos, layer), (node, pos, "K")
+            assert v[layer, page, 0, slot, 0] == -kv_value(t, pos, layer), (node, pos, "V")
 
 
 def assert_all_kv(h) -> None:
@@ -294,7 +294,7 @@ def test_copy_on_write_reuses_a_partly_matched_page():
     page_table = list(match.pages) + [match.cow_page]
     for pos in range(6):
         page, slot = page_table[pos // 4], pos % 4
-        assert h.io.k[0, page, slot, 0, 0] == kv_value(key[pos], pos, 0)
+        assert h.io.k[0, page, 0, slot, 0] == kv_value(key[pos], pos, 0)
     assert match.cow_page not in {int(p) for n in h.tree.iter_nodes() for p in n.pages}
     # writes of the request start past the copied slots, in its private page
     assert frozen_write_violations(h.tree, [(page_table, 6, 2)]) == []
@@ -328,7 +328,7 @@ def test_tails_are_kept_and_read_by_copy_on_write():
     h.tree.inc_lock_ref(result.last_node)
     match = h.policy.extend_match(result, key)
     assert match.num_cow_tokens == 3
-    assert h.io.k[0, match.cow_page, 2, 0, 0] == kv_value(9, 10, 0)
+    assert h.io.k[0, match.cow_page, 0, 2, 0] == kv_value(9, 10, 0)
 
 
 def test_tail_needs_a_shared_path():

@@ -48,8 +48,8 @@ def assert_req_reads(req: Req, io: NumpyKVPages, page_size: int) -> None:
     ids = req.fill_ids
     for pos in range(req.kv_len):
         page, slot = req.page_table[pos // page_size], pos % page_size
-        assert io.k[0, page, slot, 0, 0] == kv_value(ids[pos], pos, 0), (req.rid, pos)
-        assert io.v[NUM_LAYERS - 1, page, slot, 0, 0] == -kv_value(ids[pos], pos, NUM_LAYERS - 1), (req.rid, pos)
+        assert io.k[0, page, 0, slot, 0] == kv_value(ids[pos], pos, 0), (req.rid, pos)
+        assert io.v[NUM_LAYERS - 1, page, 0, slot, 0] == -kv_value(ids[pos], pos, NUM_LAYERS - 1), (req.rid, pos)
 
 
 def run_machine(page_size: int, max_examples: int) -> dict:

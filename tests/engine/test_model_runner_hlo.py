@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
+from jaxserve.cache.kv_pool import PoolShape
 from jaxserve.engine.hlo_text import aliased_params, pool_copies
 from jaxserve.engine.model_runner import BatchEntry, ModelRunner
 from jaxserve.model.loader import load_model
@@ -28,7 +29,7 @@ def tiny(tiny_model_dir):
 
 def runner_for(tiny, context: int, layer_loop: str) -> ModelRunner:
     config, params = tiny
-    shape = (config.num_layers, NUM_PAGES, PAGE_SIZE, config.num_kv_heads, config.head_dim)
+    shape = PoolShape(config.num_layers, NUM_PAGES, PAGE_SIZE, config.num_kv_heads, config.head_dim, "float32").shape
     return ModelRunner(config, params, jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
                        attn_fn=ragged_paged_attention_xla, max_running_requests=4, max_extend_tokens=256,
                        context_length=context, layer_loop=layer_loop)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.cache.kv_pool import PoolShape
 from jaxserve.engine.buckets import MAX_LAYERS_PER_CALL
 from jaxserve.engine.model_runner import BatchEntry, ModelRunner
 from jaxserve.model import llama
@@ -27,7 +28,7 @@ class SingleSequence:
         layer_loop: str = "scan", max_layers_per_call: int = MAX_LAYERS_PER_CALL,
     ):
         num_pages = max_tokens // page_size + 2
-        shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+        shape = PoolShape(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, "float32").shape
         dtype = jax.tree.leaves(params)[0].dtype
         self.runner = ModelRunner(
             config, params, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),

@@ -59,18 +59,19 @@ def _make_batch(seqs, *, page_size, group, head_dim, dtype, block_q, seed, layer
     def rand(*shape):
         return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype).astype(jnp.float32), np.float64)
 
-    shape = (NUM_LAYERS, num_pages, page_size, NUM_KV_HEADS, head_dim)
+    shape = (NUM_LAYERS, num_pages, NUM_KV_HEADS, page_size, head_dim)
     k_pool = np.full(shape, np.nan)
     v_pool = np.full(shape, np.nan)
-    k_pool[layer, 0] = rand(page_size, NUM_KV_HEADS, head_dim)  # the dummy page is finite
-    v_pool[layer, 0] = rand(page_size, NUM_KV_HEADS, head_dim)
+    k_pool[layer, 0] = rand(NUM_KV_HEADS, page_size, head_dim)  # the dummy page is finite
+    v_pool[layer, 0] = rand(NUM_KV_HEADS, page_size, head_dim)
     seq_kv = []
     for (pre, ext), pages in zip(seqs, page_tables):
         # Whole pages are finite: slots past the sequence's length are read (masked) by both paths.
         k = rand(len(pages) * page_size, NUM_KV_HEADS, head_dim)
         v = rand(len(pages) * page_size, NUM_KV_HEADS, head_dim)
-        k_pool[layer, pages] = k.reshape(len(pages), page_size, NUM_KV_HEADS, head_dim)
-        v_pool[layer, pages] = v.reshape(len(pages), page_size, NUM_KV_HEADS, head_dim)
+        # token-major [tokens, KVH, D] -> pages [n, KVH, page_size, D], the pool's layout
+        k_pool[layer, pages] = k.reshape(len(pages), page_size, NUM_KV_HEADS, head_dim).transpose(0, 2, 1, 3)
+        v_pool[layer, pages] = v.reshape(len(pages), page_size, NUM_KV_HEADS, head_dim).transpose(0, 2, 1, 3)
         seq_kv.append((k[: pre + ext], v[: pre + ext]))
 
     num_new = sum(ext for _, ext in seqs)
@@ -194,7 +195,7 @@ def test_rejects_non_power_of_two_page_size():
     q, k_pool, v_pool, layer, host_meta, _ = _make_batch(
         [(3, 2)], page_size=8, group=1, head_dim=64, dtype="float32", block_q=1, seed=2
     )
-    k_pool = k_pool[:, :, :6]
+    k_pool = k_pool[:, :, :, :6]
     with pytest.raises(ValueError, match="page_size"):
         ragged_paged_attention(q, k_pool, k_pool, layer, host_meta.to_device(), 0.125)
 
@@ -270,7 +271,7 @@ def _abstract_args(
         i32(num_seqs),
         i32(num_tokens),
     )
-    pool = jax.ShapeDtypeStruct((*pool_shape, page_size, NUM_KV_HEADS, head_dim), dtype)
+    pool = jax.ShapeDtypeStruct((*pool_shape, NUM_KV_HEADS, page_size, head_dim), dtype)
     return jax.ShapeDtypeStruct((num_tokens, NUM_KV_HEADS * group, head_dim), dtype), pool, pool, i32(), meta
 
 
@@ -327,13 +328,13 @@ _SHARD_MAP_SCRIPT = textwrap.dedent(
     meta = build_attention_metadata([b for _, b in seqs], [a for a, _ in seqs], tables,
                                     num_tokens=32, num_seqs=4, pages_per_seq=4, block_q=16).to_device()
     q = jnp.asarray(rng.standard_normal((32, kv_heads * group, head_dim)), jnp.float32)
-    shape = (2, sum(pages) + 1, page_size, kv_heads, head_dim)
+    shape = (2, sum(pages) + 1, kv_heads, page_size, head_dim)
     k_pool = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     v_pool = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     layer = jnp.int32(1)
     attn = lambda q, k, v, layer, meta: ragged_paged_attention(q, k, v, layer, meta, 0.125, interpret=True)
     mesh = Mesh(np.array(jax.devices()), ("kv",))
-    pool_spec = P(None, None, None, "kv")
+    pool_spec = P(None, None, "kv")
     sharded = jax.jit(jax.shard_map(attn, mesh=mesh, in_specs=(P(None, "kv"), pool_spec, pool_spec, P(), P()),
                                     out_specs=P(None, "kv"), check_vma=False))
     out = sharded(q, k_pool, v_pool, layer, meta)

@@ -61,7 +61,7 @@ def test_outputs_identical_at_every_tp(tp_runs, family):
     assert base["cow_hit_tokens"] > 0  # copy-on-write of a partly matched page
     for r in others:
         assert r["devices"] == [f"cpu:{i}" for i in range(r["tp"])]
-        assert r["pool_sharding"] == "P(None, None, None, 'tensor', None)"
+        assert r["pool_sharding"] == "P(None, None, 'tensor', None, None)"
         assert r["outputs"] == base["outputs"], f"greedy outputs differ at tp {r['tp']}"
         assert r["sampled"] == base["sampled"], f"seeded sampling differs at tp {r['tp']}"
         ref, ours = np.asarray(base["logits"]), np.asarray(r["logits"])
@@ -141,7 +141,7 @@ def test_rules_table_splits_megatron_style():
     assert spec(layer["mlp"]["w_gate_up"]) == P(None, "tensor", None)
     assert spec(layer["mlp"]["w_down"]) == P(None, "tensor")
     assert spec(axes["embed"]) == P("tensor", None)
-    assert spec(parallel.POOL_AXES) == P(None, None, None, "tensor", None)
+    assert spec(parallel.POOL_AXES) == P(None, None, "tensor", None, None)
     # a vocabulary tp does not divide stays whole
     assert parallel.partition_spec(("vocab", "embed"), (49153, 576), 2) == P(None, None)
 

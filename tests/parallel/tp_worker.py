@@ -115,6 +115,7 @@ def lower_cuda(model_dir: str, tp: int) -> dict:
     import jax.numpy as jnp
 
     from jaxserve import parallel
+    from jaxserve.cache.kv_pool import PoolShape
     from jaxserve.engine.model_runner import BatchEntry, ModelRunner
     from jaxserve.model import llama
     from jaxserve.model.loader import load_model, replicate_kv_heads
@@ -123,7 +124,7 @@ def lower_cuda(model_dir: str, tp: int) -> dict:
     config, params = load_model(model_dir, "bfloat16", use_weights_cache=False)
     config, params = replicate_kv_heads(config, params, parallel.plan_tensor_parallel(config, tp).kv_replicas)
     mesh = parallel.make_mesh(tp)
-    shape = (config.num_layers, 9, 8, config.num_kv_heads, config.head_dim)
+    shape = PoolShape(config.num_layers, 9, 8, config.num_kv_heads, config.head_dim, "float32").shape
     backend = functools.partial(ragged_paged_attention, interpret=False)
     runner = ModelRunner(config, llama.stack_layers(params), jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16),
                          attn_fn=backend, max_running_requests=2, max_extend_tokens=16, context_length=64,
