@@ -46,6 +46,7 @@ def compare_tp(model_path: str, tp: int, *, prompt_len: int, batch_sizes, repeat
     import numpy as np
 
     from jaxserve import parallel
+    from jaxserve.cache.kv_pool import PoolShape
     from jaxserve.engine.model_runner import BatchEntry, ModelRunner
     from jaxserve.model import llama
     from jaxserve.model.loader import load_model, replicate_kv_heads
@@ -61,7 +62,7 @@ def compare_tp(model_path: str, tp: int, *, prompt_len: int, batch_sizes, repeat
     runners = {}
     for t in (1, tp):
         cfg, p = replicate_kv_heads(config, params, parallel.plan_tensor_parallel(config, t).kv_replicas)
-        shape = (cfg.num_layers, max_b * pages_per_seq + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        shape = PoolShape(cfg.num_layers, max_b * pages_per_seq + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim, "float32").shape
         dt = jax.tree.leaves(p)[0].dtype
         runners[t] = ModelRunner(
             cfg, p if layer_loop == "host" else llama.stack_layers(p), jnp.zeros(shape, dt), jnp.zeros(shape, dt),

@@ -7,14 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxserve.cache.kv_pool import PoolShape
 from jaxserve.engine.buckets import EXTEND_BLOCK_Q, extend_token_buckets, layers_per_call
 from jaxserve.engine.model_runner import ModelRunner
 
 PAGE_SIZE = 16
+POOL_SHAPE = PoolShape(1, 2, PAGE_SIZE, 1, 8, "float32").shape
 
 
 def make_runner(max_seqs: int, max_extend: int, context: int) -> ModelRunner:
-    pool = jnp.zeros((1, 2, PAGE_SIZE, 1, 8), jnp.float32)  # bucket arithmetic never reads it
+    pool = jnp.zeros(POOL_SHAPE, jnp.float32)  # bucket arithmetic never reads it
     return ModelRunner(None, None, pool, pool, attn_fn=None, max_running_requests=max_seqs,
                        max_extend_tokens=max_extend, context_length=context)
 
@@ -71,7 +73,7 @@ def test_layers_per_call_of_common_depths():
 
 def test_small_extend_buckets_have_blocks_of_their_size():
     """Speculative verification's 2-8 token buckets: query blocks as wide as the bucket, not 16 rows."""
-    pool = jnp.zeros((1, 2, PAGE_SIZE, 1, 8), jnp.float32)
+    pool = jnp.zeros(POOL_SHAPE, jnp.float32)
     runner = ModelRunner(None, None, pool, pool, attn_fn=None, max_running_requests=8, max_extend_tokens=512,
                          context_length=1024, min_extend_tokens=2)
     assert [runner.bucket_for(lens, 4).block_q for lens in ([2], [3], [1, 4], [6, 1, 1], [9], [300])] == [2, 4, 8, 8, 16, 16]
