@@ -52,6 +52,7 @@ from jaxserve.server.responses_input import (
     FIELD_TYPES,
     Message,
     chat_request,
+    check_call_outputs,
     check_chat_only_fields,
     check_input_items,
     check_metadata,
@@ -157,6 +158,7 @@ async def create_response(request: Request) -> Response:
             raise APIError(f"previous response with id {req.previous_response_id!r} not found", 404,
                            param="previous_response_id", code="not_found")
         history = stored[1]
+    check_call_outputs(history, req)
     conversation = history + input_messages(req)
     reply = _Reply(request, req)
     try:

@@ -127,6 +127,25 @@ def check_supported(req: ResponsesRequest) -> None:
         raise APIError(f"include is not supported (got {req.include})", 400, param="include", code="unsupported_parameter")
 
 
+def check_call_outputs(history: list[Message], req: ResponsesRequest) -> None:
+    """Refuse a function_call_output whose call_id no function call before it carries (in `input` or in
+    the conversation `previous_response_id` continues), as OpenAI's API does: the chat would otherwise
+    get a tool message that answers nothing.
+
+    Raises:
+        APIError: 400 naming `input[i].call_id`.
+    """
+    if isinstance(req.input, str):
+        return
+    known = {call["id"] for message in history for call in message.get("tool_calls") or ()}
+    for i, item in enumerate(req.input):
+        if isinstance(item, ResponseFunctionCallInput):
+            known.add(item.call_id)
+        elif isinstance(item, ResponseFunctionCallOutput) and item.call_id not in known:
+            raise APIError(f"input[{i}]: no function call found for the function_call_output with call_id "
+                           f"{item.call_id!r}", 400, param=f"input[{i}].call_id", code="invalid_value")
+
+
 def input_messages(req: ResponsesRequest) -> list[Message]:
     """`input` as chat messages: text parts joined, consecutive function calls one assistant message
     with `tool_calls`, call outputs `tool` messages, reasoning items left out."""

@@ -429,6 +429,9 @@ def test_responses_tool_result_round_trip_equals_the_chat(client):
                                          max_tokens=24)
     assert chained.output_text == explicit.output_text == ref.choices[0].message.content
     assert chained.usage.input_tokens == explicit.usage.input_tokens == ref.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as orphan:  # an output no call of the conversation asked for
+        client.responses.create(previous_response_id=first.id, input=[{**output_item, "call_id": "call_other"}], **kw)
+    assert orphan.value.body["param"] == "input[0].call_id" and "call_other" in orphan.value.body["message"]
 
 
 def test_responses_forced_call_cut_by_the_length_limit_reads_the_same_streamed_or_not(client):
