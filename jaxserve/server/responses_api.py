@@ -140,6 +140,27 @@ class _Reply:
                 "total_tokens": meta.prompt_tokens + meta.completion_tokens}
 
 
+async def _submit(request: Request, req: ResponsesRequest, conversation: list[Message], rid: str) -> ChatRun:
+    """Submit the conversation as a chat. With `truncation` "auto", a conversation longer than the
+    context drops its oldest messages until it fits, as OpenAI's API does (a tool message left at the
+    front without the call it answers goes too); the last message is always kept. The stored
+    conversation stays whole.
+
+    Raises:
+        APIError: 400 in the Responses API's names (`input` when even the last message does not fit).
+    """
+    start = 0
+    while True:
+        try:
+            return await submit_chat(request, chat_request(req, conversation[start:], rid), FIELD_NAMES)
+        except APIError as e:
+            if req.truncation != "auto" or e.code != "context_length_exceeded" or start == len(conversation) - 1:
+                raise responses_param(e) from None
+        start += 1
+        while start < len(conversation) - 1 and conversation[start]["role"] == "tool":
+            start += 1
+
+
 # ---- routes ---------------------------------------------------------------------------------------
 async def create_response(request: Request) -> Response:
     """POST /v1/responses."""
@@ -161,10 +182,7 @@ async def create_response(request: Request) -> Response:
     check_call_outputs(history, req)
     conversation = history + input_messages(req)
     reply = _Reply(request, req)
-    try:
-        run = await submit_chat(request, chat_request(req, conversation, reply.id), FIELD_NAMES)
-    except APIError as e:
-        raise responses_param(e) from None
+    run = await _submit(request, req, conversation, reply.id)
     if req.stream:
         mark_streaming(request, run.group.rids)
         return SSEResponse(_stream(run, reply, store, conversation))

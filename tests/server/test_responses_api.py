@@ -249,3 +249,27 @@ def test_a_request_id_with_slashes_is_retrieved_and_deleted(serve):
 def test_a_stored_response_route_names_both_its_methods(http):
     r = http.post("/v1/responses/resp_x")
     assert r.status_code == 405 and set(r.headers["allow"].split(", ")) >= {"GET", "DELETE"}, r.headers
+
+
+def test_truncation_auto_drops_the_oldest_messages_to_fit(client, model):
+    """Over the context (256 tokens on the test server), the default truncation is a 400; "auto" answers
+    as the chat of the longest suffix of the conversation that the chat API itself accepts."""
+    words = "one two three four five six seven eight nine ten".split()
+    passage = [" ".join(words[(i + j) % 10] for j in range(70)) for i in range(4)]
+    convo = [{"role": role, "content": text} for role, text in zip(["user", "assistant"] * 2, passage)]
+    convo.append({"role": "user", "content": QUESTION})
+    kw = dict(model=model, max_output_tokens=8, temperature=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(input=convo, **kw)
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"].startswith("input"), err.value.body
+    resp = client.responses.create(input=convo, truncation="auto", **kw)
+    fitting = []
+    for k in range(len(convo)):
+        try:
+            fitting.append((k, client.chat.completions.create(model=model, messages=convo[k:], max_tokens=8, temperature=0)))
+        except openai.BadRequestError:
+            continue
+    k, chat = fitting[0]
+    assert k >= 1 and resp.truncation == "auto"
+    assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert resp.output_text == chat.choices[0].message.content and resp.usage.input_tokens == chat.usage.prompt_tokens
