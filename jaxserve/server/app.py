@@ -6,6 +6,7 @@ Routes:
     POST /v1/chat/completions
     POST /v1/responses             OpenAI's Responses API (responses_api.py)
     GET  /v1/responses/{id}        a stored response (DELETE forgets it)
+    POST /v1/responses/{id}/cancel stops a background response
     GET  /v1/models                the served model (models_api.py)
     GET  /v1/models/{model}        its card; 404 for another name
     GET  /metrics                  Prometheus metrics (metrics.py), unless --disable-metrics
@@ -300,6 +301,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/responses", responses_api.create_response, methods=["POST"]),
         # an id may contain slashes (a request_id is the client's): the route matches the rest of the path
+        Route("/v1/responses/{response_id:path}/cancel", responses_api.cancel_response, methods=["POST"]),
         Route("/v1/responses/{response_id:path}", responses_api.stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", models_api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", models_api.retrieve_model, methods=["GET"]),
@@ -334,6 +336,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     app.state.chat_template = chat_template
     app.state.reasoning_format = reasoning
     app.state.response_store = responses_api.ResponseStore()
+    app.state.background_responses = responses_api.BackgroundResponses()
     app.state.serving_metrics = metrics
     app.state.openapi = openapi_document()
     return app

@@ -22,6 +22,8 @@ _OPERATIONS: tuple[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] 
     ("post", "/v1/responses", "OpenAI Responses API (a Response object; named events when stream)", protocol.ResponsesRequest, None),
     ("get", "/v1/responses/{response_id}", "a stored response; 404 (param response_id) for an unknown id", None, None),
     ("delete", "/v1/responses/{response_id}", "forget a stored response; 404 (param response_id) for an unknown id", None, None),
+    ("post", "/v1/responses/{response_id}/cancel", "stop a background response (status cancelled); 400 for one not "
+     "created with background, 404 (param response_id) for an unknown id", None, None),
     ("get", "/v1/models", "the served model", None, protocol.ModelList),
     ("get", "/v1/models/{model}", "the served model's card; 404 (model_not_found) for another name", None,
      protocol.ModelCard),
@@ -43,8 +45,10 @@ _PATH_PARAMETERS = {"/v1/models/{model}": ({"name": "model", "in": "path", "requ
                                             "description": "the served model name, as /v1/models lists it"},),
                     "/v1/responses/{response_id}": ({"name": "response_id", "in": "path", "required": True,
                                                      "schema": {"type": "string"}, "description": "a stored response's id"},)}
+_PATH_PARAMETERS["/v1/responses/{response_id}/cancel"] = _PATH_PARAMETERS["/v1/responses/{response_id}"]
 _NOT_FOUND = {"/v1/models/{model}": "no model of that name (code model_not_found, param model)",
               "/v1/responses/{response_id}": "no stored response of that id (code not_found, param response_id)"}
+_NOT_FOUND["/v1/responses/{response_id}/cancel"] = _NOT_FOUND["/v1/responses/{response_id}"]
 _ERROR = {
     "type": "object",
     "properties": {"error": {"type": "object", "properties": {

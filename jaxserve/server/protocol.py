@@ -327,8 +327,9 @@ class ResponsesRequest(_Request):
     it to JSON; `tools` are function tools, called as in chat completions (`tool_choice` "required" or
     named forces a call under a grammar), their calls sent back as function_call items and their
     results as function_call_output items; `store` (default true) keeps the response for
-    GET /v1/responses/{id} and for `previous_response_id`. `background` and `include` are refused
-    (400 naming them); the sampling extras are SGLang's fields of the same request."""
+    GET /v1/responses/{id} and for `previous_response_id`; `background` (with `store`, not streamed)
+    returns at once, status "queued", and runs on (poll GET, stop with POST .../cancel); `include` is
+    refused (400 naming it); the sampling extras are SGLang's fields of the same request."""
 
     model: str | None = None
     input: str | list[ResponseInputMessage | ResponseInputReasoning | ResponseFunctionCallInput | ResponseFunctionCallOutput]

@@ -30,6 +30,7 @@ text.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import json
@@ -64,6 +65,8 @@ from jaxserve.server.responses_output import ReplyStream, new_id, output_items, 
 from jaxserve.server.sse import SSEResponse, sse_event
 
 MAX_STORED_RESPONSES = 1024
+# statuses of a background response that has not finished
+UNFINISHED = ("queued", "in_progress")
 # the store's bound on the JSON size of what it keeps (responses echo tools and schemas of any size)
 MAX_STORED_BYTES = 256 * 2**20
 
@@ -127,7 +130,7 @@ class _Reply:
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "tools": [t.model_dump() for t in req.tools or []], "truncation": req.truncation,
             "usage": self.usage(out, output) if out is not None else None, "user": req.user,
-            "metadata": req.metadata or {}, "background": False,
+            "metadata": req.metadata or {}, "background": req.background,
         }
 
     def usage(self, out: StepOutput, output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -178,6 +181,9 @@ async def create_response(request: Request) -> Response:
         if stored is None:
             raise APIError(f"previous response with id {req.previous_response_id!r} not found", 404,
                            param="previous_response_id", code="not_found")
+        if stored[0]["status"] in UNFINISHED:
+            raise APIError(f"previous response {req.previous_response_id!r} is still {stored[0]['status']}", 400,
+                           param="previous_response_id", code="invalid_value")
         history = stored[1]
     check_call_outputs(history, req)
     conversation = history + input_messages(req)
@@ -186,16 +192,74 @@ async def create_response(request: Request) -> Response:
     if req.stream:
         mark_streaming(request, run.group.rids)
         return SSEResponse(_stream(run, reply, store, conversation))
+    if req.background:
+        queued = reply.response("queued", [])
+        store.put(queued, conversation)
+        request.app.state.background_responses.start(reply.id, _finish(run, reply, store, conversation))
+        return JSONResponse(queued)
     async with abort_on_disconnect(request, run.group):
         (out,) = await run.group.wait()
     if (failure := failure_of(out)) is not None:
         return error_response(failure[1], failure[0], code="engine_error")
+    return JSONResponse(_finished(run, reply, store, conversation, out))
+
+
+def _finished(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: list[Message], out: StepOutput) -> dict[str, Any]:
+    """The Response of a finished reply `out`, stored with its conversation when `store` is set."""
     status, incomplete, error = status_of(out)
-    output = output_items(run, req.parallel_tool_calls, out.text, "completed" if status == "completed" else "incomplete")
+    output = output_items(run, reply.req.parallel_tool_calls, out.text, "completed" if status == "completed" else "incomplete")
     response = reply.response(status, output, out, incomplete, error)
-    if req.store:
+    if reply.req.store:
         store.put(response, conversation + [reply_message(output)])
-    return JSONResponse(response)
+    return response
+
+
+async def _finish(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: list[Message]) -> None:
+    """A background response's run: "in_progress" once the engine starts it, then the finished
+    response (an engine failure as status "failed"; `BackgroundResponses.cancel` as "cancelled", the
+    engine request aborted). Not tied to the HTTP client that created it."""
+    started = False
+    try:
+        out = None
+        async for out in run.group:
+            if not started:
+                started = True
+                store.put(reply.response("in_progress", []), conversation)
+        if (failure := failure_of(out)) is not None:
+            store.put(reply.response("failed", [], out, error={"code": "engine_error", "message": failure[1]}), conversation)
+            return
+        _finished(run, reply, store, conversation, out)
+    except asyncio.CancelledError:
+        store.put(reply.response("cancelled", []), conversation)
+        raise
+    finally:
+        run.group.abort()
+
+
+class BackgroundResponses:
+    """The tasks of unfinished background responses, by response id (the app's
+    `state.background_responses`)."""
+
+    def __init__(self):
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def start(self, response_id: str, run: Any) -> None:
+        task = asyncio.get_running_loop().create_task(run)
+        self._tasks[response_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(response_id, None))
+
+    async def cancel(self, response_id: str) -> bool:
+        """Cancel the response's run and wait for it to record "cancelled"; False when none is running."""
+        task = self._tasks.get(response_id)
+        if task is None:
+            return False
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return True
+
+    async def cancel_all(self) -> None:
+        for response_id in list(self._tasks):
+            await self.cancel(response_id)
 
 
 async def stored_response(request: Request) -> Response:
@@ -203,11 +267,30 @@ async def stored_response(request: Request) -> Response:
     response_id."""
     response_id = request.path_params["response_id"]
     store: ResponseStore = request.app.state.response_store
+    if request.method == "DELETE":
+        await request.app.state.background_responses.cancel(response_id)
     found = store.delete(response_id) if request.method == "DELETE" else store.get(response_id)
     if not found:
         return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
     if request.method == "DELETE":
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+    return JSONResponse(found[0])
+
+
+async def cancel_response(request: Request) -> Response:
+    """POST /v1/responses/{response_id}/cancel: stop a background response (its engine request is
+    aborted) and return it, status "cancelled"; a finished one is returned as it is. An unknown id:
+    404 naming response_id; a response not created with `background`: 400."""
+    response_id = request.path_params["response_id"]
+    store: ResponseStore = request.app.state.response_store
+    if store.get(response_id) is None:
+        return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
+    if not store.get(response_id)[0]["background"]:
+        return error_response("only background responses can be cancelled", 400, param="response_id", code="invalid_value")
+    await request.app.state.background_responses.cancel(response_id)
+    found = store.get(response_id)
+    if found is None:  # deleted meanwhile
+        return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
     return JSONResponse(found[0])
 
 

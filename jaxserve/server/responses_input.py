@@ -121,8 +121,11 @@ def check_chat_only_fields(body: dict[str, Any]) -> None:
 
 
 def check_supported(req: ResponsesRequest) -> None:
-    if req.background:
-        raise APIError("background responses are not supported", 400, param="background", code="unsupported_parameter")
+    if req.background and not req.store:
+        raise APIError("background responses need store: true", 400, param="store", code="invalid_value")
+    if req.background and req.stream:
+        raise APIError("background responses are not streamed here: create it, then poll GET /v1/responses/{id}", 400,
+                       param="stream", code="unsupported_parameter")
     if req.include:
         raise APIError(f"include is not supported (got {req.include})", 400, param="include", code="unsupported_parameter")
 

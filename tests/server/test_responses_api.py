@@ -9,6 +9,7 @@ items run over the scripted fake engine of test_launch_flags (no model reasons h
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
@@ -120,7 +121,6 @@ def test_text_format_json_schema_constrains_the_reply(client, model):
 
 @pytest.mark.parametrize("fields, param, status", [
     ({"tools": [{"type": "web_search"}]}, "tools[0]", 400),
-    ({"background": True}, "background", 400),
     ({"include": ["message.output_text.logprobs"]}, "include", 400),
     ({"input": []}, "input", 400),
     ({"input": [{"type": "computer_call_output", "call_id": "c", "output": "x"}]}, "input[0].type", 400),
@@ -273,3 +273,60 @@ def test_truncation_auto_drops_the_oldest_messages_to_fit(client, model):
     assert k >= 1 and resp.truncation == "auto"
     assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert resp.output_text == chat.choices[0].message.content and resp.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def _poll(client, response_id: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while (resp := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, resp
+        time.sleep(0.05)
+    return resp
+
+
+def test_a_background_response_runs_to_the_chats_answer(client, model, http):
+    messages = [{"role": "user", "content": QUESTION}]
+    created = client.responses.create(model=model, input=QUESTION, background=True, max_output_tokens=24, temperature=0)
+    assert created.background and created.status in ("queued", "in_progress") and created.output == []
+    done = _poll(client, created.id)
+    assert done.background and done.status in ("completed", "incomplete")
+    assert done.output_text == chat_text(client, model, messages, 24)[0]
+    assert client.responses.cancel(created.id).status == done.status  # a finished one is returned as it is
+    wait_idle(http)
+
+
+def test_cancel_stops_a_background_response_and_frees_its_request(client, model, http):
+    """Cancelled while it decodes (tried until a cancel lands before the reply ends): status cancelled,
+    the engine request aborted (the server goes idle), a continuation refused while it ran."""
+    for _ in range(5):
+        created = client.responses.create(model=model, input=QUESTION, background=True, max_output_tokens=200,
+                                          temperature=0)
+        running = client.responses.retrieve(created.id).status in ("queued", "in_progress")
+        if running:
+            with pytest.raises(openai.BadRequestError) as err:
+                client.responses.create(model=model, input="and more", previous_response_id=created.id, max_output_tokens=2)
+            running = err.value.body["param"] == "previous_response_id"
+        cancelled = client.responses.cancel(created.id)
+        if cancelled.status == "cancelled":
+            break
+    assert running and cancelled.status == "cancelled" and cancelled.background
+    assert client.responses.retrieve(created.id).status == "cancelled"
+    wait_idle(http)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"background": True, "store": False}, "store"),
+    ({"background": True, "stream": True}, "stream"),
+])
+def test_background_needs_a_store_and_no_stream(http, fields, param):
+    resp = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2, **fields})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_cancel_names_an_unknown_id_and_refuses_a_foreground_response(client, model):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.cancel("resp_unknown")
+    assert err.value.body["param"] == "response_id"
+    done = client.responses.create(model=model, input=QUESTION, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.cancel(done.id)
+    assert err.value.body["param"] == "response_id"
