@@ -227,6 +227,11 @@ def _chat_logprobs(out: StepOutput, start: int, texts: _TokenTexts) -> ChatLogpr
     return ChatLogprobs(content=content)
 
 
+def chat_token_logprobs(out: StepOutput, tokenizer: Any) -> list[TokenLogprob]:
+    """The chat's logprobs entries of every output token of `out` (its request asked for logprobs)."""
+    return _chat_logprobs(out, 0, _TokenTexts(tokenizer)).content
+
+
 def _usage(outputs: list[StepOutput], n: int) -> UsageInfo:
     """Usage over prompts x n sequences: each prompt counted once, its cached tokens the best of its n."""
     groups = [outputs[i : i + n] for i in range(0, len(outputs), n)]

@@ -328,8 +328,9 @@ class ResponsesRequest(_Request):
     named forces a call under a grammar), their calls sent back as function_call items and their
     results as function_call_output items; `store` (default true) keeps the response for
     GET /v1/responses/{id} and for `previous_response_id`; `background` (with `store`, not streamed)
-    returns at once, status "queued", and runs on (poll GET, stop with POST .../cancel); `include` is
-    refused (400 naming it); the sampling extras are SGLang's fields of the same request."""
+    returns at once, status "queued", and runs on (poll GET, stop with POST .../cancel); `include`
+    takes "message.output_text.logprobs" (not streamed; `top_logprobs` alternatives per token); the
+    sampling extras are SGLang's fields of the same request."""
 
     model: str | None = None
     input: str | list[ResponseInputMessage | ResponseInputReasoning | ResponseFunctionCallInput | ResponseFunctionCallOutput]
@@ -347,6 +348,7 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool = True
     background: bool = False
     include: list[str] | None = None
+    top_logprobs: int | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
     user: str | None = None
     # SGLang's extra sampling fields of its ResponsesRequest

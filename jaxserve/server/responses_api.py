@@ -60,8 +60,9 @@ from jaxserve.server.responses_input import (
     check_supported,
     input_messages,
     responses_param,
+    wants_logprobs,
 )
-from jaxserve.server.responses_output import ReplyStream, new_id, output_items, reply_message, status_of
+from jaxserve.server.responses_output import ReplyStream, attach_logprobs, new_id, output_items, reply_message, status_of
 from jaxserve.server.sse import SSEResponse, sse_event
 
 MAX_STORED_RESPONSES = 1024
@@ -129,6 +130,7 @@ class _Reply:
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}},
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "tools": [t.model_dump() for t in req.tools or []], "truncation": req.truncation,
+            "top_logprobs": req.top_logprobs,
             "usage": self.usage(out, output) if out is not None else None, "user": req.user,
             "metadata": req.metadata or {}, "background": req.background,
         }
@@ -208,6 +210,8 @@ def _finished(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: l
     """The Response of a finished reply `out`, stored with its conversation when `store` is set."""
     status, incomplete, error = status_of(out)
     output = output_items(run, reply.req.parallel_tool_calls, out.text, "completed" if status == "completed" else "incomplete")
+    if wants_logprobs(reply.req):
+        attach_logprobs(output, out, reply.tokenizer)
     response = reply.response(status, output, out, incomplete, error)
     if reply.req.store:
         store.put(response, conversation + [reply_message(output)])

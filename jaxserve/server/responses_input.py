@@ -14,6 +14,7 @@ import pydantic
 
 from jaxserve.server.errors import APIError, from_validation_error
 from jaxserve.server.field_types import SAMPLING_FIELD_TYPES, describe
+from jaxserve.server.openai_api import MAX_TOP_LOGPROBS
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
     ResponseFunctionCallInput,
@@ -36,6 +37,8 @@ CHAT_ONLY_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": 
                     "response_format": "text.format"}
 # OpenAI's limits on metadata (the store keeps it)
 METADATA_MAX_PAIRS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
+# the one `include` value served: token logprobs of the reply's output_text parts
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # fields a chat request takes under the same name and meaning
 _CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                 "stop", "seed", "user", "parallel_tool_calls")
@@ -126,8 +129,20 @@ def check_supported(req: ResponsesRequest) -> None:
     if req.background and req.stream:
         raise APIError("background responses are not streamed here: create it, then poll GET /v1/responses/{id}", 400,
                        param="stream", code="unsupported_parameter")
-    if req.include:
-        raise APIError(f"include is not supported (got {req.include})", 400, param="include", code="unsupported_parameter")
+    for i, name in enumerate(req.include or []):
+        if name != INCLUDE_LOGPROBS:
+            raise APIError(f"include[{i}]: {name!r} is not served (only {INCLUDE_LOGPROBS!r})", 400, param=f"include[{i}]",
+                           code="unsupported_parameter")
+    if wants_logprobs(req) and req.stream:
+        raise APIError(f"include {INCLUDE_LOGPROBS!r} is served without stream only", 400, param="include",
+                       code="unsupported_parameter")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:  # alone it returns nothing
+        raise APIError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}", 400, param="top_logprobs",
+                       code="invalid_value")
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return INCLUDE_LOGPROBS in (req.include or [])
 
 
 def check_call_outputs(history: list[Message], req: ResponsesRequest) -> None:
@@ -197,6 +212,8 @@ def chat_request(req: ResponsesRequest, conversation: list[Message], rid: str) -
         "tools": tools or None,
         "tool_choice": {"type": "function", "function": {"name": choice.name}} if choice is not None and not isinstance(choice, str) else choice,
     })
+    if wants_logprobs(req):
+        fields.update({"logprobs": True, "top_logprobs": req.top_logprobs or 0})
     return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
 
 

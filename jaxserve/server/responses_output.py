@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxserve.engine.engine import StepOutput
 from jaxserve.server.function_call.streaming import CallArguments, CallStart, Content, ToolCallStreamer
-from jaxserve.server.openai_api import ChatRun
+from jaxserve.server.openai_api import ChatRun, chat_token_logprobs
 from jaxserve.server.reasoning import ReasoningSplitter
 from jaxserve.server.responses_input import Message
 
@@ -66,6 +66,27 @@ def output_items(run: ChatRun, parallel_tool_calls: bool, text: str, status: str
     stream.feed(text, True)
     stream.items.finish(status)
     return stream.items.items
+
+
+def attach_logprobs(output: list[dict[str, Any]], out: StepOutput, tokenizer: Any) -> None:
+    """Give each message item's output_text part the logprobs of the tokens its text was decoded from
+    (include "message.output_text.logprobs"): the output tokens whose text starts inside the part's
+    span of the reply text (the reasoning and the calls' tokens belong to no part)."""
+    tokens = chat_token_logprobs(out, tokenizer)
+    starts, at = [], 0
+    for token in tokens:
+        starts.append(at)
+        at += len(token.token)
+    cursor = 0
+    for item in output:
+        if item["type"] != "message":
+            continue
+        part = item["content"][0]
+        begin = out.text.find(part["text"], cursor) if part["text"] else -1
+        if begin < 0:
+            continue
+        cursor = begin + len(part["text"])
+        part["logprobs"] = [t.model_dump() for t, start in zip(tokens, starts) if begin <= start < cursor]
 
 
 class _ItemStream:

@@ -121,7 +121,6 @@ def test_text_format_json_schema_constrains_the_reply(client, model):
 
 @pytest.mark.parametrize("fields, param, status", [
     ({"tools": [{"type": "web_search"}]}, "tools[0]", 400),
-    ({"include": ["message.output_text.logprobs"]}, "include", 400),
     ({"input": []}, "input", 400),
     ({"input": [{"type": "computer_call_output", "call_id": "c", "output": "x"}]}, "input[0].type", 400),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output", 400),
@@ -142,6 +141,10 @@ def test_text_format_json_schema_constrains_the_reply(client, model):
     ({"input": [{"role": "user", "content": ["x"]}]}, "input[0].content[0]", 400),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format.schema", 400),
     ({"max_tokens": 5}, "max_tokens", 400),
+    ({"include": ["file_search_call.results"]}, "include[0]", 400),
+    ({"include": ["message.output_text.logprobs"], "stream": True}, "include", 400),
+    ({"top_logprobs": 21}, "top_logprobs", 400),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": -1}, "top_logprobs", 400),
     ({"messages": [{"role": "user", "content": "hi"}]}, "messages", 400),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", 400),
     ({"metadata": {"k" * 65: "v"}}, "metadata", 400),
@@ -330,3 +333,15 @@ def test_cancel_names_an_unknown_id_and_refuses_a_foreground_response(client, mo
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.cancel(done.id)
     assert err.value.body["param"] == "response_id"
+
+
+def test_include_logprobs_are_the_chats_token_logprobs(client, model):
+    resp = client.responses.create(model=model, input=QUESTION, max_output_tokens=8, temperature=0, top_logprobs=2,
+                                   include=["message.output_text.logprobs"])
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    (part,) = resp.output[0].content
+    got = [(p.token, p.logprob, p.bytes, [(t.token, t.logprob) for t in p.top_logprobs]) for p in part.logprobs]
+    want = [(p.token, p.logprob, p.bytes, [(t.token, t.logprob) for t in p.top_logprobs]) for p in chat.choices[0].logprobs.content]
+    assert len(got) == 8 and got == want and resp.top_logprobs == 2
+    assert part.text == chat.choices[0].message.content
