@@ -336,7 +336,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     app.state.chat_template = chat_template
     app.state.reasoning_format = reasoning
     app.state.response_store = responses_api.ResponseStore()
-    app.state.background_responses = responses_api.BackgroundResponses()
+    app.state.background_responses = responses_api.BackgroundResponses(app.state.response_store)
     app.state.serving_metrics = metrics
     app.state.openapi = openapi_document()
     return app

@@ -511,6 +511,23 @@ async def _submit_chat(request: Request, req: ChatCompletionRequest, rename: dic
     return ChatRun(group, rid, plan, reasoning)
 
 
+async def chat_prompt_tokens(request: Request, req: ChatCompletionRequest) -> int:
+    """The number of prompt tokens `req` would be submitted with (its chat template rendered with its
+    tools, then tokenized, on the preprocessing thread); nothing is submitted.
+
+    Raises:
+        APIError: 400 as `submit_chat` would for the messages or tools.
+    """
+    plan = tool_plan(req, request.app.state.server_args.tool_call_parser)
+    engine_loop = request.app.state.engine_loop
+
+    def count() -> int:
+        prompt = chat_prompt(engine_loop.tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
+        return len(_tokenize(engine_loop, prompt, "messages"))
+
+    return await preprocess(request, count)
+
+
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     body = parse_json_body(await request.body())

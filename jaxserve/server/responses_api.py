@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{response_id}.
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{response_id}, POST
+/v1/responses/{response_id}/cancel.
 
 A request is a chat: `instructions` (a system message), the conversation that `previous_response_id`
 ended with, then `input`, run through the chat path (`openai_api.submit_chat`), so the chat template,
@@ -23,9 +24,12 @@ and last response.completed, response.incomplete or response.failed with the who
 `[DONE]` (OpenAI sends none on this API).
 
 Stored responses (`store`, default true) are kept in memory, the newest `MAX_STORED_RESPONSES`, for
-GET /v1/responses/{id} and for `previous_response_id`; an unknown id is a 404 naming it. Not served
-(400 naming the field): tools other than functions, `background`, `include`, input parts other than
-text.
+GET /v1/responses/{id} and for `previous_response_id`; an unknown id is a 404 naming it.
+`background` responses return at once ("queued") and run on (`BackgroundResponses`; polled with GET,
+stopped with POST .../cancel or DELETE). `include` "message.output_text.logprobs" puts the chat's
+token logprobs on the output_text parts. `truncation` "auto" drops the oldest messages of a
+conversation over the context. Not served (400 naming the field): tools other than functions, other
+`include` values, input parts other than text, background with stream.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ import asyncio
 import collections
 import itertools
 import json
+import logging
 import time
 from typing import Any, AsyncIterator
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import StepOutput
@@ -46,7 +51,7 @@ from jaxserve.server.errors import APIError, error_response, parse_json_body
 from jaxserve.server.field_types import check_field_types
 from jaxserve.server.metrics import mark_streaming
 from jaxserve.server.native_api import failure_of
-from jaxserve.server.openai_api import ChatRun, submit_chat
+from jaxserve.server.openai_api import ChatRun, chat_prompt_tokens, submit_chat
 from jaxserve.server.protocol import ResponsesRequest
 from jaxserve.server.responses_input import (
     FIELD_NAMES,
@@ -64,6 +69,8 @@ from jaxserve.server.responses_input import (
 )
 from jaxserve.server.responses_output import ReplyStream, attach_logprobs, new_id, output_items, reply_message, status_of
 from jaxserve.server.sse import SSEResponse, sse_event
+
+logger = logging.getLogger(__name__)
 
 MAX_STORED_RESPONSES = 1024
 # statuses of a background response that has not finished
@@ -149,21 +156,48 @@ async def _submit(request: Request, req: ResponsesRequest, conversation: list[Me
     """Submit the conversation as a chat. With `truncation` "auto", a conversation longer than the
     context drops its oldest messages until it fits, as OpenAI's API does (a tool message left at the
     front without the call it answers goes too); the last message is always kept. The stored
-    conversation stays whole.
+    conversation stays whole. The first start that fits is found by a binary search over prompt
+    lengths (each a render and a tokenization of what is left: O(n log n) for n messages, where
+    trying each start in turn was O(n^2)).
 
     Raises:
         APIError: 400 in the Responses API's names (`input` when even the last message does not fit).
+        ClientDisconnect: the client left while the search ran.
     """
-    start = 0
-    while True:
-        try:
-            return await submit_chat(request, chat_request(req, conversation[start:], rid), FIELD_NAMES)
-        except APIError as e:
-            if req.truncation != "auto" or e.code != "context_length_exceeded" or start == len(conversation) - 1:
-                raise responses_param(e) from None
-        start += 1
+    try:
+        return await submit_chat(request, chat_request(req, conversation, rid), FIELD_NAMES)
+    except APIError as e:
+        if req.truncation != "auto" or e.code != "context_length_exceeded" or len(conversation) == 1:
+            raise responses_param(e) from None
+    context = request.app.state.engine_loop.context_length
+
+    def kept(start: int) -> list[Message]:
         while start < len(conversation) - 1 and conversation[start]["role"] == "tool":
             start += 1
+        return conversation[start:]
+
+    async def fits(start: int) -> bool:
+        if await request.is_disconnected():
+            raise ClientDisconnect()
+        try:
+            tokens = await chat_prompt_tokens(request, chat_request(req, kept(start), rid))
+        except APIError as e:  # a prompt refused before it is tokenized, by its length in characters
+            if e.code == "context_length_exceeded":
+                return False
+            raise
+        return tokens < context and (req.max_output_tokens is None or tokens + req.max_output_tokens <= context)
+
+    low, high = 1, len(conversation) - 1  # the first start that fits, or the last message alone
+    try:
+        while low < high:
+            mid = (low + high) // 2
+            if await fits(mid):
+                high = mid
+            else:
+                low = mid + 1
+        return await submit_chat(request, chat_request(req, kept(low), rid), FIELD_NAMES)
+    except APIError as e:
+        raise responses_param(e) from None
 
 
 # ---- routes ---------------------------------------------------------------------------------------
@@ -197,7 +231,7 @@ async def create_response(request: Request) -> Response:
     if req.background:
         queued = reply.response("queued", [])
         store.put(queued, conversation)
-        request.app.state.background_responses.start(reply.id, _finish(run, reply, store, conversation))
+        request.app.state.background_responses.start(reply, run, conversation)
         return JSONResponse(queued)
     async with abort_on_disconnect(request, run.group):
         (out,) = await run.group.wait()
@@ -220,50 +254,55 @@ def _finished(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: l
 
 async def _finish(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: list[Message]) -> None:
     """A background response's run: "in_progress" once the engine starts it, then the finished
-    response (an engine failure as status "failed"; `BackgroundResponses.cancel` as "cancelled", the
-    engine request aborted). Not tied to the HTTP client that created it."""
-    started = False
-    try:
-        out = None
-        async for out in run.group:
-            if not started:
-                started = True
-                store.put(reply.response("in_progress", []), conversation)
-        if (failure := failure_of(out)) is not None:
-            store.put(reply.response("failed", [], out, error={"code": "engine_error", "message": failure[1]}), conversation)
-            return
-        _finished(run, reply, store, conversation, out)
-    except asyncio.CancelledError:
-        store.put(reply.response("cancelled", []), conversation)
-        raise
-    finally:
-        run.group.abort()
+    response (an engine failure as status "failed"). Not tied to the HTTP client that created it;
+    `BackgroundResponses` records a cancelled or crashed run."""
+    out, started = None, False
+    async for out in run.group:
+        if not started:
+            started = True
+            store.put(reply.response("in_progress", []), conversation)
+    if (failure := failure_of(out)) is not None:
+        store.put(reply.response("failed", [], out, error={"code": "engine_error", "message": failure[1]}), conversation)
+        return
+    _finished(run, reply, store, conversation, out)
 
 
 class BackgroundResponses:
-    """The tasks of unfinished background responses, by response id (the app's
-    `state.background_responses`)."""
+    """The runs of unfinished background responses, by response id (the app's
+    `state.background_responses`). However a run ends, its engine request is aborted if it still
+    runs, and a response it left unfinished in the store is recorded as "cancelled" (the task was
+    cancelled, even before its first step) or "failed" (it raised; logged)."""
 
-    def __init__(self):
+    def __init__(self, store: ResponseStore):
+        self.store = store
         self._tasks: dict[str, asyncio.Task] = {}
 
-    def start(self, response_id: str, run: Any) -> None:
-        task = asyncio.get_running_loop().create_task(run)
-        self._tasks[response_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(response_id, None))
+    def start(self, reply: _Reply, run: ChatRun, conversation: list[Message]) -> None:
+        task = asyncio.get_running_loop().create_task(_finish(run, reply, self.store, conversation))
+        self._tasks[reply.id] = task
+        task.add_done_callback(lambda t: self._ended(t, reply, run, conversation))
+
+    def _ended(self, task: asyncio.Task, reply: _Reply, run: ChatRun, conversation: list[Message]) -> None:
+        self._tasks.pop(reply.id, None)
+        run.group.abort()
+        found = self.store.get(reply.id)
+        if found is None or found[0]["status"] not in UNFINISHED:
+            return
+        if task.cancelled():
+            self.store.put(reply.response("cancelled", []), conversation)
+            return
+        logger.error("background response %s failed", reply.id, exc_info=task.exception())
+        error = {"code": "server_error", "message": f"the response failed: {task.exception()!r}"}
+        self.store.put(reply.response("failed", [], error=error), conversation)
 
     async def cancel(self, response_id: str) -> bool:
-        """Cancel the response's run and wait for it to record "cancelled"; False when none is running."""
+        """Cancel the response's run and wait until it has ended; False when none is running."""
         task = self._tasks.get(response_id)
         if task is None:
             return False
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return True
-
-    async def cancel_all(self) -> None:
-        for response_id in list(self._tasks):
-            await self.cancel(response_id)
 
 
 async def stored_response(request: Request) -> Response:
@@ -287,11 +326,11 @@ async def cancel_response(request: Request) -> Response:
     404 naming response_id; a response not created with `background`: 400."""
     response_id = request.path_params["response_id"]
     store: ResponseStore = request.app.state.response_store
-    if store.get(response_id) is None:
-        return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
-    if not store.get(response_id)[0]["background"]:
-        return error_response("only background responses can be cancelled", 400, param="response_id", code="invalid_value")
-    await request.app.state.background_responses.cancel(response_id)
+    if not await request.app.state.background_responses.cancel(response_id):  # none running: a finished one
+        if store.get(response_id) is None:
+            return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
+        if not store.get(response_id)[0]["background"]:
+            return error_response("only background responses can be cancelled", 400, param="response_id", code="invalid_value")
     found = store.get(response_id)
     if found is None:  # deleted meanwhile
         return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")

@@ -70,23 +70,27 @@ def output_items(run: ChatRun, parallel_tool_calls: bool, text: str, status: str
 
 def attach_logprobs(output: list[dict[str, Any]], out: StepOutput, tokenizer: Any) -> None:
     """Give each message item's output_text part the logprobs of the tokens its text was decoded from
-    (include "message.output_text.logprobs"): the output tokens whose text starts inside the part's
-    span of the reply text (the reasoning and the calls' tokens belong to no part)."""
+    (include "message.output_text.logprobs"). A reply of one message gets every output token's, as
+    the chat's `logprobs.content` (a token cut by a stop string included); beside reasoning or calls,
+    a part gets the tokens whose text starts inside its span of the reply text, and the last part,
+    when it ends the reply, also those after it."""
     tokens = chat_token_logprobs(out, tokenizer)
+    parts = [item["content"][0] for item in output if item["type"] == "message"]
+    if len(parts) == 1 and len(output) == 1:
+        parts[0]["logprobs"] = [t.model_dump() for t in tokens]
+        return
     starts, at = [], 0
     for token in tokens:
         starts.append(at)
         at += len(token.token)
     cursor = 0
-    for item in output:
-        if item["type"] != "message":
-            continue
-        part = item["content"][0]
+    for part in parts:
         begin = out.text.find(part["text"], cursor) if part["text"] else -1
         if begin < 0:
             continue
         cursor = begin + len(part["text"])
-        part["logprobs"] = [t.model_dump() for t, start in zip(tokens, starts) if begin <= start < cursor]
+        end = at if part is parts[-1] and output[-1]["type"] == "message" else cursor
+        part["logprobs"] = [t.model_dump() for t, start in zip(tokens, starts) if begin <= start < max(end, cursor)]
 
 
 class _ItemStream:

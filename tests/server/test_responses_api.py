@@ -8,6 +8,7 @@ items run over the scripted fake engine of test_launch_flags (no model reasons h
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -254,6 +255,26 @@ def test_a_stored_response_route_names_both_its_methods(http):
     assert r.status_code == 405 and set(r.headers["allow"].split(", ")) >= {"GET", "DELETE"}, r.headers
 
 
+def _longest_fitting_suffix(client, model, convo):
+    """(k, the chat's reply to convo[k:]) for the smallest k the chat API accepts, trying k from the end."""
+    found = None
+    for k in range(len(convo) - 1, -1, -1):
+        try:
+            found = (k, client.chat.completions.create(model=model, messages=convo[k:], max_tokens=8, temperature=0))
+        except openai.BadRequestError:
+            break
+    return found
+
+
+def test_truncation_auto_keeps_the_longest_suffix_of_a_long_conversation(client, model):
+    """1200 short messages (a search over starts, not a try of each): the chat's longest fitting suffix."""
+    convo = [{"role": ("user", "assistant")[i % 2], "content": f"msg {i} word word"} for i in range(1201)]
+    resp = client.responses.create(model=model, input=convo, truncation="auto", max_output_tokens=8, temperature=0)
+    k, chat = _longest_fitting_suffix(client, model, convo)
+    assert 1100 < k < 1200
+    assert resp.output_text == chat.choices[0].message.content and resp.usage.input_tokens == chat.usage.prompt_tokens
+
+
 def test_truncation_auto_drops_the_oldest_messages_to_fit(client, model):
     """Over the context (256 tokens on the test server), the default truncation is a 400; "auto" answers
     as the chat of the longest suffix of the conversation that the chat API itself accepts."""
@@ -266,13 +287,7 @@ def test_truncation_auto_drops_the_oldest_messages_to_fit(client, model):
         client.responses.create(input=convo, **kw)
     assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"].startswith("input"), err.value.body
     resp = client.responses.create(input=convo, truncation="auto", **kw)
-    fitting = []
-    for k in range(len(convo)):
-        try:
-            fitting.append((k, client.chat.completions.create(model=model, messages=convo[k:], max_tokens=8, temperature=0)))
-        except openai.BadRequestError:
-            continue
-    k, chat = fitting[0]
+    k, chat = _longest_fitting_suffix(client, model, convo)
     assert k >= 1 and resp.truncation == "auto"
     assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert resp.output_text == chat.choices[0].message.content and resp.usage.input_tokens == chat.usage.prompt_tokens
@@ -335,13 +350,72 @@ def test_cancel_names_an_unknown_id_and_refuses_a_foreground_response(client, mo
     assert err.value.body["param"] == "response_id"
 
 
-def test_include_logprobs_are_the_chats_token_logprobs(client, model):
+@pytest.mark.parametrize("cut_by_stop", [False, True])
+def test_include_logprobs_are_the_chats_token_logprobs(client, model, cut_by_stop):
+    """The same entries as the chat's logprobs, a token that a stop string cut out of the text included."""
+    messages = [{"role": "user", "content": QUESTION}]
+    extra = {}
+    if cut_by_stop:  # a stop string from the middle of the unstopped reply
+        extra = {"stop": [chat_text(client, model, messages, 8)[0][6:8]]}
     resp = client.responses.create(model=model, input=QUESTION, max_output_tokens=8, temperature=0, top_logprobs=2,
-                                   include=["message.output_text.logprobs"])
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=8,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+                                   include=["message.output_text.logprobs"], extra_body=extra)
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=2, **extra)
     (part,) = resp.output[0].content
     got = [(p.token, p.logprob, p.bytes, [(t.token, t.logprob) for t in p.top_logprobs]) for p in part.logprobs]
     want = [(p.token, p.logprob, p.bytes, [(t.token, t.logprob) for t in p.top_logprobs]) for p in chat.choices[0].logprobs.content]
-    assert len(got) == 8 and got == want and resp.top_logprobs == 2
-    assert part.text == chat.choices[0].message.content
+    assert got == want and resp.top_logprobs == 2 and part.text == chat.choices[0].message.content
+    assert (len(got) < 8) == cut_by_stop and len(got) == resp.usage.output_tokens
+
+
+class _FakeReply:
+    id = "resp_fake"
+
+    def response(self, status, output, out=None, incomplete=None, error=None):
+        return {"id": self.id, "status": status, "output": output, "error": error, "background": True}
+
+
+class _FakeGroup:
+    def __init__(self, fail: bool):
+        self.fail, self.aborted = fail, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.fail:
+            raise RuntimeError("boom")
+        await asyncio.sleep(3600)
+
+    def abort(self):
+        self.aborted = True
+
+
+@pytest.mark.parametrize("how", ["cancelled before its first step", "cancelled while it runs", "raised"])
+def test_a_background_run_that_ends_early_is_recorded_and_aborted(how):
+    """However a background run ends, its engine request is aborted and the stored response is not left
+    queued: a cancel before the task's first step never enters its body."""
+    from types import SimpleNamespace
+
+    from jaxserve.server.responses_api import BackgroundResponses, ResponseStore
+
+    async def scenario():
+        store = ResponseStore()
+        reply, group = _FakeReply(), _FakeGroup(fail=how == "raised")
+        store.put(reply.response("queued", []), [])
+        background = BackgroundResponses(store)
+        background.start(reply, SimpleNamespace(group=group), [])
+        if how == "cancelled while it runs":
+            await asyncio.sleep(0.01)
+        if how == "raised":
+            await asyncio.sleep(0.01)
+            assert not await background.cancel(reply.id)  # already ended
+        else:
+            assert await background.cancel(reply.id)
+        return store.get(reply.id)[0], group
+
+    response, group = asyncio.run(scenario())
+    assert group.aborted
+    assert response["status"] == ("failed" if how == "raised" else "cancelled"), response
+    if how == "raised":
+        assert "boom" in response["error"]["message"]
