@@ -285,8 +285,8 @@ class BackgroundResponses:
     def _ended(self, task: asyncio.Task, reply: _Reply, run: ChatRun, conversation: list[Message]) -> None:
         self._tasks.pop(reply.id, None)
         run.group.abort()
-        found = self.store.get(reply.id)
-        if found is None or found[0]["status"] not in UNFINISHED:
+        found = self.store.get(reply.id)  # None: evicted while it ran (DELETE cancels before it forgets)
+        if found is not None and found[0]["status"] not in UNFINISHED:
             return
         if task.cancelled():
             self.store.put(reply.response("cancelled", []), conversation)
