@@ -500,8 +500,7 @@ async def _submit_chat(request: Request, req: ChatCompletionRequest, rename: dic
     think_end_ids = grammar_think_end_ids(fmt, req.chat_template_kwargs, tokenizer) if constrained else ()
 
     def prepare() -> None:  # on the preprocessing thread
-        prompt = chat_prompt(tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
-        ids = _tokenize(engine_loop, prompt, "messages")
+        ids = _chat_prompt_ids(request, req, plan)
         max_new = max_tokens if max_tokens is not None else max(1, engine_loop.context_length - len(ids))
         _submit(group, renames, [(ids, rid, max_new)], req, req.logprobs, req.top_logprobs or 0, ebnf=plan.grammar,
                 think_end_ids=think_end_ids)
@@ -511,21 +510,23 @@ async def _submit_chat(request: Request, req: ChatCompletionRequest, rename: dic
     return ChatRun(group, rid, plan, reasoning)
 
 
+def _chat_prompt_ids(request: Request, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+    """The prompt token ids of a chat: its template rendered with the plan's tools, then tokenized."""
+    engine_loop = request.app.state.engine_loop
+    prompt = chat_prompt(engine_loop.tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
+    return _tokenize(engine_loop, prompt, "messages")
+
+
 async def chat_prompt_tokens(request: Request, req: ChatCompletionRequest) -> int:
-    """The number of prompt tokens `req` would be submitted with (its chat template rendered with its
-    tools, then tokenized, on the preprocessing thread); nothing is submitted.
+    """The number of prompt tokens `req` would be submitted with (`_chat_prompt_ids` on the
+    preprocessing thread, as `submit_chat` computes them); nothing is submitted.
 
     Raises:
-        APIError: 400 as `submit_chat` would for the messages or tools.
+        APIError: 400 as `submit_chat` would for the messages or tools (code context_length_exceeded
+            for a prompt refused by its length in characters before it is tokenized).
     """
     plan = tool_plan(req, request.app.state.server_args.tool_call_parser)
-    engine_loop = request.app.state.engine_loop
-
-    def count() -> int:
-        prompt = chat_prompt(engine_loop.tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
-        return len(_tokenize(engine_loop, prompt, "messages"))
-
-    return await preprocess(request, count)
+    return len(await preprocess(request, lambda: _chat_prompt_ids(request, req, plan)))
 
 
 async def chat_completions(request: Request) -> Response:

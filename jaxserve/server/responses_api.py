@@ -237,10 +237,10 @@ async def create_response(request: Request) -> Response:
         (out,) = await run.group.wait()
     if (failure := failure_of(out)) is not None:
         return error_response(failure[1], failure[0], code="engine_error")
-    return JSONResponse(_finished(run, reply, store, conversation, out))
+    return JSONResponse(_finished_response(run, reply, store, conversation, out))
 
 
-def _finished(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: list[Message], out: StepOutput) -> dict[str, Any]:
+def _finished_response(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: list[Message], out: StepOutput) -> dict[str, Any]:
     """The Response of a finished reply `out`, stored with its conversation when `store` is set."""
     status, incomplete, error = status_of(out)
     output = output_items(run, reply.req.parallel_tool_calls, out.text, "completed" if status == "completed" else "incomplete")
@@ -252,7 +252,7 @@ def _finished(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: l
     return response
 
 
-async def _finish(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: list[Message]) -> None:
+async def _run_background(run: ChatRun, reply: _Reply, store: ResponseStore, conversation: list[Message]) -> None:
     """A background response's run: "in_progress" once the engine starts it, then the finished
     response (an engine failure as status "failed"). Not tied to the HTTP client that created it;
     `BackgroundResponses` records a cancelled or crashed run."""
@@ -264,7 +264,7 @@ async def _finish(run: ChatRun, reply: _Reply, store: ResponseStore, conversatio
     if (failure := failure_of(out)) is not None:
         store.put(reply.response("failed", [], out, error={"code": "engine_error", "message": failure[1]}), conversation)
         return
-    _finished(run, reply, store, conversation, out)
+    _finished_response(run, reply, store, conversation, out)
 
 
 class BackgroundResponses:
@@ -278,7 +278,8 @@ class BackgroundResponses:
         self._tasks: dict[str, asyncio.Task] = {}
 
     def start(self, reply: _Reply, run: ChatRun, conversation: list[Message]) -> None:
-        task = asyncio.get_running_loop().create_task(_finish(run, reply, self.store, conversation))
+        """Run the submitted `run` to its end in a task of the running event loop (`_run_background`)."""
+        task = asyncio.get_running_loop().create_task(_run_background(run, reply, self.store, conversation))
         self._tasks[reply.id] = task
         task.add_done_callback(lambda t: self._ended(t, reply, run, conversation))
 
@@ -296,7 +297,8 @@ class BackgroundResponses:
         self.store.put(reply.response("failed", [], error=error), conversation)
 
     async def cancel(self, response_id: str) -> bool:
-        """Cancel the response's run and wait until it has ended; False when none is running."""
+        """Cancel the response's run and wait until it has ended (`_ended` has recorded it); False when
+        none is running."""
         task = self._tasks.get(response_id)
         if task is None:
             return False
@@ -325,15 +327,12 @@ async def cancel_response(request: Request) -> Response:
     aborted) and return it, status "cancelled"; a finished one is returned as it is. An unknown id:
     404 naming response_id; a response not created with `background`: 400."""
     response_id = request.path_params["response_id"]
-    store: ResponseStore = request.app.state.response_store
-    if not await request.app.state.background_responses.cancel(response_id):  # none running: a finished one
-        if store.get(response_id) is None:
-            return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
-        if not store.get(response_id)[0]["background"]:
-            return error_response("only background responses can be cancelled", 400, param="response_id", code="invalid_value")
-    found = store.get(response_id)
-    if found is None:  # deleted meanwhile
+    cancelled = await request.app.state.background_responses.cancel(response_id)
+    found = request.app.state.response_store.get(response_id)
+    if found is None:
         return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
+    if not cancelled and not found[0]["background"]:
+        return error_response("only background responses can be cancelled", 400, param="response_id", code="invalid_value")
     return JSONResponse(found[0])
 
 

@@ -142,6 +142,7 @@ def check_supported(req: ResponsesRequest) -> None:
 
 
 def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether `include` asks for the output_text parts' token logprobs."""
     return INCLUDE_LOGPROBS in (req.include or [])
 
 

@@ -89,8 +89,8 @@ def attach_logprobs(output: list[dict[str, Any]], out: StepOutput, tokenizer: An
         if begin < 0:
             continue
         cursor = begin + len(part["text"])
-        end = at if part is parts[-1] and output[-1]["type"] == "message" else cursor
-        part["logprobs"] = [t.model_dump() for t, start in zip(tokens, starts) if begin <= start < max(end, cursor)]
+        end = max(at, cursor) if part is parts[-1] and output[-1]["type"] == "message" else cursor
+        part["logprobs"] = [t.model_dump() for t, start in zip(tokens, starts) if begin <= start < end]
 
 
 class _ItemStream:
