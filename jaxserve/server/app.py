@@ -7,6 +7,7 @@ Routes:
     POST /v1/responses             OpenAI's Responses API (responses_api.py)
     GET  /v1/responses/{id}        a stored response (DELETE forgets it)
     POST /v1/responses/{id}/cancel stops a background response
+    GET  /v1/responses/{id}/input_items  the input items of a stored response
     GET  /v1/models                the served model (models_api.py)
     GET  /v1/models/{model}        its card; 404 for another name
     GET  /metrics                  Prometheus metrics (metrics.py), unless --disable-metrics
@@ -302,6 +303,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/v1/responses", responses_api.create_response, methods=["POST"]),
         # an id may contain slashes (a request_id is the client's): the route matches the rest of the path
         Route("/v1/responses/{response_id:path}/cancel", responses_api.cancel_response, methods=["POST"]),
+        Route("/v1/responses/{response_id:path}/input_items", responses_api.list_input_items, methods=["GET"]),
         Route("/v1/responses/{response_id:path}", responses_api.stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", models_api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", models_api.retrieve_model, methods=["GET"]),

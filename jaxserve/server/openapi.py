@@ -24,6 +24,8 @@ _OPERATIONS: tuple[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] 
     ("delete", "/v1/responses/{response_id}", "forget a stored response; 404 (param response_id) for an unknown id", None, None),
     ("post", "/v1/responses/{response_id}/cancel", "stop a background response (status cancelled); 400 for one not "
      "created with background, 404 (param response_id) for an unknown id", None, None),
+    ("get", "/v1/responses/{response_id}/input_items", "the input items of a stored response's request, a cursor "
+     "page (query: after, limit 1-100, order asc|desc); 404 (param response_id) for an unknown id", None, None),
     ("get", "/v1/models", "the served model", None, protocol.ModelList),
     ("get", "/v1/models/{model}", "the served model's card; 404 (model_not_found) for another name", None,
      protocol.ModelCard),
@@ -46,9 +48,15 @@ _PATH_PARAMETERS = {"/v1/models/{model}": ({"name": "model", "in": "path", "requ
                     "/v1/responses/{response_id}": ({"name": "response_id", "in": "path", "required": True,
                                                      "schema": {"type": "string"}, "description": "a stored response's id"},)}
 _PATH_PARAMETERS["/v1/responses/{response_id}/cancel"] = _PATH_PARAMETERS["/v1/responses/{response_id}"]
+_PATH_PARAMETERS["/v1/responses/{response_id}/input_items"] = _PATH_PARAMETERS["/v1/responses/{response_id}"] + (
+    {"name": "after", "in": "query", "schema": {"type": "string"}, "description": "an item id: the page starts after it"},
+    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
+    {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["asc", "desc"], "default": "desc"}},
+)
 _NOT_FOUND = {"/v1/models/{model}": "no model of that name (code model_not_found, param model)",
               "/v1/responses/{response_id}": "no stored response of that id (code not_found, param response_id)"}
 _NOT_FOUND["/v1/responses/{response_id}/cancel"] = _NOT_FOUND["/v1/responses/{response_id}"]
+_NOT_FOUND["/v1/responses/{response_id}/input_items"] = _NOT_FOUND["/v1/responses/{response_id}"]
 _ERROR = {
     "type": "object",
     "properties": {"error": {"type": "object", "properties": {

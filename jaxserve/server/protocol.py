@@ -264,6 +264,7 @@ class ResponseInputMessage(_Request):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ResponseInputText]
+    id: str | None = None  # an item sent back keeps its id (GET .../input_items lists it)
 
 
 class ResponseInputReasoning(_Request):
@@ -271,6 +272,8 @@ class ResponseInputReasoning(_Request):
     as chat templates leave out earlier turns' reasoning."""
 
     type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)  # kept for GET .../input_items only
 
 
 class ResponseFunctionCallInput(_Request):
@@ -280,6 +283,7 @@ class ResponseFunctionCallInput(_Request):
     call_id: str
     name: str
     arguments: str  # a JSON object, as text
+    id: str | None = None
 
 
 class ResponseFunctionCallOutput(_Request):
@@ -288,6 +292,7 @@ class ResponseFunctionCallOutput(_Request):
     type: Literal["function_call_output"]
     call_id: str
     output: str
+    id: str | None = None
 
 
 class ResponseFunctionTool(_Request):

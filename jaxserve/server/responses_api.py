@@ -1,5 +1,5 @@
 """OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{response_id}, POST
-/v1/responses/{response_id}/cancel.
+/v1/responses/{response_id}/cancel, GET /v1/responses/{response_id}/input_items.
 
 A request is a chat: `instructions` (a system message), the conversation that `previous_response_id`
 ended with, then `input`, run through the chat path (`openai_api.submit_chat`), so the chat template,
@@ -24,7 +24,8 @@ and last response.completed, response.incomplete or response.failed with the who
 `[DONE]` (OpenAI sends none on this API).
 
 Stored responses (`store`, default true) are kept in memory, the newest `MAX_STORED_RESPONSES`, for
-GET /v1/responses/{id} and for `previous_response_id`; an unknown id is a 404 naming it.
+GET /v1/responses/{id}, for its input items (GET .../input_items) and for `previous_response_id`;
+an unknown id is a 404 naming it.
 `background` responses return at once ("queued") and run on (`BackgroundResponses`; polled with GET,
 stopped with POST .../cancel or DELETE). `include` "message.output_text.logprobs" puts the chat's
 token logprobs on the output_text parts. `truncation` "auto" drops the oldest messages of a
@@ -40,13 +41,14 @@ import itertools
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import StepOutput
-from jaxserve.server.engine_client import abort_on_disconnect
+from jaxserve.engine.outputs import RequestError
+from jaxserve.server.engine_client import abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_response, parse_json_body
 from jaxserve.server.field_types import check_field_types
 from jaxserve.server.metrics import mark_streaming
@@ -67,49 +69,69 @@ from jaxserve.server.responses_input import (
     responses_param,
     wants_logprobs,
 )
-from jaxserve.server.responses_output import ReplyStream, attach_logprobs, new_id, output_items, reply_message, status_of
+from jaxserve.server.responses_output import (
+    ReplyStream,
+    attach_logprobs,
+    input_items,
+    new_id,
+    output_items,
+    reply_message,
+    status_of,
+)
 from jaxserve.server.sse import SSEResponse, sse_event
 
 logger = logging.getLogger(__name__)
 
 MAX_STORED_RESPONSES = 1024
+# most items a page of GET .../input_items returns (OpenAI's `limit` range)
+MAX_LIST_LIMIT = 100
 # statuses of a background response that has not finished
 UNFINISHED = ("queued", "in_progress")
 # the store's bound on the JSON size of what it keeps (responses echo tools and schemas of any size)
 MAX_STORED_BYTES = 256 * 2**20
 
 
+class StoredResponse(NamedTuple):
+    """A stored response, the conversation it ended (chat messages: the input, then the reply as an
+    assistant message with its tool calls; instructions left out) and its request's input items
+    (`responses_output.input_items`)."""
+
+    response: dict[str, Any]
+    conversation: list[Message]
+    input_items: list[dict[str, Any]]
+
+
 class ResponseStore:
-    """Stored responses by id, the newest `max_entries` within `max_bytes` of JSON: each with the
-    conversation it ended (chat messages: the input, then the reply as an assistant message with its
-    tool calls; instructions left out), which a later request's `previous_response_id` continues. A
-    response larger than `max_bytes` on its own is not kept."""
+    """Stored responses by id (`StoredResponse`), the newest `max_entries` within `max_bytes` of JSON.
+    A later request's `previous_response_id` continues a stored conversation. A response larger than
+    `max_bytes` on its own is not kept."""
 
     def __init__(self, max_entries: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.num_bytes = 0
-        # id -> (response, conversation, JSON size of both)
-        self._entries: collections.OrderedDict[str, tuple[dict[str, Any], list[Message], int]] = collections.OrderedDict()
+        # id -> (stored response, JSON size of its parts)
+        self._entries: collections.OrderedDict[str, tuple[StoredResponse, int]] = collections.OrderedDict()
 
-    def put(self, response: dict[str, Any], conversation: list[Message]) -> None:
+    def put(self, response: dict[str, Any], conversation: list[Message], input_items: list[dict[str, Any]]) -> None:
         self.delete(response["id"])
-        size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
+        stored = StoredResponse(response, conversation, input_items)
+        size = sum(len(json.dumps(part, ensure_ascii=False)) for part in stored)
         if size > self.max_bytes:
             return
-        self._entries[response["id"]] = (response, conversation, size)
+        self._entries[response["id"]] = (stored, size)
         self.num_bytes += size
         while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
-            self.num_bytes -= self._entries.popitem(last=False)[1][2]
+            self.num_bytes -= self._entries.popitem(last=False)[1][1]
 
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[Message]] | None:
+    def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
-        return None if entry is None else entry[:2]
+        return None if entry is None else entry[0]
 
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
         if entry is not None:
-            self.num_bytes -= entry[2]
+            self.num_bytes -= entry[1]
         return entry is not None
 
 
@@ -122,6 +144,7 @@ class _Reply:
         self.model = request.app.state.model_name
         self.tokenizer = request.app.state.engine_loop.tokenizer
         self.created_at = int(time.time())
+        self.input_items = input_items(req)
 
     def response(self, status: str, output: list[dict[str, Any]], out: StepOutput | None = None,
                  incomplete: dict[str, str] | None = None, error: dict[str, str] | None = None) -> dict[str, Any]:
@@ -152,6 +175,18 @@ class _Reply:
                 "total_tokens": meta.prompt_tokens + meta.completion_tokens}
 
 
+async def _instructions_alone_too_long(request: Request, req: ResponsesRequest, context: int) -> bool:
+    """Whether `instructions` by themselves leave no room for a reply (then a context error names them,
+    not `input`; truncation cannot help)."""
+    if not req.instructions:
+        return False
+    try:
+        ids = await preprocess(request, lambda: request.app.state.engine_loop.tokenize(req.instructions))
+    except RequestError:  # refused by its length in characters before it is tokenized
+        return True
+    return len(ids) >= context
+
+
 async def _submit(request: Request, req: ResponsesRequest, conversation: list[Message], rid: str) -> ChatRun:
     """Submit the conversation as a chat. With `truncation` "auto", a conversation longer than the
     context drops its oldest messages until it fits, as OpenAI's API does (a tool message left at the
@@ -161,15 +196,19 @@ async def _submit(request: Request, req: ResponsesRequest, conversation: list[Me
     trying each start in turn was O(n^2)).
 
     Raises:
-        APIError: 400 in the Responses API's names (`input` when even the last message does not fit).
+        APIError: 400 in the Responses API's names (`instructions` when they alone fill the context,
+            `input` when even the last message does not fit).
         ClientDisconnect: the client left while the search ran.
     """
+    context = request.app.state.engine_loop.context_length
     try:
         return await submit_chat(request, chat_request(req, conversation, rid), FIELD_NAMES)
     except APIError as e:
+        if e.code == "context_length_exceeded" and await _instructions_alone_too_long(request, req, context):
+            raise APIError(f"instructions alone take the whole context of {context} tokens", 400, param="instructions",
+                           code="context_length_exceeded") from None
         if req.truncation != "auto" or e.code != "context_length_exceeded" or len(conversation) == 1:
             raise responses_param(e) from None
-    context = request.app.state.engine_loop.context_length
 
     def kept(start: int) -> list[Message]:
         while start < len(conversation) - 1 and conversation[start]["role"] == "tool":
@@ -217,10 +256,10 @@ async def create_response(request: Request) -> Response:
         if stored is None:
             raise APIError(f"previous response with id {req.previous_response_id!r} not found", 404,
                            param="previous_response_id", code="not_found")
-        if stored[0]["status"] in UNFINISHED:
-            raise APIError(f"previous response {req.previous_response_id!r} is still {stored[0]['status']}", 400,
+        if stored.response["status"] in UNFINISHED:
+            raise APIError(f"previous response {req.previous_response_id!r} is still {stored.response['status']}", 400,
                            param="previous_response_id", code="invalid_value")
-        history = stored[1]
+        history = stored.conversation
     check_call_outputs(history, req)
     conversation = history + input_messages(req)
     reply = _Reply(request, req)
@@ -230,7 +269,7 @@ async def create_response(request: Request) -> Response:
         return SSEResponse(_stream(run, reply, store, conversation))
     if req.background:
         queued = reply.response("queued", [])
-        store.put(queued, conversation)
+        store.put(queued, conversation, reply.input_items)
         request.app.state.background_responses.start(reply, run, conversation)
         return JSONResponse(queued)
     async with abort_on_disconnect(request, run.group):
@@ -248,7 +287,7 @@ def _finished_response(run: ChatRun, reply: _Reply, store: ResponseStore, conver
         attach_logprobs(output, out, reply.tokenizer)
     response = reply.response(status, output, out, incomplete, error)
     if reply.req.store:
-        store.put(response, conversation + [reply_message(output)])
+        store.put(response, conversation + [reply_message(output)], reply.input_items)
     return response
 
 
@@ -260,9 +299,10 @@ async def _run_background(run: ChatRun, reply: _Reply, store: ResponseStore, con
     async for out in run.group:
         if not started:
             started = True
-            store.put(reply.response("in_progress", []), conversation)
+            store.put(reply.response("in_progress", []), conversation, reply.input_items)
     if (failure := failure_of(out)) is not None:
-        store.put(reply.response("failed", [], out, error={"code": "engine_error", "message": failure[1]}), conversation)
+        error = {"code": "engine_error", "message": failure[1]}
+        store.put(reply.response("failed", [], out, error=error), conversation, reply.input_items)
         return
     _finished_response(run, reply, store, conversation, out)
 
@@ -287,14 +327,14 @@ class BackgroundResponses:
         self._tasks.pop(reply.id, None)
         run.group.abort()
         found = self.store.get(reply.id)  # None: evicted while it ran (DELETE cancels before it forgets)
-        if found is not None and found[0]["status"] not in UNFINISHED:
+        if found is not None and found.response["status"] not in UNFINISHED:
             return
         if task.cancelled():
-            self.store.put(reply.response("cancelled", []), conversation)
+            self.store.put(reply.response("cancelled", []), conversation, reply.input_items)
             return
         logger.error("background response %s failed", reply.id, exc_info=task.exception())
         error = {"code": "server_error", "message": f"the response failed: {task.exception()!r}"}
-        self.store.put(reply.response("failed", [], error=error), conversation)
+        self.store.put(reply.response("failed", [], error=error), conversation, reply.input_items)
 
     async def cancel(self, response_id: str) -> bool:
         """Cancel the response's run and wait until it has ended (`_ended` has recorded it); False when
@@ -319,7 +359,40 @@ async def stored_response(request: Request) -> Response:
         return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
     if request.method == "DELETE":
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
-    return JSONResponse(found[0])
+    return JSONResponse(found.response)
+
+
+async def list_input_items(request: Request) -> Response:
+    """GET /v1/responses/{response_id}/input_items: the input items of a stored response's request
+    (`responses_output.input_items`), a page of OpenAI's cursor list: `order` "desc" (the default,
+    last item first) or "asc", `limit` 1-100 (default 20), `after` an item id (the page starts past it).
+    `include` is accepted and changes nothing (no input item served here has a field it adds).
+
+    Errors: an unknown response id, 404 naming response_id; a bad `limit`, `order` or `after`, 400
+    naming it."""
+    response_id = request.path_params["response_id"]
+    found = request.app.state.response_store.get(response_id)
+    if found is None:
+        return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        return error_response(f"order must be 'asc' or 'desc', got {order!r}", 400, param="order", code="invalid_value")
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST_LIMIT:
+        return error_response(f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got {limit!r}", 400, param="limit",
+                              code="invalid_value")
+    items = found.input_items if order == "asc" else found.input_items[::-1]
+    start = 0
+    if "after" in query:
+        ids = [item["id"] for item in items]
+        if query["after"] not in ids:
+            return error_response(f"after: no input item {query['after']!r} in response {response_id!r}", 400,
+                                  param="after", code="invalid_value")
+        start = ids.index(query["after"]) + 1
+    page = items[start : start + int(limit)]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(items)})
 
 
 async def cancel_response(request: Request) -> Response:
@@ -331,9 +404,9 @@ async def cancel_response(request: Request) -> Response:
     found = request.app.state.response_store.get(response_id)
     if found is None:
         return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
-    if not cancelled and not found[0]["background"]:
+    if not cancelled and not found.response["background"]:
         return error_response("only background responses can be cancelled", 400, param="response_id", code="invalid_value")
-    return JSONResponse(found[0])
+    return JSONResponse(found.response)
 
 
 # ---- streaming ------------------------------------------------------------------------------------
@@ -363,7 +436,7 @@ async def _stream(run: ChatRun, reply: _Reply, store: ResponseStore, conversatio
             yield event(event_type, fields)
         response = reply.response(status, stream.items.items, out, incomplete, error)
         if reply.req.store:
-            store.put(response, conversation + [reply_message(stream.items.items)])
+            store.put(response, conversation + [reply_message(stream.items.items)], reply.input_items)
         yield event({"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed"),
                     {"response": response})
     finally:

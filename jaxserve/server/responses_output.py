@@ -12,6 +12,13 @@ from jaxserve.engine.engine import StepOutput
 from jaxserve.server.function_call.streaming import CallArguments, CallStart, Content, ToolCallStreamer
 from jaxserve.server.openai_api import ChatRun, chat_token_logprobs
 from jaxserve.server.reasoning import ReasoningSplitter
+from jaxserve.server.protocol import (
+    ResponseFunctionCallInput,
+    ResponseFunctionCallOutput,
+    ResponseInputMessage,
+    ResponseInputReasoning,
+    ResponsesRequest,
+)
 from jaxserve.server.responses_input import Message
 
 Event = tuple[str, dict[str, Any]]  # a stream event: (type, fields)
@@ -55,6 +62,35 @@ def reply_message(output: list[dict[str, Any]]) -> Message:
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's `input` as the API's item objects, in input order (what GET
+    /v1/responses/{id}/input_items lists): a string is one user message; messages keep their parts
+    (text parts as `input_text`, an assistant's as `output_text`), function calls, their outputs and
+    reasoning items their fields. Each has the `id` the client sent with it, or a new one, and status
+    "completed"."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "id": new_id("msg"), "status": "completed", "role": "user",
+                 "content": [{"type": "input_text", "text": req.input}]}]
+    items = []
+    for item in req.input:
+        if isinstance(item, ResponseInputMessage):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            texts = [item.content] if isinstance(item.content, str) else [p.text for p in item.content]
+            extra = {"annotations": []} if kind == "output_text" else {}
+            items.append({"type": "message", "id": item.id or new_id("msg"), "status": "completed", "role": item.role,
+                          "content": [{"type": kind, "text": text, **extra} for text in texts]})
+        elif isinstance(item, ResponseFunctionCallInput):
+            items.append({"type": "function_call", "id": item.id or new_id("fc"), "call_id": item.call_id,
+                          "name": item.name, "arguments": item.arguments, "status": "completed"})
+        elif isinstance(item, ResponseFunctionCallOutput):
+            items.append({"type": "function_call_output", "id": item.id or new_id("fco"), "call_id": item.call_id,
+                          "output": item.output, "status": "completed"})
+        elif isinstance(item, ResponseInputReasoning):
+            items.append({"type": "reasoning", "id": item.id or new_id("rs"), "summary": item.summary,
+                          "status": "completed"})
+    return items
 
 
 def output_items(run: ChatRun, parallel_tool_calls: bool, text: str, status: str) -> list[dict[str, Any]]:

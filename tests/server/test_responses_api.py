@@ -179,14 +179,14 @@ def test_store_keeps_the_newest_within_its_entries_and_bytes():
 
     store = ResponseStore(max_entries=3, max_bytes=2000)
     for i in range(5):
-        store.put({"id": f"r{i}", "text": "x" * 100}, [{"role": "user", "content": "hi"}])
+        store.put({"id": f"r{i}", "text": "x" * 100}, [{"role": "user", "content": "hi"}], [])
     assert [store.get(f"r{i}") is not None for i in range(5)] == [False, False, True, True, True]
-    store.put({"id": "big", "text": "x" * 1800}, [])  # over the bytes with r3 and r4: r3 goes too
+    store.put({"id": "big", "text": "x" * 1800}, [], [])  # over the bytes with r3 and r4: r3 goes too
     assert store.get("big") is not None and store.get("r3") is None and store.num_bytes <= 2000
-    store.put({"id": "huge", "text": "x" * 3000}, [])  # larger than the whole budget: not kept
+    store.put({"id": "huge", "text": "x" * 3000}, [], [])  # larger than the whole budget: not kept
     assert store.get("huge") is None and store.get("big") is not None
     assert store.delete("big") and not store.delete("big")
-    assert store.num_bytes == sum(len(json.dumps(store.get(k)[0])) + len(json.dumps(store.get(k)[1])) for k in ("r4",))
+    assert store.num_bytes == sum(len(json.dumps(part)) for part in store.get("r4"))
 
 
 def test_a_reasoning_reply_is_a_reasoning_item_then_the_message(serve):
@@ -293,6 +293,21 @@ def test_truncation_auto_drops_the_oldest_messages_to_fit(client, model):
     assert resp.output_text == chat.choices[0].message.content and resp.usage.input_tokens == chat.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("truncation", ["disabled", "auto"])
+def test_instructions_over_the_context_are_a_400_naming_them(client, model, truncation):
+    """Instructions that alone fill the context (256 tokens): the 400 names instructions, with or
+    without truncation (which drops input messages only); the same instructions half as long are
+    answered."""
+    words = "one two three four five six seven eight nine ten".split()
+    long = " ".join(words[i % 10] for i in range(300))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=model, input="Hi", instructions=long, truncation=truncation, max_output_tokens=4)
+    assert err.value.body["param"] == "instructions" and err.value.body["code"] == "context_length_exceeded", err.value.body
+    short = " ".join(words[i % 10] for i in range(100))
+    ok = client.responses.create(model=model, input="Hi", instructions=short, truncation=truncation, max_output_tokens=4)
+    assert ok.status in ("completed", "incomplete")
+
+
 def _poll(client, response_id: str, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while (resp := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
@@ -362,14 +377,20 @@ def test_include_logprobs_are_the_chats_token_logprobs(client, model, cut_by_sto
     chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True,
                                           top_logprobs=2, **extra)
     (part,) = resp.output[0].content
-    got = [(p.token, p.logprob, p.bytes, [(t.token, t.logprob) for t in p.top_logprobs]) for p in part.logprobs]
-    want = [(p.token, p.logprob, p.bytes, [(t.token, t.logprob) for t in p.top_logprobs]) for p in chat.choices[0].logprobs.content]
+    got = [(p.token, p.bytes, [t.token for t in p.top_logprobs]) for p in part.logprobs]
+    want = [(p.token, p.bytes, [t.token for t in p.top_logprobs]) for p in chat.choices[0].logprobs.content]
     assert got == want and resp.top_logprobs == 2 and part.text == chat.choices[0].message.content
+    # the second request reads the first's prompt from the prefix cache: its logits come from another
+    # summation order, equal to ~1e-6
+    logprobs = [[p.logprob] + [t.logprob for t in p.top_logprobs] for p in part.logprobs]
+    assert logprobs == [pytest.approx([p.logprob] + [t.logprob for t in p.top_logprobs], abs=1e-4)
+                        for p in chat.choices[0].logprobs.content]
     assert (len(got) < 8) == cut_by_stop and len(got) == resp.usage.output_tokens
 
 
 class _FakeReply:
     id = "resp_fake"
+    input_items = []
 
     def response(self, status, output, out=None, incomplete=None, error=None):
         return {"id": self.id, "status": status, "output": output, "error": error, "background": True}
@@ -402,7 +423,7 @@ def test_a_background_run_that_ends_early_is_recorded_and_aborted(how):
     async def scenario():
         store = ResponseStore()
         reply, group = _FakeReply(), _FakeGroup(fail=how == "raised")
-        store.put(reply.response("queued", []), [])
+        store.put(reply.response("queued", []), [], [])
         background = BackgroundResponses(store)
         background.start(reply, SimpleNamespace(group=group), [])
         if how == "cancelled while it runs":
@@ -412,10 +433,71 @@ def test_a_background_run_that_ends_early_is_recorded_and_aborted(how):
             assert not await background.cancel(reply.id)  # already ended
         else:
             assert await background.cancel(reply.id)
-        return store.get(reply.id)[0], group
+        return store.get(reply.id).response, group
 
     response, group = asyncio.run(scenario())
     assert group.aborted
     assert response["status"] == ("failed" if how == "raised" else "cancelled"), response
     if how == "raised":
         assert "boom" in response["error"]["message"]
+
+
+def test_input_items_list_the_request_input_as_items(client, model):
+    """GET /v1/responses/{id}/input_items: the request's input as item objects (ids sent back kept),
+    newest first by default, paged by `after` (the client's auto-paging walks the pages)."""
+    text = client.responses.create(model=model, input=QUESTION, max_output_tokens=2, temperature=0)
+    (only,) = client.responses.input_items.list(text.id)
+    assert only.type == "message" and only.role == "user" and only.id.startswith("msg_")
+    assert [(p.type, p.text) for p in only.content] == [("input_text", QUESTION)]
+
+    items = [
+        {"role": "system", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is 2+3?"},
+                                                        {"type": "input_text", "text": " Use the tool."}]},
+        {"type": "function_call", "id": "fc_mine", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+        {"type": "message", "id": "msg_theirs", "role": "assistant",
+         "content": [{"type": "output_text", "text": "It is 5.", "annotations": []}]},
+        {"role": "user", "content": "Thanks."},
+    ]
+    resp = client.responses.create(model=model, input=items, max_output_tokens=2, temperature=0)
+    listed = list(client.responses.input_items.list(resp.id, order="asc"))
+    assert [(i.type, getattr(i, "role", None)) for i in listed] == [
+        ("message", "system"), ("message", "user"), ("function_call", None), ("function_call_output", None),
+        ("message", "assistant"), ("message", "user")]
+    assert [p.text for p in listed[1].content] == ["What is 2+3?", " Use the tool."]
+    assert listed[2].id == "fc_mine" and (listed[2].call_id, listed[2].name, listed[2].arguments) == (
+        "call_1", "add", '{"a": 2, "b": 3}')
+    assert listed[3].call_id == "call_1" and listed[3].output == "5"
+    assert listed[4].id == "msg_theirs" and listed[4].content[0].type == "output_text"
+    assert len({i.id for i in listed}) == 6 and all(i.status == "completed" for i in listed)
+
+    newest_first = client.responses.input_items.list(resp.id)
+    assert [i.id for i in newest_first.data] == [i.id for i in reversed(listed)] and newest_first.has_more is False
+    page = client.responses.input_items.list(resp.id, limit=2, order="asc")
+    assert [i.id for i in page.data] == [i.id for i in listed[:2]] and page.has_more is True
+    assert [i.id for i in page.iter_pages().__next__().data] == [i.id for i in listed[:2]]
+    assert [i.id for i in client.responses.input_items.list(resp.id, limit=2, order="asc")] == [i.id for i in listed]
+    after = client.responses.input_items.list(resp.id, order="asc", after=listed[4].id)
+    assert [i.id for i in after.data] == [listed[5].id] and after.has_more is False
+    # a continuation lists its own input, not the conversation it continues
+    follow = client.responses.create(model=model, input="And 3+4?", previous_response_id=resp.id, max_output_tokens=2,
+                                     temperature=0)
+    assert [i.content[0].text for i in client.responses.input_items.list(follow.id)] == ["And 3+4?"]
+
+
+@pytest.mark.parametrize("query, param", [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "many"}, "limit"),
+                                          ({"order": "up"}, "order"), ({"after": "msg_nowhere"}, "after")])
+def test_input_items_bad_query_is_a_400_naming_it(client, model, query, param):
+    resp = client.responses.create(model=model, input="Hi", max_output_tokens=2, temperature=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.get(f"/responses/{resp.id}/input_items", cast_to=object, options={"params": query})
+    assert err.value.body["param"] == param
+
+
+def test_input_items_of_an_unknown_or_unstored_response_are_a_404(client, model):
+    unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, temperature=0, store=False)
+    for response_id in (unstored.id, "resp_nowhere"):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.responses.input_items.list(response_id)
+        assert err.value.body["param"] == "response_id"
