@@ -35,6 +35,7 @@ from jaxserve.server.function_call.plan import ToolPlan, tool_calls_out, tool_pl
 from jaxserve.server.function_call.streaming import CallStart, Content, StreamEvent, ToolCallStreamer
 from jaxserve.server.reasoning import ReasoningFormat, ReasoningSplitter, grammar_think_end_ids, split_reasoning
 from jaxserve.server.native_api import failure_of
+from jaxserve.server.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from jaxserve.server.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -51,9 +52,7 @@ from jaxserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
-    TokenLogprob,
     ToolCallDelta,
-    TopLogprob,
     UsageInfo,
     _OpenAISampling,
 )
@@ -175,63 +174,6 @@ def finish_reason_of(out: StepOutput) -> tuple[str | None, int | str | None]:
     return reason.get("type"), reason.get("matched")
 
 
-class _TokenTexts:
-    """Decoded text of single tokens, cached per response (logprob entries repeat tokens)."""
-
-    def __init__(self, tokenizer: Any):
-        self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id])
-        return text
-
-
-def _completion_logprobs(out: StepOutput, start: int, texts: _TokenTexts, offset: int, k: int,
-                         prompt: bool = False) -> CompletionLogprobs:
-    """Legacy logprobs of output tokens [start:], text offsets from `offset`; with `prompt`, the prompt's
-    tokens first (`echo`): the first has null logprob and top_logprobs, the others their top `k`
-    (SGLang's `input_top_logprobs`) when k > 0."""
-    result = CompletionLogprobs()
-
-    def add(text: str, logprob: float | None, top: dict[str, float] | None) -> None:
-        nonlocal offset
-        result.tokens.append(text)
-        result.token_logprobs.append(logprob)
-        result.top_logprobs.append(top)
-        result.text_offset.append(offset)
-        offset += len(text)
-
-    if prompt:
-        prompt_tops = out.meta.input_top_logprobs or []
-        for i, (logprob, token_id) in enumerate(out.meta.input_token_logprobs or []):
-            top = prompt_tops[i] if k > 0 and i < len(prompt_tops) else None
-            add(texts(token_id), logprob, None if top is None else {texts(t): lp for lp, t in top})
-    pairs = (out.meta.output_token_logprobs or [])[start:]
-    tops = (out.meta.output_top_logprobs or [])[start:]
-    for i, (logprob, token_id) in enumerate(pairs):
-        add(texts(token_id), logprob, {texts(t): lp for lp, t in tops[i]} if k > 0 and i < len(tops) else None)
-    return result
-
-
-def _chat_logprobs(out: StepOutput, start: int, texts: _TokenTexts) -> ChatLogprobs:
-    pairs = (out.meta.output_token_logprobs or [])[start:]
-    tops = (out.meta.output_top_logprobs or [])[start:]
-    content = []
-    for i, (logprob, token_id) in enumerate(pairs):
-        text = texts(token_id)
-        top = [TopLogprob(token=texts(t), logprob=lp, bytes=list(texts(t).encode())) for lp, t in (tops[i] if i < len(tops) else [])]
-        content.append(TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()), top_logprobs=top))
-    return ChatLogprobs(content=content)
-
-
-def chat_token_logprobs(out: StepOutput, tokenizer: Any) -> list[TokenLogprob]:
-    """The chat's logprobs entries of every output token of `out` (its request asked for logprobs)."""
-    return _chat_logprobs(out, 0, _TokenTexts(tokenizer)).content
-
-
 def _usage(outputs: list[StepOutput], n: int) -> UsageInfo:
     """Usage over prompts x n sequences: each prompt counted once, its cached tokens the best of its n."""
     groups = [outputs[i : i + n] for i in range(0, len(outputs), n)]
@@ -321,14 +263,14 @@ async def completions(request: Request) -> Response:
         return failure
     if drop_output:
         outputs = [_without_output(o) for o in outputs]
-    texts = _TokenTexts(tokenizer)
+    texts = TokenTexts(tokenizer)
     choices = []
     for i, out in enumerate(outputs):
         echo = echoes[i // req.n]
         reason, matched = finish_reason_of(out)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = _completion_logprobs(out, 0, texts, 0 if prompt_logprobs else len(echo), req.logprobs, prompt_logprobs)
+            logprobs = completion_logprobs(out, 0, texts, 0 if prompt_logprobs else len(echo), req.logprobs, prompt_logprobs)
             if prompt_logprobs:  # the output tokens start where the echoed text ends
                 _shift_output_offsets(logprobs, len(out.meta.input_token_logprobs or []), len(echo))
         choices.append(CompletionChoice(index=i, text=echo + out.text, logprobs=logprobs, finish_reason=reason, matched_stop=matched))
@@ -351,7 +293,7 @@ def _completion_stream(group: RequestGroup, req: CompletionRequest, response_id:
     offsets = {rid: len(echoes[index[rid] // req.n]) for rid in group.rids}  # text offset of the next token
     prompt_logprobs = req.echo and req.logprobs is not None
     pending_echo = set(group.rids) if prompt_logprobs else set()  # echo goes out with the prompt logprobs
-    texts = _TokenTexts(tokenizer)
+    texts = TokenTexts(tokenizer)
     created = int(time.time())
 
     def chunk(i: int, text: str, logprobs=None, reason=None, matched=None) -> str:
@@ -362,7 +304,7 @@ def _completion_stream(group: RequestGroup, req: CompletionRequest, response_id:
         with_prompt = out.rid in pending_echo
         if len(out.output_ids) <= start and not with_prompt:
             return None
-        logprobs = _completion_logprobs(out, start, texts, 0 if with_prompt else offsets[out.rid], req.logprobs, with_prompt)
+        logprobs = completion_logprobs(out, start, texts, 0 if with_prompt else offsets[out.rid], req.logprobs, with_prompt)
         if with_prompt:
             _shift_output_offsets(logprobs, len(out.meta.input_token_logprobs or []), offsets[out.rid])
         if len(out.output_ids) > start:
@@ -545,11 +487,11 @@ async def chat_completions(request: Request) -> Response:
         outputs = await group.wait()
     if (failure := _failure_response(outputs)) is not None:
         return failure
-    texts = _TokenTexts(tokenizer)
+    texts = TokenTexts(tokenizer)
     choices = []
     for i, out in enumerate(outputs):
         reason, matched = finish_reason_of(out)
-        logprobs = _chat_logprobs(out, 0, texts) if req.logprobs else None
+        logprobs = chat_logprobs(out, 0, texts) if req.logprobs else None
         text, reasoning_content = out.text, None
         if reasoning is not None:
             split = split_reasoning(reasoning, out.text)
@@ -574,7 +516,7 @@ def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: s
     ToolCallStreamer per choice and each call is sent as OpenAI's delta.tool_calls: {index, id, type,
     function.name} first, then its argument text (as it is decoded for a forced call, in one piece once
     the call is complete otherwise)."""
-    texts = _TokenTexts(tokenizer)
+    texts = TokenTexts(tokenizer)
     created = int(time.time())
     incremental = plan.grammar is not None  # a forced call is well-formed: stream its arguments as decoded
     streamers = ({i: ToolCallStreamer(plan.parser, plan.tools, incremental) for i in range(len(group.rids))}
@@ -633,7 +575,7 @@ def _chat_stream(group: RequestGroup, req: ChatCompletionRequest, response_id: s
         return events + [chunk(i, ChatDelta(), None, _chat_finish_reason(reason, num_calls[i] > 0), matched)]
 
     def logprobs_since(out: StepOutput, start: int) -> ChatLogprobs | None:
-        return _chat_logprobs(out, start, texts) if len(out.output_ids) > start else None
+        return chat_logprobs(out, start, texts) if len(out.output_ids) > start else None
 
     return _stream_events(
         group, req,

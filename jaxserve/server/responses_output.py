@@ -10,7 +10,8 @@ from typing import Any
 
 from jaxserve.engine.engine import StepOutput
 from jaxserve.server.function_call.streaming import CallArguments, CallStart, Content, ToolCallStreamer
-from jaxserve.server.openai_api import ChatRun, chat_token_logprobs
+from jaxserve.server.openai_api import ChatRun
+from jaxserve.server.openai_logprobs import chat_token_logprobs
 from jaxserve.server.reasoning import ReasoningSplitter
 from jaxserve.server.protocol import (
     ResponseFunctionCallInput,
