@@ -311,13 +311,16 @@ def _regex_grammar(source: str, json_options: dict[str, Any]) -> str:
 def _json_schema_grammar(source: str, json_options: dict[str, Any]) -> str:
     try:
         schema = json.loads(source)
+        if not isinstance(schema, dict):
+            raise InvalidGrammarError(f"invalid JSON schema: expected a JSON object, got {type(schema).__name__}")
+        # SGLang's default (xgrammar's strict mode): no property or item the schema does not name.
+        schema = close_unnamed(schema)
     except json.JSONDecodeError as e:
         raise InvalidGrammarError(f"invalid JSON schema: not valid JSON ({e})") from None
-    if not isinstance(schema, dict):
-        raise InvalidGrammarError(f"invalid JSON schema: expected a JSON object, got {type(schema).__name__}")
-    # SGLang's default (xgrammar's strict mode): no property or item the schema does not name.
+    except RecursionError:  # Python's parser and close_unnamed recurse once per level
+        raise InvalidGrammarError("invalid JSON schema: nested too deeply") from None
     # `defaults` (not `overrides`): a schema's own "x-guidance" options take precedence.
-    return LLMatcher.grammar_from_json_schema(close_unnamed(schema), defaults=json_options)  # type: ignore[arg-type]
+    return LLMatcher.grammar_from_json_schema(schema, defaults=json_options)  # type: ignore[arg-type]
 
 
 def _ebnf_grammar(source: str, json_options: dict[str, Any]) -> str:
@@ -332,6 +335,8 @@ def _choices_grammar(source: str, json_options: dict[str, Any]) -> str:
         choices = json.loads(source)
     except json.JSONDecodeError as e:
         raise InvalidGrammarError(f"invalid choices: not a JSON list of strings ({e})") from None
+    except RecursionError:
+        raise InvalidGrammarError("invalid choices: not a JSON list of strings (nested too deeply)") from None
     if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
         raise InvalidGrammarError("invalid choices: expected a JSON list of strings")
     if not choices:

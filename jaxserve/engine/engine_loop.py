@@ -172,6 +172,11 @@ class EngineLoop:
         return self.engine.context_length
 
     @property
+    def max_req_input_len(self) -> int:
+        """A prompt must have fewer tokens than this: the context's and the KV pool's bound (PoolLimits)."""
+        return max(0, min(self.engine.context_length, self.engine.pool_limits.max_req_input_len))
+
+    @property
     def server_args(self):
         """The engine's resolved `ServerArgs`."""
         return self.engine.args

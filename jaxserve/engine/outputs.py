@@ -16,6 +16,11 @@ class RequestError(ValueError):
         self.field = field
 
 
+class ContextLengthError(RequestError):
+    """A request that does not fit: its prompt (or prompt + max_new_tokens) over the context length or
+    over the KV pool's bound on one request (`pool_limits.py`). The server's code `context_length_exceeded`."""
+
+
 @dataclasses.dataclass
 class RequestMeta:
     """SGLang's `meta_info` of one sequence. Times in seconds; logprobs as (logprob, token_id) pairs."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.engine.outputs import RequestError
+from jaxserve.engine.outputs import ContextLengthError
 from jaxserve.engine.request import SamplingParams
 
 INPUT_MARGIN = 5  # SGLang's max_req_input_len = max_req_len - 5
@@ -37,9 +37,9 @@ class PoolLimits:
         return self.max_req_len - INPUT_MARGIN
 
     def check_prompt(self, prompt_len: int) -> None:
-        """Raise RequestError("prompt") for a prompt of `prompt_len` tokens that the pool cannot hold."""
+        """Raise ContextLengthError("prompt") for a prompt of `prompt_len` tokens that the pool cannot hold."""
         if prompt_len >= self.max_req_input_len:
-            raise RequestError(
+            raise ContextLengthError(
                 "prompt",
                 f"the prompt has {prompt_len} tokens, the KV pool holds {self.pool_tokens}: a prompt must have "
                 f"fewer than {self.max_req_input_len} (raise --max-total-tokens)",

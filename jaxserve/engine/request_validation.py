@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from jaxserve.constrained import InvalidGrammarError
 from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
-from jaxserve.engine.outputs import RequestError
+from jaxserve.engine.outputs import ContextLengthError, RequestError
 from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.engine.request import SamplingParams
 
@@ -64,7 +64,7 @@ class RequestValidator:
                 ) from None
             at_least = len(prompt) // self.max_token_chars
             if at_least >= self.context_length:
-                raise RequestError(
+                raise ContextLengthError(
                     "prompt",
                     f"the prompt has at least {at_least} tokens ({len(prompt)} characters), the context length "
                     f"is {self.context_length}",
@@ -97,7 +97,7 @@ class RequestValidator:
         if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
             raise RequestError("input_ids", f"token ids must be in [0, {self.vocab_size})")
         if len(input_ids) >= self.context_length:
-            raise RequestError(
+            raise ContextLengthError(
                 "prompt",
                 f"the prompt has {len(input_ids)} tokens, the context length is {self.context_length} "
                 f"(prompt + at least one new token must fit)",
@@ -165,7 +165,7 @@ def check_submit(
     room = engine.context_length - len(input_ids)
     if params.max_new_tokens > room:
         if explicit_max:
-            raise RequestError(
+            raise ContextLengthError(
                 "max_new_tokens",
                 f"the prompt has {_tokens(len(input_ids))} and {_tokens(params.max_new_tokens, 'new token')} "
                 f"{'is' if params.max_new_tokens == 1 else 'are'} asked for: together over the context length "

@@ -46,13 +46,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import jaxserve
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoad, EngineLoop
-from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.model.tokenizer import tokenizer_files_path
 from jaxserve.server import models_api, native_api, openai_api, responses_api
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.chat_template import load_chat_template
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
-from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response, parse_json_body, unavailable_response
+from jaxserve.server.errors import CLIENT_CLOSED_REQUEST, EXCEPTION_HANDLERS, APIError, error_response, parse_json_body, unavailable_response
 from jaxserve.server.field_types import describe
 from jaxserve.server.function_call import get_parser
 from jaxserve.server.metrics import mark_unlogged
@@ -90,7 +89,8 @@ def served_model_name(server_args: ServerArgs, model_path: str) -> str:
 class AccessLog:
     """ASGI middleware: one info line per HTTP request once its response is done, as SGLang logs:
     `POST /generate 200 prompt_tokens=6 completion_tokens=4 latency=0.081s` (tokens over every
-    prompt and sequence of the request; latency in seconds, to the end of the body)."""
+    prompt and sequence of the request; latency in seconds, to the end of the body). Status 499 for a
+    client that left before its reply (errors.CLIENT_CLOSED_REQUEST)."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -112,7 +112,7 @@ class AccessLog:
         finally:
             access_logger.info(
                 "%s %s %d prompt_tokens=%d completion_tokens=%d latency=%.3fs", scope["method"], scope["path"],
-                status[0] or 500, record.prompt_tokens, record.completion_tokens, time.perf_counter() - t0,
+                CLIENT_CLOSED_REQUEST if record.client_gone else status[0] or 500, record.prompt_tokens, record.completion_tokens, time.perf_counter() - t0,
             )
 
 
@@ -203,9 +203,9 @@ async def get_server_info(request: Request) -> Response:
         "resolved_model_path": engine_loop.model_path,
         "context_length": engine_loop.context_length,
         # SGLang's scheduler get_init_info fields: the pool's capacity in tokens, and the bound a prompt
-        # must stay under (it has fewer tokens than this: the context's and the pool's limit, PoolLimits)
+        # must stay under (it has fewer tokens than this: the context's and the pool's limit)
         "max_total_num_tokens": load.kv_total_tokens,
-        "max_req_input_len": max(0, min(engine_loop.context_length, PoolLimits(load.kv_total_tokens).max_req_input_len)),
+        "max_req_input_len": engine_loop.max_req_input_len,
         "devices": engine_loop.devices,
         "num_running_reqs": load.num_running_reqs,
         "num_waiting_reqs": load.num_waiting_reqs,

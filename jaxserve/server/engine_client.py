@@ -37,10 +37,11 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class AccessRecord:
     """Token counts of one HTTP request, for its access log line: each prompt once, every sequence's
-    completion tokens."""
+    completion tokens; `client_gone` once the client left before a non-streamed reply was sent."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    client_gone: bool = False
 
 
 _ACCESS_RECORD: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar("jaxserve_access_record", default=None)
@@ -151,7 +152,8 @@ def _log_finished(out: StepOutput) -> None:
 
 @contextlib.asynccontextmanager
 async def abort_on_disconnect(request: Request, group: RequestGroup):
-    """Abort `group` when the HTTP client disconnects (or the handler fails) before it finishes.
+    """Abort `group` when the HTTP client disconnects (or the handler fails) before it finishes; a
+    disconnect marks the access record `client_gone` (its log line's status is then 499).
 
     Watches the ASGI receive channel for `http.disconnect`; the request body must be read already.
     Not for streamed responses: `SSEResponse` listens to the channel itself.
@@ -162,6 +164,8 @@ async def abort_on_disconnect(request: Request, group: RequestGroup):
             message = await request.receive()
             if message["type"] == "http.disconnect":
                 group.abort()
+                if (record := _ACCESS_RECORD.get()) is not None:
+                    record.client_gone = True
                 return
 
     watcher = asyncio.create_task(watch())

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.engine import RequestError
+from jaxserve.engine.outputs import ContextLengthError, RequestError
 from jaxserve.engine.engine_loop import EngineUnavailableError
 from jaxserve.engine.field_types import TYPE_ERROR_MARKERS
 from jaxserve.engine.request import SamplingParamsError
@@ -84,7 +84,7 @@ def from_engine_error(e: SamplingParamsError | RequestError, rename: Mapping[str
     an underscore (identifiers, not words like "prompt"), in the message too."""
     field = (rename or {}).get(e.field, e.field)
     message = str(e)
-    code = "context_length_exceeded" if "context length" in message else "invalid_value"
+    code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
     if isinstance(e, SamplingParamsError):  # its message starts with the engine's field name
         message = f"{field}: {message.split(': ', 1)[-1]}"
         if any(marker in message for marker in _TYPE_ERROR_MARKERS):
@@ -102,9 +102,18 @@ def from_engine_error(e: SamplingParamsError | RequestError, rename: Mapping[str
 
 
 def from_validation_error(e: pydantic.ValidationError) -> APIError:
-    """A 400 naming the first invalid field (e.g. `messages[0].content`), pydantic's message included."""
+    """A 400 naming the first invalid field (e.g. `messages[0].content`), pydantic's message included.
+    Of a union field's errors (one per member tried), the one furthest into the value names the field
+    (by its list indices, then its depth): for `input_ids` [[1, 2], [3, 1.5]] that is list[list[int]]'s
+    `input_ids[1][1]`, not list[int]'s `input_ids[0]`; for `prompt` [1, true], `prompt[1]`."""
     errors = e.errors(include_url=False)
-    err = errors[0]
+    first = errors[0].get("loc", ())[:1]
+
+    def progress(x) -> tuple:
+        loc = x.get("loc", ())
+        return tuple(p for p in loc if isinstance(p, int)), len(loc)
+
+    err = max((x for x in errors if x.get("loc", ())[:1] == first), key=progress)
     loc = err.get("loc", ())
     param = _loc_to_param(loc)
     kind = err.get("type", "")
@@ -191,7 +200,7 @@ async def _unavailable_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 # nginx's code for "the client closed the request": the access log's status of a request whose client
-# left before its body arrived (nobody reads the response)
+# left before its body arrived or before its non-streamed reply was sent (nobody reads the response)
 CLIENT_CLOSED_REQUEST = 499
 
 
@@ -202,8 +211,11 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    # Starlette re-raises the exception after this response, and uvicorn logs its traceback
-    return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, code="internal_error")
+    # Starlette re-raises the exception after this response, uvicorn logs its traceback and closes the
+    # connection: `Connection: close` tells a keep-alive client not to send its next request on it
+    response = error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, code="internal_error")
+    response.headers["Connection"] = "close"
+    return response
 
 
 EXCEPTION_HANDLERS = {

@@ -175,21 +175,22 @@ class _Reply:
                 "total_tokens": meta.prompt_tokens + meta.completion_tokens}
 
 
-async def _instructions_alone_too_long(request: Request, req: ResponsesRequest, context: int) -> bool:
-    """Whether `instructions` by themselves leave no room for a reply (then a context error names them,
-    not `input`; truncation cannot help)."""
+async def _instructions_alone_too_long(request: Request, req: ResponsesRequest, limit: int) -> bool:
+    """Whether `instructions` by themselves leave no room for a reply: `limit` tokens or more (then a
+    context error names them, not `input`; truncation cannot help)."""
     if not req.instructions:
         return False
     try:
         ids = await preprocess(request, lambda: request.app.state.engine_loop.tokenize(req.instructions))
     except RequestError:  # refused by its length in characters before it is tokenized
         return True
-    return len(ids) >= context
+    return len(ids) >= limit
 
 
 async def _submit(request: Request, req: ResponsesRequest, conversation: list[Message], rid: str) -> ChatRun:
     """Submit the conversation as a chat. With `truncation` "auto", a conversation longer than the
-    context drops its oldest messages until it fits, as OpenAI's API does (a tool message left at the
+    context (or than the KV pool holds for one request) drops its oldest messages until it fits, as
+    OpenAI's API does (a tool message left at the
     front without the call it answers goes too); the last message is always kept. The stored
     conversation stays whole. The first start that fits is found by a binary search over prompt
     lengths (each a render and a tokenization of what is left: O(n log n) for n messages, where
@@ -200,13 +201,14 @@ async def _submit(request: Request, req: ResponsesRequest, conversation: list[Me
             `input` when even the last message does not fit).
         ClientDisconnect: the client left while the search ran.
     """
-    context = request.app.state.engine_loop.context_length
+    engine_loop = request.app.state.engine_loop
+    context, limit = engine_loop.context_length, engine_loop.max_req_input_len  # a prompt has fewer than limit tokens
     try:
         return await submit_chat(request, chat_request(req, conversation, rid), FIELD_NAMES)
     except APIError as e:
-        if e.code == "context_length_exceeded" and await _instructions_alone_too_long(request, req, context):
-            raise APIError(f"instructions alone take the whole context of {context} tokens", 400, param="instructions",
-                           code="context_length_exceeded") from None
+        if e.code == "context_length_exceeded" and await _instructions_alone_too_long(request, req, limit):
+            raise APIError(f"instructions alone leave no room: a prompt must have fewer than {limit} tokens", 400,
+                           param="instructions", code="context_length_exceeded") from None
         if req.truncation != "auto" or e.code != "context_length_exceeded" or len(conversation) == 1:
             raise responses_param(e) from None
 
@@ -224,7 +226,7 @@ async def _submit(request: Request, req: ResponsesRequest, conversation: list[Me
             if e.code == "context_length_exceeded":
                 return False
             raise
-        return tokens < context and (req.max_output_tokens is None or tokens + req.max_output_tokens <= context)
+        return tokens < limit and (req.max_output_tokens is None or tokens + req.max_output_tokens <= context)
 
     low, high = 1, len(conversation) - 1  # the first start that fits, or the last message alone
     try:

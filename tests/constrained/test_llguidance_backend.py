@@ -358,6 +358,8 @@ def test_fill_bitmask_batch_fills_only_its_rows(backend, tokenizer):
         (GrammarSpec.json_schema('{"type": "nope"}'), r"invalid JSON schema.*nope"),
         (GrammarSpec.json_schema("not json {"), r"invalid JSON schema: not valid JSON"),
         (GrammarSpec.json_schema("[1, 2]"), r"invalid JSON schema: expected a JSON object"),
+        (GrammarSpec.json_schema("[" * 100000), r"^invalid JSON schema: nested too deeply$"),  # was a RecursionError
+        (GrammarSpec("choices", "[" * 100000), r"invalid choices.*nested too deeply"),
         (GrammarSpec.json_schema('{"$ref": "#/$defs/missing"}'), r"invalid JSON schema.*missing"),
         (GrammarSpec.json_schema('{"type": "string", "pattern": "(x"}'), r"invalid JSON schema.*regex parse error"),
         (GrammarSpec.json_schema('{"type": "array", "uniqueItems": true}'), r"invalid JSON schema.*uniqueItems"),

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine import EngineStats, RequestError, RequestMeta, StepOutput
+from jaxserve.engine.pool_limits import PoolLimits
 from jaxserve.engine.request import SamplingParams, finish_abort, finish_length
 
 
@@ -26,6 +27,7 @@ class FakeEngine:
         self.cache = SimpleNamespace(used_tokens=lambda: 16 * len(self.reqs))
         self.tree = SimpleNamespace(total_size=lambda: 0, protected_size=lambda: 0)
         self.pool_shape = SimpleNamespace(num_tokens=1024)
+        self.pool_limits = PoolLimits(self.pool_shape.num_tokens)
         self.thread_ids: set[int] = set()
         self.tokenizer = None
         self.model_path = "/models/fake-model"

@@ -54,7 +54,7 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": ""}, "prompt", "empty"),
     (COMPLETIONS, {"prompt": []}, "prompt", "empty"),
     (COMPLETIONS, {"prompt": LONG_TEXT}, "prompt", "256"),
-    (COMPLETIONS, {"prompt": [1, True]}, "prompt", "type"),
+    (COMPLETIONS, {"prompt": [1, True]}, "prompt[1]", "input should be a valid"),
     (COMPLETIONS, {"prompt": [10**9]}, "prompt", "token ids"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": -1}, "max_tokens", ">= 0"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 99}, "logprobs", "20"),
@@ -134,6 +134,13 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10**23}}, "sampling_params.max_new_tokens",
      "must be between 0 and 2147483647, got 1" + "0" * 23),
     (CHAT, {"messages": MSG, "n": 2**31}, "n", "must be in [1, "),
+    # a schema nested past Python's recursion limit was a 500 (RecursionError in json.loads)
+    ("/generate", {"text": "a", "sampling_params": {"json_schema": "[" * 100000}}, "sampling_params.json_schema",
+     "invalid JSON schema: nested too deeply"),
+    (COMPLETIONS, {"prompt": "a", "max_tokens": 2, "json_schema": '{"items": ' * 5000 + "{}" + "}" * 5000}, "json_schema",
+     "nested too deeply"),
+    # a union's error named its first member's index (input_ids[0]) instead of the bad value's
+    ("/generate", {"input_ids": [[1, 2], [3, 1.5]]}, "input_ids[1][1]", "valid integer"),
 ]
 
 
@@ -231,6 +238,47 @@ def test_a_client_gone_before_its_body_arrived_is_not_a_server_error(server, htt
     log = server.log()
     assert "ClientDisconnect" not in log and "POST /v1/responses 500" not in log, log[-3000:]
     assert http.get("/health").status_code == 200
+
+
+def test_a_client_gone_during_a_non_streamed_generation_is_logged_as_499(server):
+    """The client leaves after its request was submitted: the access log says 499 (it said 200, for a
+    reply nobody read), with the prompt's tokens counted (the 499 of a body that never arrived has none)."""
+    import socket
+    import time
+
+    body = json.dumps({"text": "count with me", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}})
+    seen = len(server.log())
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        time.sleep(0.05)
+    deadline = time.monotonic() + 60
+    while not (line := re.search(r"POST /generate (\d+) prompt_tokens=([1-9]\d*) .*", server.log()[seen:])):
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    assert line.group(1) == "499", line.group(0)
+
+
+def test_an_internal_error_closes_the_connection():
+    """A 500 (a bug) says `Connection: close`: uvicorn closes the connection after it, and a keep-alive
+    client that was not told so had its next request reset."""
+    import asyncio
+
+    from jaxserve.server.errors import EXCEPTION_HANDLERS
+
+    response = asyncio.run(EXCEPTION_HANDLERS[Exception](None, RuntimeError("boom")))
+    assert response.status_code == 500 and response.headers["connection"] == "close"
+    assert json.loads(response.body)["error"]["message"] == "internal server error: RuntimeError: boom"
+
+
+def test_deeply_nested_tool_call_arguments_are_kept_as_text(http):
+    """An assistant tool call whose arguments are JSON nested past Python's recursion limit was a 500
+    (the chat template's arguments are decoded); they go to the template as the text sent."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[" * 100000}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    r = http.post(CHAT, json={"messages": messages, "max_tokens": 1})
+    assert r.status_code in (200, 400) and "internal" not in r.text, r.text
 
 
 def test_null_means_default(http):

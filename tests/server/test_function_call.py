@@ -59,6 +59,22 @@ def test_parse(name, cases):
         assert (result.content, _calls(result)) == (content, calls), text
 
 
+DEEP = "[" * 100000  # JSON nested past Python's recursion limit: json.loads raises RecursionError
+
+
+@pytest.mark.parametrize("name, text", [
+    ("qwen25", f"<tool_call>{DEEP}</tool_call>"),
+    ("qwen25", f'<tool_call>{{"name": "get_time", "arguments": "{DEEP}"}}</tool_call>'),
+    ("llama3", DEEP),
+    ("llama3", f'{{"name": "get_time", "parameters": "{DEEP}"}}'),
+])
+def test_a_reply_nested_too_deeply_is_text_not_a_crash(name, text):
+    """A reply whose JSON nests past the recursion limit was a RecursionError (a 500 after the
+    generation); it is no call, so it stays the reply's text."""
+    result = get_parser(name).parse(text, TOOLS)
+    assert (result.content, result.calls) == (text, ())
+
+
 def _replay(events):
     """(content, [(name, arguments text)]) from a stream's events."""
     content, calls = "", []

@@ -12,11 +12,12 @@ import asyncio
 import json
 import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import wait_idle
+from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess, wait_idle
 from tests.server.test_launch_flags import serve  # noqa: F401 (fixture)
 from tests.server.test_openai_api import client, model  # noqa: F401 (fixtures: the openai client of the shared server)
 
@@ -290,6 +291,39 @@ def test_truncation_auto_drops_the_oldest_messages_to_fit(client, model):
     k, chat = _longest_fitting_suffix(client, model, convo)
     assert k >= 1 and resp.truncation == "auto"
     assert resp.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert resp.output_text == chat.choices[0].message.content and resp.usage.input_tokens == chat.usage.prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def small_pool(tiny_model_dir, tmp_path_factory):
+    """(openai client, model, max_req_input_len) of a tiny-model server whose KV pool (160 tokens) bounds
+    a prompt below its context (256 tokens)."""
+    proc = ServerProcess(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--max-total-tokens", "160"],
+                         tmp_path_factory.mktemp("small_pool") / "server.log")
+    proc.wait_healthy()
+    try:
+        info = httpx.get(proc.url + "/get_server_info", timeout=30).json()
+        with openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0) as client:
+            yield client, info["served_model_name"], info["max_req_input_len"]
+    finally:
+        proc.stop()
+
+
+def test_truncation_auto_fits_a_kv_pool_smaller_than_the_context(small_pool):
+    """Where the KV pool, not the context, bounds a prompt, the 400 is context_length_exceeded (it was
+    invalid_value) and "auto" truncates to the longest suffix the chat API accepts (it was a 400)."""
+    client, model, limit = small_pool
+    assert limit < 256
+    words = "one two three four five six seven eight nine ten".split()
+    convo = [{"role": ("user", "assistant")[i % 2], "content": " ".join(words[(i + j) % 10] for j in range(25))}
+             for i in range(6)] + [{"role": "user", "content": QUESTION}]
+    kw = dict(model=model, max_output_tokens=8, temperature=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(input=convo, **kw)
+    assert err.value.body["code"] == "context_length_exceeded" and "KV pool" in err.value.body["message"], err.value.body
+    resp = client.responses.create(input=convo, truncation="auto", **kw)
+    k, chat = _longest_fitting_suffix(client, model, convo)
+    assert 1 <= k < len(convo) - 1 and resp.usage.input_tokens < limit
     assert resp.output_text == chat.choices[0].message.content and resp.usage.input_tokens == chat.usage.prompt_tokens
 
 

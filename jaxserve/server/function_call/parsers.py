@@ -22,6 +22,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:  # annotations only: serve.py's flag parsing reads PARSERS without importing the app (and jax)
     from jaxserve.server.protocol import Tool
 
+# What decoding a model's (or a client's) JSON text raises: not JSON, or nested past Python's recursion
+# limit (a 500 without the second).
+JSON_ERRORS = (json.JSONDecodeError, RecursionError)
+
 # JSON layout inside a forced call: what json.dumps writes, and no other whitespace.
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -50,7 +54,7 @@ def _call_of(obj: Any, args_keys: Sequence[str], known: set[str]) -> ParsedCall 
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             return None
     if not isinstance(args, dict):
         return None
@@ -140,7 +144,7 @@ def raw_arguments(body: str) -> str | None:
         return None
     try:
         obj, end = json.JSONDecoder().raw_decode(body, m.end())
-    except json.JSONDecodeError:
+    except JSON_ERRORS:
         return None
     return body[m.end() : end] if isinstance(obj, dict) else None
 
@@ -160,7 +164,7 @@ class TaggedJsonParser(ToolCallParser):
             body = m.group(1).strip()
             try:
                 call = _call_of(json.loads(body), ("arguments", "parameters"), known)
-            except json.JSONDecodeError:
+            except JSON_ERRORS:
                 call = None
             if call is not None and (raw := raw_arguments(body)) is not None:
                 call = ParsedCall(call.name, raw)  # the arguments as the model wrote them, as streamed
@@ -214,7 +218,7 @@ class PlainJsonParser(ToolCallParser):
                 pos = end
                 while pos < len(body) and body[pos] in " \t\r\n;":
                     pos += 1
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             return ParseResult(text, ())
         return ParseResult(None, tuple(calls))
 

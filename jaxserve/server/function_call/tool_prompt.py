@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from jaxserve.server.function_call.parsers import ToolCallParser
+from jaxserve.server.function_call.parsers import JSON_ERRORS, ToolCallParser
 from jaxserve.server.protocol import Tool
 
 DEFAULT_TOOL_PROMPT_HEADER = "You can call these functions:"
@@ -68,5 +68,5 @@ def render_tool_turn(message: dict[str, Any], parser: ToolCallParser, template_t
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except JSON_ERRORS:
         return text
