@@ -8,7 +8,6 @@ subprocess, in one invocation:
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 

@@ -3,7 +3,6 @@ when it finishes, and the P99 ITL it allows checked by brute force on a simulate
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from jaxserve.engine.prefill_budget import PrefillBudget
