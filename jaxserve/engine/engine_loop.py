@@ -55,7 +55,8 @@ import threading
 import time
 from typing import Any, Callable, Hashable, Sequence
 
-from jaxserve.engine.engine import Engine, EngineStats, RequestError, RequestMeta, StepOutput
+from jaxserve.engine.engine import Engine, RequestError, RequestMeta, StepOutput
+from jaxserve.engine.engine_load import EngineLoad, snapshot_load
 from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
 from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
 from jaxserve.engine.request_validation import check_submit, tokenize_for_submit
@@ -89,37 +90,6 @@ class InjectedFault(RuntimeError):
 class _StepResult(enum.Enum):
     PROGRESS = "progress"
     NO_PROGRESS = "no_progress"  # the engine has work but ran nothing (waiting for a grammar compile)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot of the engine, published by the loop thread after every iteration (tokens, requests).
-
-    The KV pool is idle when `kv_used_tokens == kv_cached_tokens` and `kv_locked_tokens == 0`: every
-    used page then belongs to the prefix cache and no request holds one.
-    """
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    num_pending_reqs: int = 0  # submitted and not finished, as seen by the loop (includes the inbox)
-    kv_total_tokens: int = 0
-    kv_used_tokens: int = 0
-    kv_cached_tokens: int = 0
-    kv_locked_tokens: int = 0
-    num_waiting_tokens: int = 0  # the waiting queue's tokens (prompt + output so far each, SGLang's seqlen)
-    num_chunked_rest_tokens: int = 0  # tokens the partly prefilled (chunked) request has still to prefill
-    num_step_failures: int = 0
-    last_step_time: float | None = None  # time.time() of the last step that ran a batch
-    num_rejected_queue_full: int = 0  # submits refused because the waiting queue was full
-    num_queue_timeouts: int = 0  # requests ended after waiting longer than the queue timeout
-    stats: EngineStats = dataclasses.field(default_factory=EngineStats)
-    snapshot: Any = None  # the engine's own `EngineSnapshot` (for /metrics), where it has one
-    radix_cache: Any = None  # the release policy's `RadixCacheStats`: at most 1 s old while busy, fresh when idle
-
-
-def _chunked_rest(req) -> int:
-    """Tokens of a partly prefilled request not yet in the KV pool (0 for None)."""
-    return 0 if req is None else max(0, req.fill_len - req.kv_len)
 
 
 @dataclasses.dataclass
@@ -582,27 +552,12 @@ class EngineLoop:
                 del self._groups[base]
 
     def _publish_load(self, fresh_radix_stats: bool = False) -> None:
-        engine = self.engine
         with self._cond:
             num_pending = len(self._pending)
-        self._load = EngineLoad(
-            num_running_reqs=engine.scheduler.num_running,
-            num_waiting_reqs=len(engine.scheduler.waiting),
-            num_pending_reqs=num_pending,
-            kv_total_tokens=engine.pool_shape.num_tokens,
-            kv_used_tokens=engine.cache.used_tokens(),
-            kv_cached_tokens=engine.tree.total_size(),
-            kv_locked_tokens=engine.tree.protected_size(),
-            num_waiting_tokens=sum(r.fill_len for r in engine.scheduler.waiting),
-            num_chunked_rest_tokens=_chunked_rest(getattr(engine.scheduler, "chunked_req", None)),
-            num_step_failures=self._num_step_failures,
-            last_step_time=self._last_step_time,
-            num_rejected_queue_full=self._admission.num_rejected,
-            num_queue_timeouts=self._num_queue_timeouts,
-            stats=dataclasses.replace(engine.stats),
-            snapshot=engine.snapshot() if hasattr(engine, "snapshot") else None,
-            radix_cache=self._radix_cache_stats(fresh_radix_stats),
-        )
+        self._load = snapshot_load(
+            self.engine, num_pending_reqs=num_pending, num_step_failures=self._num_step_failures,
+            last_step_time=self._last_step_time, num_rejected_queue_full=self._admission.num_rejected,
+            num_queue_timeouts=self._num_queue_timeouts, radix_cache=self._radix_cache_stats(fresh_radix_stats))
 
     def _radix_cache_stats(self, fresh: bool):
         """The tree walk costs O(nodes), so while busy it runs here on the loop thread at most once a

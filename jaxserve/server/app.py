@@ -45,7 +45,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxserve
 from jaxserve.config import ServerArgs
-from jaxserve.engine.engine_loop import EngineLoad, EngineLoop
+from jaxserve.engine.engine_load import EngineLoad
+from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.model.tokenizer import tokenizer_files_path
 from jaxserve.server import models_api, native_api, openai_api, responses_api
 from jaxserve.server.auth import APIKeyMiddleware
