@@ -50,6 +50,7 @@ from jaxserve.engine.buckets import (
     pow2_at_least,
     pow2_range,
 )
+from jaxserve.engine.device_pages import PAGE_JITS, DevicePageRead, padded_page_ids, sharded_page_jits
 from jaxserve.model import llama
 from jaxserve.model.forward_batch import ForwardBatch
 from jaxserve.pallas.metadata import build_attention_metadata
@@ -219,7 +220,7 @@ class ModelRunner:
             attn_fn = parallel.shard_attention(attn_fn, self.mesh)
             rep, logits = parallel.replicated(self.mesh), parallel.vocab_sharding(self.mesh, config.vocab_size)
             shardings = dict(step=(logits, rep, pool, pool), embed=rep, layers=(rep, pool, pool), head=(logits, rep))
-        self._page = _sharded_page_jits(rep, pool) if self.mesh is not None else _PAGE_JITS
+        self._page = sharded_page_jits(rep, pool) if self.mesh is not None else PAGE_JITS
         self._replicated = parallel.replicated(self.mesh) if self.mesh is not None else None
         self.params = params
         out = {name: {"out_shardings": sh} for name, sh in shardings.items()}
@@ -527,13 +528,11 @@ class ModelRunner:
         self.warmed_up = True
 
     # ---- KV page copies (release policy, issue 8) ------------------------------------------------
-    # `KVPageIO` (jaxserve/cache/page_io.py) over the device pools: the host tier's device <-> host
-    # copies and copy-on-write of a partly matched page. Page counts are padded to powers of two with
-    # the dummy page 0, so each bucket compiles once; writes are donated updates of the pools.
+    # `KVPageIO` (jaxserve/cache/page_io.py) over the device pools, through device_pages.py's jits.
 
     def read_pages(self, pages) -> "DevicePageRead":
         """Start copying K/V of `pages` to the host (`copy_to_host_async`); finish with `.result()`."""
-        idx = _padded_page_ids(pages)
+        idx = padded_page_ids(pages)
         with self._routed("read_pages", pages):
             k, v = self._page["gather"](self.k_pool, self.v_pool, idx)
         k.copy_to_host_async()
@@ -546,7 +545,7 @@ class ModelRunner:
         with self._routed("write_pages", pages, (k.shape, k.dtype.str), (v.shape, v.dtype.str)):
             if self.channel is not None:
                 k, v = self.channel.share(k, v)
-            idx = _padded_page_ids(pages)
+            idx = padded_page_ids(pages)
             n, pad = len(pages), len(idx) - len(pages)
             if pad:
                 widths = [(0, 0), (0, pad)] + [(0, 0)] * (k.ndim - 2)
@@ -555,54 +554,6 @@ class ModelRunner:
 
     def copy_pages(self, src, dst) -> None:
         """Copy device pages `src` onto `dst` (whole pages, K and V)."""
-        src_idx, dst_idx = _padded_page_ids(src), _padded_page_ids(dst)
+        src_idx, dst_idx = padded_page_ids(src), padded_page_ids(dst)
         with self._routed("copy_pages", src, dst):
             self.k_pool, self.v_pool = self._page["copy"](self.k_pool, self.v_pool, src_idx, dst_idx)
-
-
-class DevicePageRead:
-    """A device -> host copy of K/V pages in flight (`PendingRead`)."""
-
-    def __init__(self, k: jax.Array, v: jax.Array):
-        self._k, self._v = k, v
-
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(self._k), np.asarray(self._v)
-
-
-def _padded_page_ids(pages) -> np.ndarray:
-    pages = np.asarray(pages, np.int32).reshape(-1)
-    out = np.zeros(pow2_at_least(len(pages)), np.int32)
-    out[: len(pages)] = pages
-    return out
-
-
-def _gather_pages(k_pool, v_pool, pages):
-    # [L, N, KVH, ps, D] -> [L, n, KVH, ps, D]
-    return k_pool[:, pages], v_pool[:, pages]
-
-
-def _scatter_pages(k_pool, v_pool, pages, k, v):
-    return k_pool.at[:, pages].set(k.astype(k_pool.dtype)), v_pool.at[:, pages].set(v.astype(v_pool.dtype))
-
-
-def _copy_pages(k_pool, v_pool, src, dst):
-    return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
-
-
-# the page copies of a single-device pool (the results stay on its device)
-_PAGE_JITS: dict[str, Callable] = {
-    "gather": jax.jit(_gather_pages),
-    "scatter": jax.jit(_scatter_pages, donate_argnums=(0, 1)),
-    "copy": jax.jit(_copy_pages, donate_argnums=(0, 1)),
-}
-
-
-def _sharded_page_jits(rep, pool) -> dict[str, Callable]:
-    """The page copies over a sharded pool: their results keep the pool's sharding (the compiled steps
-    take exactly that), and pages read for the host come back whole."""
-    return {
-        "gather": jax.jit(_gather_pages, out_shardings=(rep, rep)),
-        "scatter": jax.jit(_scatter_pages, donate_argnums=(0, 1), out_shardings=(pool, pool)),
-        "copy": jax.jit(_copy_pages, donate_argnums=(0, 1), out_shardings=(pool, pool)),
-    }
