@@ -454,6 +454,10 @@ class ServerArgs:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.decode_log_interval < 1:
+            raise ValueError(f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
+        if self.constrained_json_whitespace_pattern is not None:
+            _check_json_whitespace_pattern(self.constrained_json_whitespace_pattern)
         self._validate_multihost()
         if self.dp_size > 1 and self.port + self.dp_size + 1 > 65535:
             raise ValueError(f"--port {self.port} leaves no room for {self.dp_size} workers on the ports after it (--dp-size)")
@@ -564,3 +568,16 @@ class ServerArgs:
         except ValueError as e:
             parser.error(str(e))
         return args
+
+
+def _check_json_whitespace_pattern(pattern: str) -> None:
+    """Raise ValueError (one line) for a --constrained-json-whitespace-pattern that llguidance's regex
+    syntax refuses, before any model loads (llguidance is imported here only: no JAX)."""
+    from llguidance import LLMatcher
+
+    try:
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_pattern": pattern}))
+    except ValueError as e:
+        error = str(e)
+    if error:
+        raise ValueError(f"--constrained-json-whitespace-pattern {pattern!r} is not a valid regex: {' '.join(error.split())}")

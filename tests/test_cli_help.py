@@ -120,3 +120,21 @@ def test_tokenizer_mode_other_than_auto_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         ServerArgs.from_cli(["--tokenizer-mode", "slow"])
     assert e.value.code == 2 and "--tokenizer-mode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    # accepted, then the first decode step divided by it: the engine died (ZeroDivisionError)
+    (["--decode-log-interval", "0"], "--decode-log-interval must be >= 1, got 0"),
+    (["--decode-log-interval", "-3"], "--decode-log-interval must be >= 1, got -3"),
+    # refused only after the model loaded, over four lines, with exit status 1
+    (["--constrained-json-whitespace-pattern", "("], "--constrained-json-whitespace-pattern '(' is not a valid regex: regex parse error: ( ^ error: unclosed group"),
+])
+def test_bad_flag_values_are_one_line_errors_before_start_up(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        ServerArgs.from_cli(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().splitlines()[-1] == f"serve.py: error: {message}", err
+
+
+def test_a_valid_whitespace_pattern_is_accepted():
+    assert ServerArgs.from_cli(["--constrained-json-whitespace-pattern", "[ \\t]{0,4}"]).constrained_json_whitespace_pattern == "[ \\t]{0,4}"
