@@ -121,6 +121,11 @@ def from_validation_error(e: pydantic.ValidationError) -> APIError:
     is_union = len(loc) > 1 and isinstance(loc[-1], str) and _loc_to_param(loc[:-1]) == param
     members = [x["loc"][len(loc) - 1] for x in errors if len(x["loc"]) >= len(loc) and x["loc"][: len(loc) - 1] == loc[:-1]]
     if is_union and len(members) > 1:
+        # a string that a Literal member refuses has the right type and a wrong value: say the values
+        literal = next((x for x in errors if x["loc"][: len(loc) - 1] == loc[:-1] and x.get("type") == "literal_error"
+                        and isinstance(x.get("input"), str)), None)
+        if literal is not None:
+            return APIError(f"{param}: {literal['msg']}", 400, param=param, code="invalid_value")
         expected = ", ".join(dict.fromkeys(members))
         return APIError(f"{param}: has the wrong type; expected one of: {expected}", 400, param=param, code="invalid_type")
     if param is None:
@@ -135,14 +140,15 @@ def from_validation_error(e: pydantic.ValidationError) -> APIError:
 
 def _loc_to_param(loc: tuple) -> str | None:
     """('messages', 0, 'content', 'str') -> 'messages[0].content'. Pydantic adds the member of a
-    union it tried (`str`, `list[int]`, `function-after[...]`) to the path: those parts are dropped
-    (field names are identifiers; union members contain brackets or are type names)."""
+    union it tried (`str`, `list[int]`, `function-after[...]`, a model class `NamedToolChoice`) to the
+    path: those parts are dropped (field names are lower-case identifiers; union members contain
+    brackets, are type names or are class names)."""
     type_names = {"str", "int", "float", "bool", "list", "dict", "none"}
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.isidentifier() and part not in type_names:
+        elif part.isidentifier() and part not in type_names and not part[0].isupper():
             out += f".{part}" if out else part
     return out or None
 

@@ -92,6 +92,11 @@ def _expand(req: GenerateRequest) -> tuple[list[_Prompt], bool, str]:
                                "of one, as a batch of one)", 400, param=name, code="invalid_value")
     del fields["sampling_params"]
     cols = {name: _per_prompt(name, v, num, not isinstance(v, list)) for name, v in fields.items()}
+    first_of: dict[Any, int] = {}
+    for i, r in enumerate(cols["rid"]):
+        if r is not None and first_of.setdefault(r, i) != i:
+            raise APIError(f"rid[{i}] {r!r} repeats rid[{first_of[r]}]: the prompts of a batch need different rids",
+                           400, param=f"rid[{i}]", code="invalid_value")
     params = _per_prompt("sampling_params", req.sampling_params or {}, num, not isinstance(req.sampling_params, list))
     ids = req.token_ids_logprob or []
     if ids and isinstance(ids[0], list) and not _takes_lists(req, is_batch):
@@ -190,13 +195,26 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], f
         if isinstance(e, SamplingParamsError) or e.field in SAMPLING_FIELD_NAMES:
             index = num_submitted[0] if isinstance(req.sampling_params, list) else None
             err = _in_sampling_params(err, index)
-        elif is_batch and is_reserved and err.param == field:
-            err.param = f"{field}[{num_submitted[0]}]"
+        elif is_batch and is_reserved and (err.param == field or _given_per_prompt(req, err.param)):
+            err.param = f"{err.param}[{num_submitted[0]}]"
         raise err from None
     except BaseException:
         group.abort()
         raise
     return sequences
+
+
+_PER_PROMPT_FIELDS = ("rid", "return_logprob", "top_logprobs_num", "logprob_start_len", "cache_salt", "extra_key",
+                      "token_ids_logprob")
+
+
+def _given_per_prompt(req: GenerateRequest, name: str | None) -> bool:
+    """Whether the batch gave `name` as a list of per-prompt values (then an error in it is named with
+    the prompt's index, `logprob_start_len[1]`)."""
+    value = getattr(req, name, None) if name in _PER_PROMPT_FIELDS else None
+    if name == "token_ids_logprob":
+        return isinstance(value, list) and bool(value) and isinstance(value[0], list)
+    return isinstance(value, list)
 
 
 def _num_sequences(sampling_params: dict[str, Any]) -> int:

@@ -84,7 +84,12 @@ BAD_INPUTS = [
     ("/generate", {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len",
      "prompt, which has 3 tokens"),
     ("/generate", {"input_ids": [[1, 2], [1, 2, 3, 4]], "return_logprob": True, "logprob_start_len": [0, 5]},
-     "logprob_start_len", "has 4 tokens"),
+     "logprob_start_len[1]", "has 4 tokens"),
+    # a per-prompt list field's error named no prompt; a rid repeated in a batch said "already in use"
+    ("/generate", {"text": ["a", "b"], "return_logprob": True, "top_logprobs_num": [1, 50]}, "top_logprobs_num[1]", "20"),
+    ("/generate", {"text": ["a", "b"], "return_logprob": True, "token_ids_logprob": [[1], [99999999]]},
+     "token_ids_logprob[1]", "got 99999999"),
+    ("/generate", {"text": ["a", "b", "c"], "rid": ["x", "y", "x"]}, "rid[2]", "rid[2] 'x' repeats rid[0]"),
     ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 10**6}, "logprob_start_len", "past the end"),
     ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len", "-1"),
     # seeds outside the signed 64-bit range of OpenAI's schema were accepted (and silently reduced mod 2**32)
@@ -141,6 +146,12 @@ BAD_INPUTS = [
      "nested too deeply"),
     # a union's error named its first member's index (input_ids[0]) instead of the bad value's
     ("/generate", {"input_ids": [[1, 2], [3, 1.5]]}, "input_ids[1][1]", "valid integer"),
+    # pydantic's model class names leaked into param (tool_choice.NamedToolChoice.function)
+    (CHAT, {"messages": MSG, "tool_choice": {"type": "function"}}, "tool_choice.function", "field required"),
+    (CHAT, {"messages": MSG, "tool_choice": {"type": "bogus", "function": {"name": "f"}}}, "tool_choice.type", "'function'"),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"name": "f"}}, "tool_choice.type", "field required"),
+    # a string of the right type with a wrong value was "has the wrong type; expected one of: literal[...]"
+    (CHAT, {"messages": MSG, "tool_choice": "bogus"}, "tool_choice", "should be 'none', 'auto' or 'required'"),
 ]
 
 
