@@ -421,6 +421,14 @@ class ServerArgs:
         return ["--" + f.name.replace("_", "-") for f in dataclasses.fields(self)
                 if "speculative" in f.name and getattr(self, f.name) != getattr(default, f.name)]
 
+    def ignored_radix_cache_flags(self) -> list[str]:
+        """The release policy's tier and merge flags given (other than their defaults) with
+        --disable-radix-cache, which therefore do nothing, as `--flag` names (the engine warns)."""
+        if not self.disable_radix_cache:
+            return []
+        default = ServerArgs()
+        return ["--" + name.replace("_", "-") for name in _RADIX_CACHE_ONLY_FLAGS if getattr(self, name) != getattr(default, name)]
+
     def validate(self) -> None:
         """Raise ValueError naming the flag of the first bad value."""
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -568,6 +576,12 @@ class ServerArgs:
         except ValueError as e:
             parser.error(str(e))
         return args
+
+
+# release-policy flags that act on radix-cache nodes only (no effect with --disable-radix-cache)
+_RADIX_CACHE_ONLY_FLAGS = ("enable_hierarchical_cache", "hicache_ratio", "hicache_size", "radix_cache_soft_free_threshold",
+                           "radix_cache_evict_threshold", "enable_auto_merge", "merge_max_suffix_tokens",
+                           "merge_min_shared_ratio", "enable_radix_cache_stats")
 
 
 def _check_json_whitespace_pattern(pattern: str) -> None:

@@ -186,7 +186,9 @@ class NoGrammarBackend:
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         raise GrammarDisabledError(
-            f"structured generation is disabled (--grammar-backend none); cannot use a {spec.kind} constraint"
+            # no kind in the message: the server's `param` names the field, and a request's grammar may come
+            # from a field that is not a grammar (tool_choice "required" is an EBNF grammar)
+            "structured generation is disabled (--grammar-backend none): this field needs it"
         )
 
     def lookup(self, spec: GrammarSpec) -> CompiledGrammar | None:

@@ -73,6 +73,9 @@ class Engine:
         if ignored := args.ignored_speculative_flags():  # SGLang 0.5.23 ignores them silently
             logger.warning("%s given without --speculative-algorithm: ignored (decoding is one token per step)",
                            ", ".join(ignored))
+        if ignored := args.ignored_radix_cache_flags():
+            logger.warning("%s given with --disable-radix-cache: ignored (there are no radix-cache nodes to move or merge)",
+                           ", ".join(ignored))
         self.model_path = resolve_model_path(args.model_path)
         self.tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
         self.model_config, params = load_model(

@@ -21,3 +21,16 @@ def test_small_pool_and_idle_speculative_flags_warn(tiny_model_dir, caplog):
     warnings = _warnings(caplog)
     assert any("128 tokens, fewer than the context length 512" in w for w in warnings), warnings
     assert any(w.startswith("--speculative-num-draft-tokens given without --speculative-algorithm") for w in warnings), warnings
+
+
+def test_radix_cache_flags_with_the_radix_cache_off_warn(tiny_model_dir, caplog):
+    """--enable-hierarchical-cache --enable-auto-merge with --disable-radix-cache started silently and did nothing."""
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.engine"):
+        make_engine(tiny_model_dir, enable_hierarchical_cache=True, enable_auto_merge=True)
+    assert not any("--disable-radix-cache" in w for w in _warnings(caplog))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.engine"):
+        make_engine(tiny_model_dir, disable_radix_cache=True, enable_hierarchical_cache=True, enable_auto_merge=True)
+    assert "--enable-hierarchical-cache, --enable-auto-merge given with --disable-radix-cache: ignored " \
+        "(there are no radix-cache nodes to move or merge)" in _warnings(caplog), _warnings(caplog)
+

@@ -256,6 +256,15 @@ def test_a_stored_response_route_names_both_its_methods(http):
     assert r.status_code == 405 and set(r.headers["allow"].split(", ")) >= {"GET", "DELETE"}, r.headers
 
 
+@pytest.mark.parametrize("path, allowed", [("/v1/responses/resp_x/input_items", "GET"), ("/v1/responses/resp_x/cancel", "POST")])
+def test_delete_of_a_route_under_a_stored_response_is_a_405(http, path, allowed):
+    """DELETE .../input_items was a 404 for a response id "resp_x/input_items" (the DELETE route's
+    {response_id:path} took the whole rest of the path)."""
+    r = http.delete(path)
+    assert r.status_code == 405 and r.headers["allow"] == allowed, (r.status_code, r.text)
+    assert r.json()["error"]["message"] == f"DELETE {path} is not allowed: use {allowed}"
+
+
 def _longest_fitting_suffix(client, model, convo):
     """(k, the chat's reply to convo[k:]) for the smallest k the chat API accepts, trying k from the end."""
     found = None
