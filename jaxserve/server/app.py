@@ -23,7 +23,8 @@ Every error body has OpenAI's shape (errors.py). docs/api.md documents the field
 
 Availability: once the engine has died, or while the server drains for a graceful shutdown
 (`app.state.draining`, set by launch.py on SIGTERM), every route but the read-only operational ones
-(`ALWAYS_SERVED`, and /v1/models/{model}) answers 503 at once, /health included, so load balancers and supervisors see it.
+(`ALWAYS_SERVED`, /v1/models/{model}, and GET of stored responses) answers 503 at once, /health included, so load
+balancers and supervisors see it.
 """
 
 from __future__ import annotations
@@ -67,11 +68,15 @@ _GGUF_QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORE
 # answered even by a dead or draining server: what an operator reads to find out why
 ALWAYS_SERVED = frozenset({"/metrics", "/get_server_info", "/get_model_info", "/server_info", "/model_info", "/v1/models"})
 ALWAYS_SERVED_PREFIXES = ("/v1/models/",)  # GET /v1/models/{model}: the card /v1/models lists
+# GET /v1/responses/{id} (and .../input_items): the store needs no engine, and a background response
+# that finishes while the server drains can still be read
+ALWAYS_SERVED_GET_PREFIXES = ("/v1/responses/",)
 
 
-def is_always_served(path: str) -> bool:
-    """Whether a dead or draining server still answers `path` (the read-only operational routes)."""
-    return path in ALWAYS_SERVED or path.startswith(ALWAYS_SERVED_PREFIXES)
+def is_always_served(method: str, path: str) -> bool:
+    """Whether a dead or draining server still answers `method path` (the read-only routes)."""
+    return (path in ALWAYS_SERVED or path.startswith(ALWAYS_SERVED_PREFIXES)
+            or (method == "GET" and path.startswith(ALWAYS_SERVED_GET_PREFIXES)))
 
 
 def served_model_name(server_args: ServerArgs, model_path: str) -> str:
@@ -127,7 +132,7 @@ class AvailabilityGate:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not is_always_served(scope["path"]):
+        if scope["type"] == "http" and not is_always_served(scope["method"], scope["path"]):
             if self.engine_loop.error is not None:
                 response = unavailable_response(f"the engine has stopped after an error: {self.engine_loop.error}")
                 return await response(scope, receive, send)

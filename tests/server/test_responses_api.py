@@ -243,6 +243,20 @@ def test_text_around_a_call_is_a_message_streamed_or_not(serve):
     assert whole["output"][0]["content"][0]["text"] == streamed["output"][0]["content"][0]["text"] == "Sure.\n"
 
 
+def test_a_draining_server_still_answers_gets_of_stored_responses(serve):
+    """While the server drains (SIGTERM) stored responses stay readable: a background response that
+    finishes during the drain was lost behind a 503. What needs the engine, or changes the store, is 503."""
+    client, _ = serve(["ok"])
+    rid = client.post("/v1/responses", json={"input": "Hi"}).json()["id"]
+    client.app.state.draining = True
+    got = client.get(f"/v1/responses/{rid}")
+    assert got.status_code == 200 and got.json()["output"][0]["content"][0]["text"] == "ok"
+    assert client.get(f"/v1/responses/{rid}/input_items").json()["data"][0]["content"][0]["text"] == "Hi"
+    assert client.post("/v1/responses", json={"input": "Hi"}).status_code == 503
+    assert client.delete(f"/v1/responses/{rid}").status_code == 503
+    assert client.post(f"/v1/responses/{rid}/cancel").status_code == 503
+
+
 def test_a_request_id_with_slashes_is_retrieved_and_deleted(serve):
     client, _ = serve(["ok"])
     assert client.post("/v1/responses", json={"input": "Hi", "request_id": "team/a/1"}).json()["id"] == "team/a/1"
