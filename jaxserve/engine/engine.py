@@ -73,6 +73,8 @@ class Engine:
         if ignored := args.ignored_speculative_flags():  # SGLang 0.5.23 ignores them silently
             logger.warning("%s given without --speculative-algorithm: ignored (decoding is one token per step)",
                            ", ".join(ignored))
+        if args.speculative_algorithm is not None and args.speculative_max_batch_size == 0:
+            logger.warning("--speculative-max-batch-size 0: no decode step verifies drafts (speculation is off)")
         if ignored := args.ignored_radix_cache_flags():
             logger.warning("%s given with --disable-radix-cache: ignored (there are no radix-cache nodes to move or merge)",
                            ", ".join(ignored))

@@ -34,3 +34,10 @@ def test_radix_cache_flags_with_the_radix_cache_off_warn(tiny_model_dir, caplog)
     assert "--enable-hierarchical-cache, --enable-auto-merge given with --disable-radix-cache: ignored " \
         "(there are no radix-cache nodes to move or merge)" in _warnings(caplog), _warnings(caplog)
 
+
+def test_speculation_with_no_batch_size_allowed_warns(tiny_model_dir, caplog):
+    """--speculative-max-batch-size 0 started silently; speculation never ran and its stats said 0.00."""
+    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.engine"):
+        make_engine(tiny_model_dir, speculative_algorithm="NGRAM", speculative_max_batch_size=0)
+    assert "--speculative-max-batch-size 0: no decode step verifies drafts (speculation is off)" in _warnings(caplog)
+
