@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -300,6 +301,22 @@ async def openapi_json(request: Request) -> Response:
     return JSONResponse(request.app.state.openapi)
 
 
+class _StoredResponseId(Convertor):
+    """`{response_id:stored_response_id}`: the rest of the path (slashes included) unless it ends in a
+    sub-route of a stored response (`/cancel`, `/input_items`)."""
+
+    regex = r"(?:(?!/(?:cancel|input_items)$).)+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("stored_response_id", _StoredResponseId())
+
+
 def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     """The ASGI app over a started `EngineLoop`. `server_args.api_key` turns on bearer-token auth."""
     routes = [
@@ -307,10 +324,11 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/responses", responses_api.create_response, methods=["POST"]),
-        # an id may contain slashes (a request_id is the client's): the route matches the rest of the path
+        # an id may contain slashes (a request_id is the client's): the route matches the rest of the path,
+        # except a sub-route's suffix, so that DELETE .../input_items is that route's 405, not an id's 404
         Route("/v1/responses/{response_id:path}/cancel", responses_api.cancel_response, methods=["POST"]),
         Route("/v1/responses/{response_id:path}/input_items", responses_api.list_input_items, methods=["GET"]),
-        Route("/v1/responses/{response_id:path}", responses_api.stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id:stored_response_id}", responses_api.stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", models_api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", models_api.retrieve_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

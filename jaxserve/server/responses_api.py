@@ -49,7 +49,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.engine.engine import StepOutput
 from jaxserve.engine.outputs import RequestError
 from jaxserve.server.engine_client import abort_on_disconnect, preprocess
-from jaxserve.server.errors import APIError, error_body, error_response, parse_json_body
+from jaxserve.server.errors import APIError, error_response, parse_json_body
 from jaxserve.server.field_types import check_field_types
 from jaxserve.server.metrics import mark_streaming
 from jaxserve.server.native_api import failure_of
@@ -349,10 +349,6 @@ class BackgroundResponses:
         return True
 
 
-# the routes under a stored response and their one method; their paths also match {response_id:path}
-_SUB_ROUTE_METHODS = {"/input_items": "GET", "/cancel": "POST"}
-
-
 async def stored_response(request: Request) -> Response:
     """GET /v1/responses/{response_id}: a stored response; DELETE: forget it. An unknown id: 404 naming
     response_id."""
@@ -361,10 +357,6 @@ async def stored_response(request: Request) -> Response:
     if request.method == "DELETE":
         await request.app.state.background_responses.cancel(response_id)
     found = store.delete(response_id) if request.method == "DELETE" else store.get(response_id)
-    sub_route = next((m for suffix, m in _SUB_ROUTE_METHODS.items() if response_id.endswith(suffix)), None)
-    if not found and sub_route is not None:  # DELETE .../input_items: a route's wrong method, not an id
-        return JSONResponse(error_body(f"{request.method} {request.url.path} is not allowed: use {sub_route}", 405),
-                            status_code=405, headers={"Allow": sub_route})
     if not found:
         return error_response(f"response with id {response_id!r} not found", 404, param="response_id", code="not_found")
     if request.method == "DELETE":
