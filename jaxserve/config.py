@@ -417,17 +417,17 @@ class ServerArgs:
         therefore do nothing, as `--flag` names (SGLang 0.5.23 ignores them silently; the engine warns)."""
         if self.speculative_algorithm is not None:
             return []
-        default = ServerArgs()
-        return ["--" + f.name.replace("_", "-") for f in dataclasses.fields(self)
-                if "speculative" in f.name and getattr(self, f.name) != getattr(default, f.name)]
+        return self._changed_flags(f.name for f in dataclasses.fields(self) if "speculative" in f.name)
 
     def ignored_radix_cache_flags(self) -> list[str]:
         """The release policy's tier and merge flags given (other than their defaults) with
         --disable-radix-cache, which therefore do nothing, as `--flag` names (the engine warns)."""
-        if not self.disable_radix_cache:
-            return []
+        return self._changed_flags(_RADIX_CACHE_ONLY_FLAGS) if self.disable_radix_cache else []
+
+    def _changed_flags(self, names) -> list[str]:
+        """Of the fields `names`, those set to other than their defaults, as `--flag` names."""
         default = ServerArgs()
-        return ["--" + name.replace("_", "-") for name in _RADIX_CACHE_ONLY_FLAGS if getattr(self, name) != getattr(default, name)]
+        return ["--" + name.replace("_", "-") for name in names if getattr(self, name) != getattr(default, name)]
 
     def validate(self) -> None:
         """Raise ValueError naming the flag of the first bad value."""
@@ -586,7 +586,8 @@ _RADIX_CACHE_ONLY_FLAGS = ("enable_hierarchical_cache", "hicache_ratio", "hicach
 
 def _check_json_whitespace_pattern(pattern: str) -> None:
     """Raise ValueError (one line) for a --constrained-json-whitespace-pattern that llguidance's regex
-    syntax refuses, before any model loads (llguidance is imported here only: no JAX)."""
+    syntax refuses, before any model loads (llguidance is imported here only: no JAX). The flag's own
+    check; `LLGuidanceBackend` still checks a pattern given to it directly, against its tokenizer."""
     from llguidance import LLMatcher
 
     try:

@@ -54,7 +54,14 @@ from jaxserve.server import models_api, native_api, openai_api, responses_api
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.chat_template import load_chat_template
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
-from jaxserve.server.errors import CLIENT_CLOSED_REQUEST, EXCEPTION_HANDLERS, APIError, error_response, parse_json_body, unavailable_response
+from jaxserve.server.errors import (
+    CLIENT_CLOSED_REQUEST,
+    EXCEPTION_HANDLERS,
+    APIError,
+    error_response,
+    parse_json_body,
+    unavailable_response,
+)
 from jaxserve.server.field_types import describe
 from jaxserve.server.function_call import get_parser
 from jaxserve.server.metrics import mark_unlogged
@@ -117,9 +124,10 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_and_watch)
         finally:
+            code = CLIENT_CLOSED_REQUEST if record.client_gone else status[0] or 500
             access_logger.info(
-                "%s %s %d prompt_tokens=%d completion_tokens=%d latency=%.3fs", scope["method"], scope["path"],
-                CLIENT_CLOSED_REQUEST if record.client_gone else status[0] or 500, record.prompt_tokens, record.completion_tokens, time.perf_counter() - t0,
+                "%s %s %d prompt_tokens=%d completion_tokens=%d latency=%.3fs", scope["method"], scope["path"], code,
+                record.prompt_tokens, record.completion_tokens, time.perf_counter() - t0,
             )
 
 
@@ -328,7 +336,8 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         # except a sub-route's suffix, so that DELETE .../input_items is that route's 405, not an id's 404
         Route("/v1/responses/{response_id:path}/cancel", responses_api.cancel_response, methods=["POST"]),
         Route("/v1/responses/{response_id:path}/input_items", responses_api.list_input_items, methods=["GET"]),
-        Route("/v1/responses/{response_id:stored_response_id}", responses_api.stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id:stored_response_id}", responses_api.stored_response,
+              methods=["GET", "DELETE"]),
         Route("/v1/models", models_api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", models_api.retrieve_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -190,8 +190,8 @@ async def _instructions_alone_too_long(request: Request, req: ResponsesRequest, 
 async def _submit(request: Request, req: ResponsesRequest, conversation: list[Message], rid: str) -> ChatRun:
     """Submit the conversation as a chat. With `truncation` "auto", a conversation longer than the
     context (or than the KV pool holds for one request) drops its oldest messages until it fits, as
-    OpenAI's API does (a tool message left at the
-    front without the call it answers goes too); the last message is always kept. The stored
+    OpenAI's API does (a tool message left at the front without the call it answers goes too); the
+    last message is always kept. The stored
     conversation stays whole. The first start that fits is found by a binary search over prompt
     lengths (each a render and a tokenization of what is left: O(n log n) for n messages, where
     trying each start in turn was O(n^2)).
