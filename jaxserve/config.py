@@ -227,6 +227,7 @@ class ServerArgs:
     max_prefill_tokens: int = _flag(16384, "max new tokens in one prefill batch", group="scheduling")
     chunked_prefill_size: int | None = _flag(None, "max tokens of a prompt prefilled per step; -1 disables (default 512 on CPU, 8192 elsewhere)", group="scheduling")
     enable_mixed_chunk: bool | None = _flag(None, "run prefill chunks and decodes in one forward; --no-enable-mixed-chunk runs them in separate forwards (default: on for CPU, where it measured better; off elsewhere, as SGLang)", group="scheduling")
+    disable_overlap_schedule: bool = _flag(False, "read each decode step's sampled tokens before the next step starts; by default the next decode step is launched first, so the host's work on the tokens runs while the device computes (the overlap schedule)", group="scheduling")
     page_size: int = _flag(16, "tokens per KV page", group="memory")
     schedule_policy: str = _flag("lpm", "lpm | fcfs | lof | random | dfs-weight",
                                  choices=("lpm", "fcfs", "lof", "random", "dfs-weight"), group="scheduling")

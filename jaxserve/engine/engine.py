@@ -26,7 +26,7 @@ from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, Releas
 from jaxserve.config import ServerArgs
 from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_backend
 from jaxserve.constrained.reasoner import ReasonerMatcher
-from jaxserve.engine import prompt_logprobs
+from jaxserve.engine import overlap, prompt_logprobs
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.cache_manager import CacheManager
 from jaxserve.engine.context_length import resolve_context_length
@@ -178,6 +178,8 @@ class Engine:
         self._throughput_mark = (time.perf_counter(), 0)
         self._gen_throughput = 0.0
         self._step_started: float | None = None  # perf_counter seconds at the start of the running step
+        self._inflight: overlap.InflightDecode | None = None  # a decode step whose tokens are not read yet
+        self._last_tokens_read = time.perf_counter()
         if not args.disable_precompile:
             self.runner.precompile(sampler_warmup_variants(
                 (k.num_seqs for k in self.runner.all_buckets()), cfg.vocab_size))
@@ -316,13 +318,18 @@ class Engine:
             self.speculator.flush()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._finished_outside_step) or self.grammar_queue.num_pending > 0
+        return (self.scheduler.has_work() or bool(self._finished_outside_step) or self.grammar_queue.num_pending > 0
+                or self._inflight is not None)
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one batch (prefill chunk(s) and/or decodes) and return every request's progress."""
         self._admit_compiled_grammars()
         outputs, self._finished_outside_step = self._finished_outside_step, []
+        if self._inflight is not None:  # the overlap schedule: a decode step whose tokens are unread
+            more, self._inflight = overlap.complete(self, self._inflight, self._last_tokens_read)
+            self._last_tokens_read = time.perf_counter()
+            return outputs + more
         batch = self.scheduler.schedule()
         if batch is None:
             self._idle_checks()
@@ -337,6 +344,9 @@ class Engine:
             drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
             if any(drafts):
                 return outputs + verify_step(self, batch, drafts, t0)
+        if overlap.is_enabled(self) and self.scheduler.is_decode_batch(batch) and overlap.can_overlap(batch.reqs):
+            self._inflight = overlap.launch(self, batch, t0)
+            return outputs
         prompt_variant = prompt_logprobs.step_variant(batch.reqs)  # False, or which prompt logprobs
         logits = self.runner.forward(batch.entries(bool(prompt_variant)), input_logprobs=prompt_variant)
         if prompt_variant:
@@ -345,7 +355,8 @@ class Engine:
         bitmask = grammar_bitmask(batch.reqs, self.grammar_backend, self.model_config.vocab_size)
         sampling, flags = self._sampling_rows([(r, ()) for r in batch.reqs], bitmask, logits.shape[0])
         sampled = self.runner.sample(logits, sampling, flags)  # numpy: converted in the call
-        seconds = time.perf_counter() - t0
+        self._last_tokens_read = time.perf_counter()
+        seconds = self._last_tokens_read - t0
         self.scheduler.observe_step(batch, seconds)
         if self.speculator is not None and self.scheduler.is_decode_batch(batch):
             self.speculator.observe_decode(len(batch.reqs), seconds)

@@ -362,14 +362,23 @@ class ModelRunner:
         return batch, key
 
     # ---- execution -----------------------------------------------------------------------------
-    def forward(self, entries: Sequence[BatchEntry], input_logprobs: bool | str = False) -> jax.Array:
+    def forward(
+        self, entries: Sequence[BatchEntry], input_logprobs: bool | str = False, input_ids: jax.Array | None = None
+    ) -> jax.Array:
         """Run one step over `entries`; returns device logits [S_bucket, V]: `num_logits` rows per entry,
         in order (one row each by default); the rows after them are padding.
 
         With `input_logprobs`, returns (logits, prompt logprobs [T_bucket] as numpy) instead; with
         `input_logprobs="full"`, (logits, log-softmax [T_bucket, V] as numpy).
+        `input_ids` (a decode-only batch, one device): the step's token ids [T_bucket] as a device array,
+        in place of the entries' `token_ids` (the overlap schedule feeds the previous decode step's
+        sampled tokens, `SampleOutput.next_tokens` of the same bucket, without reading them back).
         """
         batch, key = self.build_forward_batch(entries)
+        if input_ids is not None:
+            if input_ids.shape != batch.input_ids.shape or key.block_q != 1:
+                raise ValueError(f"input_ids {input_ids.shape} do not fit the decode bucket {key}")
+            batch = dataclasses.replace(batch, input_ids=input_ids)
         return self.run_batch(batch, key, input_logprobs)
 
     def run_batch(self, batch: ForwardBatch, key: BucketKey, input_logprobs: bool | str = False):
@@ -391,6 +400,11 @@ class ModelRunner:
 
     def sample(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
         """Sample next tokens from `logits` [S, V]; returns host numpy arrays."""
+        return sampler_lib.fetch_sampled(self.sample_async(logits, sampling, flags))
+
+    def sample_async(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
+        """`sample` without reading the result back: device arrays, still being computed
+        (`sampler.fetch_sampled` reads them)."""
         with self._routed("sample", sampling, flags):
             target = self._sampler_logits_sharding(flags)
             if target is not None and logits.sharding != target:
@@ -401,8 +415,7 @@ class ModelRunner:
                 exe = self._compile(lambda: self._sample_jit.lower(logits, sampling, flags).compile(), f"sampler {key[:2]}",
                                     feature_variant=True)
                 self._sample_exec[key] = exe
-            out = exe(logits, sampling)
-            return sampler_lib.SampleOutput(*jax.device_get(tuple(out)))
+            return sampler_lib.SampleOutput(*exe(logits, sampling))
 
     def _sampler_logits_sharding(self, flags):
         """Under tensor parallelism, greedy sampling reads the vocab-sharded logits as the step returns

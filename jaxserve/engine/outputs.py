@@ -71,6 +71,7 @@ class EngineStats:
     num_spec_verifications: int = 0  # sequences verified with drafts, one per sequence per forward
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    num_overlapped_steps: int = 0  # decode steps launched before the previous step's tokens were read
     release_mode: str = "off"  # gauge: the KV release policy's adaptive mode (jaxserve/cache/adaptive.py)
 
 

@@ -137,6 +137,26 @@ class Scheduler:
             self.prefill_budget.end_busy_period()
         return None
 
+    def schedule_followup(self, reqs: list[Req]) -> ScheduleBatch | None:
+        """The decode step after the one in flight, built before that step's tokens are read (the overlap
+        schedule, `engine/overlap.py`): `reqs`, in order, each one position further on; call it after
+        `advance` of the step in flight. None where `schedule` must run instead: requests wait, a prompt
+        is part-way through chunked prefill, `reqs` are not all the running requests, or the pool cannot
+        give every request its next page without retracting one."""
+        if self.waiting or self.chunked_req is not None or len(reqs) != len(self.running):
+            return None
+        if {id(r) for r in reqs} != {id(r) for r in self.running}:
+            return None
+        self.cache.on_schedule(self.num_running)
+        if not self.cache.can_grow(sum(self.cache.pages_needed(r, r.kv_len + 1) for r in reqs)):
+            return None
+        for r in reqs:
+            if not self.cache.grow(r, r.kv_len + 1):
+                raise RuntimeError(f"KV pool cannot grow request {r.rid} after can_grow said it could")
+        self._last_was_prefill = False
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return ScheduleBatch(list(reqs), [1] * len(reqs))
+
     def _token_budget(self) -> int:
         cfg = self.config
         if cfg.chunked_prefill_size > 0:

@@ -74,7 +74,8 @@ def test_scheduler_grants_when_queued_and_takes_back_at_finish(tiny_model_dir):
     from jaxserve.engine.engine import Engine
 
     eng = Engine(model_path=tiny_model_dir, max_total_tokens=4096, chunked_prefill_size=128, context_length=512,
-                 disable_precompile=True, prefill_decode_itl_ratio=2.5, prefill_decode_stall_fraction=0.01)
+                 disable_precompile=True, prefill_decode_itl_ratio=2.5, prefill_decode_stall_fraction=0.01,
+                 disable_overlap_schedule=True)  # the test retracts between steps: no step may be in flight
     budget, sched = eng.scheduler.prefill_budget, eng.scheduler
     (a,) = eng.add_request(list(range(10, 40)), {"max_new_tokens": 201})
     (b,) = eng.add_request(list(range(50, 80)), {"max_new_tokens": 101})
