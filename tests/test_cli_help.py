@@ -87,7 +87,7 @@ def test_the_readme_flag_table_lists_every_flag():
 # the flags of a launch_server command line copied from SGLang's docs and scripts (issue fix4)
 SGLANG_COMMAND = ("--model-path /models/m --port 30001 --enable-metrics --trust-remote-code --log-requests "
                   "--disable-cuda-graph --kv-cache-dtype auto --enable-cache-report --tokenizer-mode auto "
-                  "--watchdog-timeout 300 --device cpu").split()
+                  "--watchdog-timeout 300 --device cpu --disable-overlap-schedule").split()
 
 
 def test_a_copied_sglang_command_line_parses_and_resolves_on_cpu():
@@ -95,6 +95,7 @@ def test_a_copied_sglang_command_line_parses_and_resolves_on_cpu():
     assert (args.enable_metrics, args.trust_remote_code, args.log_requests, args.disable_cuda_graph,
             args.enable_cache_report) == (True,) * 5
     assert (args.kv_cache_dtype, args.tokenizer_mode, args.watchdog_timeout, args.device) == ("auto", "auto", 300.0, "cpu")
+    assert args.disable_overlap_schedule
     assert args.port == 30001 and not args.disable_metrics  # --enable-metrics keeps /metrics on
     resolved = args.resolved("cpu")
     assert resolved.device == "cpu" and resolved.log_requests

@@ -321,6 +321,12 @@ class Engine:
         return (self.scheduler.has_work() or bool(self._finished_outside_step) or self.grammar_queue.num_pending > 0
                 or self._inflight is not None)
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A decode step was launched and its tokens are not read yet (the overlap schedule): the next
+        `step` reads them."""
+        return self._inflight is not None
+
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one batch (prefill chunk(s) and/or decodes) and return every request's progress."""

@@ -448,7 +448,8 @@ class EngineLoop:
             self._last_step_time = time.time()
         for out in outputs:
             self._deliver(out)
-        return _StepResult.PROGRESS if outputs or self.engine.stats.num_steps != num_steps else _StepResult.NO_PROGRESS
+        progress = outputs or self.engine.stats.num_steps != num_steps or self.engine.step_in_flight
+        return _StepResult.PROGRESS if progress else _StepResult.NO_PROGRESS
 
     def _die(self, e: BaseException) -> None:
         """The loop thread ends: fail every pending request with a 500 naming `e`, then tell the observers."""

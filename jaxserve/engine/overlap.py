@@ -84,6 +84,8 @@ def complete(engine: "Engine", inflight: InflightDecode, last_done: float) -> tu
     now in flight (None when the scheduler must choose the next batch). `last_done`: when the previous
     step's tokens were read (perf_counter seconds), the start of this step's share of the device time."""
     live = [r for r in inflight.batch.reqs if not r.is_finished]  # aborted while in flight: dropped
+    if not live:
+        return [], None
     batch = ScheduleBatch(live, [1] * len(live))
     engine.scheduler.advance(batch)
     nxt = None

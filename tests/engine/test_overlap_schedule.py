@@ -164,3 +164,21 @@ def test_no_compile_after_warmup(tiny_model_dir):
     _, n = overlapped(eng, lambda: eng.generate(ps, params))
     assert n > 0
     assert eng.runner.num_compiles_after_warmup == 0
+
+
+def test_every_request_aborted_while_a_step_is_in_flight(engines):
+    """The step in flight then has no request left: it is dropped, the engine goes idle, no page leaks."""
+    _, on = engines
+    rids = [on.add_request(p, GREEDY)[0] for p in prompts(2, seed=8)]
+    steps = 0
+    while not on.step_in_flight:
+        on.step()
+        steps += 1
+        assert steps < 100
+    steps_before = on.stats.num_steps
+    assert all(on.abort(r) for r in rids)
+    outs = on.step()
+    assert sorted(o.rid for o in outs) == sorted(rids) and all(o.meta.finish_reason["type"] == "abort" for o in outs)
+    assert not on.step_in_flight and not on.has_unfinished() and on.stats.num_steps == steps_before
+    on.flush_cache()
+    assert on.allocator.num_free == on.allocator.num_usable
