@@ -400,22 +400,33 @@ class ModelRunner:
 
     def sample(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
         """Sample next tokens from `logits` [S, V]; returns host numpy arrays."""
-        return sampler_lib.fetch_sampled(self.sample_async(logits, sampling, flags))
+        with self._routed("sample", sampling, flags):
+            # read inside the routed call: on several processes, rank 0's result means every rank has
+            # read this step's messages, which the channel then deletes (StepChannel.step)
+            return sampler_lib.fetch_sampled(self._sample_on_device(logits, sampling, flags))
 
     def sample_async(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
         """`sample` without reading the result back: device arrays, still being computed
-        (`sampler.fetch_sampled` reads them)."""
-        with self._routed("sample", sampling, flags):
-            target = self._sampler_logits_sharding(flags)
-            if target is not None and logits.sharding != target:
-                logits = jax.device_put(logits, target)
-            key = (logits.shape[0], flags, jax.tree.map(lambda x: x.shape, sampling))
-            exe = self._sample_exec.get(key)
-            if exe is None:
-                exe = self._compile(lambda: self._sample_jit.lower(logits, sampling, flags).compile(), f"sampler {key[:2]}",
-                                    feature_variant=True)
-                self._sample_exec[key] = exe
-            return sampler_lib.SampleOutput(*exe(logits, sampling))
+        (`sampler.fetch_sampled` reads them). One process only (the other ranks replay `sample`).
+
+        Raises:
+            RuntimeError: the runner leads several processes.
+        """
+        if self.channel is not None:
+            raise RuntimeError("sample_async runs in one process; rank 0 of several processes calls sample")
+        return self._sample_on_device(logits, sampling, flags)
+
+    def _sample_on_device(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
+        target = self._sampler_logits_sharding(flags)
+        if target is not None and logits.sharding != target:
+            logits = jax.device_put(logits, target)
+        key = (logits.shape[0], flags, jax.tree.map(lambda x: x.shape, sampling))
+        exe = self._sample_exec.get(key)
+        if exe is None:
+            exe = self._compile(lambda: self._sample_jit.lower(logits, sampling, flags).compile(), f"sampler {key[:2]}",
+                                feature_variant=True)
+            self._sample_exec[key] = exe
+        return sampler_lib.SampleOutput(*exe(logits, sampling))
 
     def _sampler_logits_sharding(self, flags):
         """Under tensor parallelism, greedy sampling reads the vocab-sharded logits as the step returns
