@@ -190,7 +190,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}"
     elif exc.status_code == 405 and exc.headers and exc.headers.get("Allow"):
-        message = f"{request.method} {request.url.path} is not allowed: use {' or '.join(exc.headers['Allow'].split(', '))}"
+        message = f"{request.method} {request.url.path} is not allowed: use {' or '.join(sorted(exc.headers['Allow'].split(', ')))}"
     return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
 

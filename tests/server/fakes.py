@@ -87,6 +87,8 @@ class FakeEngine:
     def has_unfinished(self):
         return bool(self.reqs or self.finished)
 
+    step_in_flight = False  # Engine's overlap schedule: the fake reads every step's tokens in the step
+
     def flush_cache(self):
         if self.reqs:
             raise RuntimeError(f"cannot flush the cache while {len(self.reqs)} requests are running or waiting")
