@@ -227,7 +227,7 @@ class ServerArgs:
     max_prefill_tokens: int = _flag(16384, "max new tokens in one prefill batch", group="scheduling")
     chunked_prefill_size: int | None = _flag(None, "max tokens of a prompt prefilled per step; -1 disables (default 512 on CPU, 8192 elsewhere)", group="scheduling")
     enable_mixed_chunk: bool | None = _flag(None, "run prefill chunks and decodes in one forward; --no-enable-mixed-chunk runs them in separate forwards (default: on for CPU, where it measured better; off elsewhere, as SGLang)", group="scheduling")
-    disable_overlap_schedule: bool = _flag(False, "read each decode step's sampled tokens before the next step starts; by default the next decode step is launched first, so the host's work on the tokens runs while the device computes (the overlap schedule)", group="scheduling")
+    disable_overlap_schedule: bool | None = _flag(None, "read each decode step's sampled tokens before the next step starts; --no-disable-overlap-schedule launches the next decode step first, so the host's work on the tokens runs while the device computes (the overlap schedule) (default: off on CPU, where it measured no faster, docs/benchmarks.md; on elsewhere, as SGLang)", group="scheduling")
     page_size: int = _flag(16, "tokens per KV page", group="memory")
     schedule_policy: str = _flag("lpm", "lpm | fcfs | lof | random | dfs-weight",
                                  choices=("lpm", "fcfs", "lof", "random", "dfs-weight"), group="scheduling")
@@ -364,6 +364,7 @@ class ServerArgs:
             layer_loop=self.layer_loop or ("host" if on_cpu else "scan"),
             page_size=self.radix_cache_block_size or self.page_size,
             enable_mixed_chunk=on_cpu if self.enable_mixed_chunk is None else self.enable_mixed_chunk,
+            disable_overlap_schedule=on_cpu if self.disable_overlap_schedule is None else self.disable_overlap_schedule,
             speculative_num_draft_tokens=self.speculative_num_draft_tokens or (15 if self.speculative_algorithm else None),
         )
         args.validate()

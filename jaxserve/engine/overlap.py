@@ -1,7 +1,7 @@
 """The overlap schedule: a decode step is launched before the previous one's sampled tokens are read.
 
-SGLang overlaps its CPU scheduling with the GPU's forward the same way (on by default there and here;
-`--disable-overlap-schedule` turns it off). Without it a decode step is: build the batch, dispatch,
+SGLang overlaps its CPU scheduling with the GPU's forward the same way (on by default there; here on
+by default except on CPU, where it measured no faster: docs/benchmarks.md, issue 20's thirteenth pass). Without it a decode step is: build the batch, dispatch,
 wait for the device, read the tokens, detokenize and check stops, and only then build the next batch,
 so the host's part of every step adds to the inter-token latency. With it, `Engine.step` leaves a
 decode step in flight (`InflightDecode`) and, at its next call, launches the following decode step
