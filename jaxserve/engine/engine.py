@@ -319,7 +319,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or bool(self._finished_outside_step) or self.grammar_queue.num_pending > 0
-                or self._inflight is not None)
+                or self.step_in_flight)
 
     @property
     def step_in_flight(self) -> bool:
@@ -329,7 +329,10 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Run one batch (prefill chunk(s) and/or decodes) and return every request's progress."""
+        """Run one batch (prefill chunk(s) and/or decodes) and return every request's progress.
+
+        Under the overlap schedule (`overlap.py`) a decode step's tokens come back from the next call:
+        that call launches the following decode step (when it can) before it reads them."""
         self._admit_compiled_grammars()
         outputs, self._finished_outside_step = self._finished_outside_step, []
         if self._inflight is not None:  # the overlap schedule: a decode step whose tokens are unread

@@ -403,11 +403,11 @@ class ModelRunner:
         with self._routed("sample", sampling, flags):
             # read inside the routed call: on several processes, rank 0's result means every rank has
             # read this step's messages, which the channel then deletes (StepChannel.step)
-            return sampler_lib.fetch_sampled(self._sample_on_device(logits, sampling, flags))
+            return jax.device_get(self._sample_on_device(logits, sampling, flags))
 
     def sample_async(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
         """`sample` without reading the result back: device arrays, still being computed
-        (`sampler.fetch_sampled` reads them). One process only (the other ranks replay `sample`).
+        (`jax.device_get` reads them). One process only (the other ranks replay `sample`).
 
         Raises:
             RuntimeError: the runner leads several processes.

@@ -1,8 +1,9 @@
 """The overlap schedule: a decode step is launched before the previous one's sampled tokens are read.
 
 SGLang overlaps its CPU scheduling with the GPU's forward the same way (on by default there; here on
-by default except on CPU, where it measured no faster: docs/benchmarks.md, issue 20's thirteenth pass). Without it a decode step is: build the batch, dispatch,
-wait for the device, read the tokens, detokenize and check stops, and only then build the next batch,
+by default except on CPU, where it measured no faster: docs/benchmarks.md, issue 20's thirteenth
+pass). Without it a decode step is: build the batch, dispatch, wait for the device, read the tokens,
+detokenize and check stops, and only then build the next batch,
 so the host's part of every step adds to the inter-token latency. With it, `Engine.step` leaves a
 decode step in flight (`InflightDecode`) and, at its next call, launches the following decode step
 first and then reads and posts the tokens of the one in flight while the device computes.
@@ -26,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Sequence
+
+import jax
 
 from jaxserve.engine import sampler as sampler_lib
 from jaxserve.engine.model_runner import BatchEntry
@@ -94,7 +97,7 @@ def complete(engine: "Engine", inflight: InflightDecode, last_done: float) -> tu
         if followup is not None:
             nxt = launch(engine, followup, time.perf_counter(), after=inflight)
             engine.stats.num_overlapped_steps += 1
-    sampled = sampler_lib.fetch_sampled(inflight.sampled)
+    sampled = jax.device_get(inflight.sampled)
     seconds = time.perf_counter() - max(inflight.launched, last_done)
     engine.scheduler.observe_step(batch, seconds)
     if engine.speculator is not None:
@@ -103,8 +106,6 @@ def complete(engine: "Engine", inflight: InflightDecode, last_done: float) -> tu
     now, outputs = time.perf_counter(), []
     rows = {id(r): i for i, r in enumerate(inflight.batch.reqs)}
     for req in live:
-        if req.is_finished:
-            continue
         new_ids, delta = engine._emit_sampled(req, int(sampled.next_tokens[rows[id(req)]]), sampled, rows[id(req)], now)
         outputs.append(engine._output(req, new_ids, delta))
     if nxt is not None and all(r.is_finished for r in nxt.batch.reqs):
@@ -114,7 +115,7 @@ def complete(engine: "Engine", inflight: InflightDecode, last_done: float) -> tu
 
 def _wants_followup(engine: "Engine", reqs: list[Req]) -> bool:
     """The requests decode again after the step in flight, with inputs the device has."""
-    if not can_overlap(reqs):
+    if not is_enabled(engine) or not can_overlap(reqs):
         return False
     if any(r.remaining_new_tokens() < 2 for r in reqs):  # the token in flight is some request's last
         return False

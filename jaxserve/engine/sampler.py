@@ -137,11 +137,6 @@ class SampleOutput(NamedTuple):
     token_ids_logprobs: Float[Array, "S L"]
 
 
-def fetch_sampled(out: SampleOutput) -> SampleOutput:
-    """Read a `sample` result back to the host (numpy arrays; waits for the device)."""
-    return SampleOutput(*jax.device_get(tuple(out)))
-
-
 def sample(logits: Float[Array, "S V"], batch: SamplingBatch, flags: SamplerFlags) -> SampleOutput:
     """Pick one token per row. Pure; jit it with `flags` static.
 

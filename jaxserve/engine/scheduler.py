@@ -143,18 +143,13 @@ class Scheduler:
         `advance` of the step in flight. None where `schedule` must run instead: requests wait, a prompt
         is part-way through chunked prefill, `reqs` are not all the running requests, or the pool cannot
         give every request its next page without retracting one."""
-        if self.waiting or self.chunked_req is not None or len(reqs) != len(self.running):
-            return None
-        if {id(r) for r in reqs} != {id(r) for r in self.running}:
+        if self.waiting or self.chunked_req is not None or {id(r) for r in reqs} != {id(r) for r in self.running}:
             return None
         self.cache.on_schedule(self.num_running)
         if not self.cache.can_grow(sum(self.cache.pages_needed(r, r.kv_len + 1) for r in reqs)):
             return None
-        for r in reqs:
-            if not self.cache.grow(r, r.kv_len + 1):
-                raise RuntimeError(f"KV pool cannot grow request {r.rid} after can_grow said it could")
+        self._grow_decodes(reqs, [r.kv_len + 1 for r in reqs])
         self._last_was_prefill = False
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return ScheduleBatch(list(reqs), [1] * len(reqs))
 
     def _token_budget(self) -> int:
@@ -271,11 +266,20 @@ class Scheduler:
                 reqs.remove(victim)
                 self.retract(victim)
             need = sum(self.cache.pages_needed(r, r.fill_len) for r in reqs)
-        ready = [r for r in reqs if self.cache.grow(r, r.fill_len)]
-        if len(ready) < len(reqs):
-            raise RuntimeError("KV pool cannot hold a single decoding request; raise --max-total-tokens")
+        self._grow_decodes(reqs, [r.fill_len for r in reqs])
+        return reqs
+
+    def _grow_decodes(self, reqs: list[Req], new_kv_lens: list[int]) -> None:
+        """Give each decoding request pages up to its new KV length (`can_grow` said they fit) and decay
+        the new-token ratio, once per decode round (SGLang's `new_token_ratio`).
+
+        Raises:
+            RuntimeError: a request's pages cannot grow after all (the pool cannot hold one decode).
+        """
+        for r, n in zip(reqs, new_kv_lens):
+            if not self.cache.grow(r, n):
+                raise RuntimeError("KV pool cannot hold a single decoding request; raise --max-total-tokens")
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return ready
 
     def retract(self, req: Req) -> None:
         """Move a running (or part-way prefilled) request back to the waiting queue; its computed
