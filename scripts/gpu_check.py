@@ -14,7 +14,13 @@ On a GPU it
 3. prints the achieved bandwidth (K/V bytes the batch needs / time) against a measured device copy;
 4. with more than one GPU, runs the default model at tp 1 and at tp = all visible GPUs
    (`scripts/bench_tp.py`'s comparison, Pallas backend, scan layer loop): greedy tokens must agree,
-   and the prefill and decode step times of both are printed (`--no-tp` skips it).
+   and the prefill and decode step times of both are printed (`--no-tp` skips it);
+5. runs the whole engine on the default model (`--engine-model`; `--no-engine` skips it) with the
+   GPU's defaults (Pallas attention, scan layer loop, buckets precompiled, the overlap schedule on)
+   three ways: `--disable-overlap-schedule`, the overlap schedule, and the overlap schedule with
+   `--speculative-algorithm NGRAM`. A batch of greedy requests (mixed lengths, stops inside the run)
+   must give the same text all three ways, the overlap must have overlapped steps, and no step may
+   compile after warm-up; one request's time per output token is printed for each (`run_engine_check`).
 
 Without a GPU it runs the same code at tiny sizes in Pallas interpret mode (a smoke run: correctness
 only, timings meaningless). Exit status 1 when a correctness check fails.
@@ -383,26 +389,121 @@ def run_tp_check(tp: int, report: Report) -> None:
         report.failures.append(f"tp {n} greedy tokens differ from tp 1")
 
 
+ENGINE_PROMPTS = (
+    "Copy this list exactly, one item per line: apple, banana, cherry, damson, elderberry, fig, grape.",
+    "Write a haiku about a lighthouse.",
+    "Rewrite in the past tense: The ship leaves the harbour at dawn and the gulls follow it out to sea.",
+    "def add(a, b):\n    return a + b\n\n# Add type hints to the function above and repeat it:",
+    "Name three rivers.",
+    "Count from one to twenty in words.",
+)
+ENGINE_VARIANTS = {  # name: Engine keyword arguments on top of the check's base
+    "overlap off": dict(disable_overlap_schedule=True),
+    "overlap on": dict(disable_overlap_schedule=False),
+    "overlap on + NGRAM": dict(disable_overlap_schedule=False, speculative_algorithm="NGRAM"),
+}
+
+
+def engine_request_params(free: list[dict]) -> list[dict]:
+    """Greedy sampling params for the check's batch, from each prompt's unconstrained output `free`:
+    every third request stops on a token of its own output, every third on a string from its text,
+    the rest after a few tokens, so runs end inside an overlapped or verified step."""
+    params = []
+    for i, out in enumerate(free):
+        base = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+        ids, text = out["output_ids"], out["text"]
+        if i % 3 == 0 and len(ids) > 8:
+            params.append({**base, "stop_token_ids": [int(ids[4 + i % 4])]})
+        elif i % 3 == 1 and len(text) > 12:
+            params.append({**base, "stop": [text[len(text) // 2 : len(text) // 2 + 3]]})
+        else:
+            params.append({**base, "max_new_tokens": 5 + i})
+    return params
+
+
+def time_per_output_token(engine, prompt: str, new_tokens: int = 48, repeats: int = 3) -> float:
+    """Seconds per output token of one greedy request: (generate `new_tokens` - generate 1) over
+    `new_tokens` - 1, best of `repeats` each (TTFT cancels out)."""
+    def best(n: int) -> float:
+        times = []
+        for _ in range(repeats):
+            engine.flush_cache()
+            t0 = time.perf_counter()
+            engine.generate(prompt, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    return (best(new_tokens) - best(1)) / (new_tokens - 1)
+
+
+def run_engine_check(model_path: str, report: Report, on_gpu: bool) -> None:
+    """The engine on `model_path` in each of `ENGINE_VARIANTS`, one after the other: same greedy
+    outputs as the first, overlapped steps where the overlap is on, no compile after warm-up (GPU:
+    buckets precompiled; the CPU smoke run compiles on first use and skips that verdict)."""
+    import gc
+
+    from jaxserve.engine.engine import Engine
+
+    base = dict(model_path=model_path, max_total_tokens=8192, max_running_requests=16, chunked_prefill_size=256,
+                context_length=1024, disable_precompile=not on_gpu)
+    reference, rows = None, []
+    for name, variant in ENGINE_VARIANTS.items():
+        engine = Engine(**base, **variant)
+        if reference is None:
+            free = engine.generate(list(ENGINE_PROMPTS), {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True})
+            params = engine_request_params(free)
+        before = engine.stats.num_overlapped_steps
+        outs = engine.generate(list(ENGINE_PROMPTS), params)
+        got = [(o["output_ids"], o["meta_info"]["finish_reason"]) for o in outs]
+        overlapped = engine.stats.num_overlapped_steps - before
+        if reference is None:
+            reference = got
+        elif got != reference:
+            bad = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
+            report.failures.append(f"engine, {name}: greedy outputs differ from {next(iter(ENGINE_VARIANTS))} (requests {bad})")
+        if variant.get("disable_overlap_schedule") is False and overlapped == 0:
+            report.failures.append(f"engine, {name}: no step was overlapped")
+        seconds = time_per_output_token(engine, ENGINE_PROMPTS[0]) if on_gpu else float("nan")
+        compiles = engine.runner.num_compiles_after_warmup
+        if on_gpu and compiles:
+            report.failures.append(f"engine, {name}: {compiles} compiles after warm-up")
+        stats = engine.stats
+        accepted = (stats.num_spec_accepted_tokens / stats.num_spec_verifications) if stats.num_spec_verifications else 0.0
+        rows.append((name, overlapped, accepted, seconds, compiles))
+        del engine
+        gc.collect()
+    print(f"  {'variant':<22} {'overlapped steps':>16} {'accepted/verify':>15} {'ms/token, 1 req':>16} {'compiles':>9}")
+    for name, overlapped, accepted, seconds, compiles in rows:
+        print(f"  {name:<22} {overlapped:>16} {accepted:>15.2f} {seconds * 1e3:>16.2f} {compiles:>9}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=20, help="timed calls per repeat")
     parser.add_argument("--no-tp", action="store_true", help="skip the tensor-parallel run over all GPUs")
+    parser.add_argument("--engine-model", default="default",
+                        help="model of the engine check (default: the default model, SmolLM2-135M-Instruct)")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine check")
+    parser.add_argument("--only-engine", action="store_true", help="run only the engine check")
     args = parser.parse_args()
 
     on_gpu = jax.default_backend() == "gpu"
     print(f"jax {jax.__version__}, python {sys.version.split()[0]}, device {jax.devices()[0].device_kind}")
     if not on_gpu:
         print("no GPU: tiny smoke run in Pallas interpret mode (correctness only; timings are meaningless)")
-    setup = build_setup(GPU_SIZES if on_gpu else SMOKE_SIZES, interpret=not on_gpu)
     report = Report()
-    print("correctness")
-    ref_dec = check_correctness(setup, report)
-    print("timing" + ("" if on_gpu else " (interpret mode: meaningless)"))
-    iters = args.iters if on_gpu else 2
-    rows = run_timings(setup, ref_dec, iters, report)
-    print_table(rows, copy_bandwidth(2**30 if on_gpu else 2**20, iters), setup)
-    if on_gpu and jax.device_count() > 1 and not args.no_tp:
-        run_tp_check(jax.device_count(), report)
+    if not args.only_engine:
+        setup = build_setup(GPU_SIZES if on_gpu else SMOKE_SIZES, interpret=not on_gpu)
+        print("correctness")
+        ref_dec = check_correctness(setup, report)
+        print("timing" + ("" if on_gpu else " (interpret mode: meaningless)"))
+        iters = args.iters if on_gpu else 2
+        rows = run_timings(setup, ref_dec, iters, report)
+        print_table(rows, copy_bandwidth(2**30 if on_gpu else 2**20, iters), setup)
+        if on_gpu and jax.device_count() > 1 and not args.no_tp:
+            run_tp_check(jax.device_count(), report)
+    if not args.no_engine:
+        print(f"engine: {args.engine_model}, overlap schedule off / on / on with NGRAM speculation")
+        run_engine_check(args.engine_model, report, on_gpu)
     print("FAIL: " + ", ".join(report.failures) if report.failures else "PASS")
     return 1 if report.failures else 0
 
