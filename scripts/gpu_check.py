@@ -23,7 +23,8 @@ On a GPU it
    compile after warm-up; one request's time per output token is printed for each (`run_engine_check`).
 
 Without a GPU it runs the same code at tiny sizes in Pallas interpret mode (a smoke run: correctness
-only, timings meaningless). Exit status 1 when a correctness check fails.
+only, timings meaningless), and the engine check on the CPU's defaults (XLA attention, host layer
+loop, compiles on first use) without its timing and compile verdicts. Exit status 1 when a correctness check fails.
 Runs on JAX 0.10.2 / Python 3.11 and JAX 0.11 / Python 3.12: only public JAX APIs, and the optional
 reference kernel is imported under a guard.
 """
@@ -435,17 +436,19 @@ def time_per_output_token(engine, prompt: str, new_tokens: int = 48, repeats: in
     return (best(new_tokens) - best(1)) / (new_tokens - 1)
 
 
-def run_engine_check(model_path: str, report: Report, on_gpu: bool) -> None:
+def run_engine_check(model_path: str, report: Report, on_gpu: bool) -> dict[str, dict]:
     """The engine on `model_path` in each of `ENGINE_VARIANTS`, one after the other: same greedy
     outputs as the first, overlapped steps where the overlap is on, no compile after warm-up (GPU:
-    buckets precompiled; the CPU smoke run compiles on first use and skips that verdict)."""
+    buckets precompiled; the CPU smoke run compiles on first use and skips that verdict). Failures go
+    to `report`; prints and returns each variant's row: overlapped steps, accepted draft tokens per
+    verification, seconds per output token of one request (GPU only, else nan), compiles after warm-up."""
     import gc
 
     from jaxserve.engine.engine import Engine
 
     base = dict(model_path=model_path, max_total_tokens=8192, max_running_requests=16, chunked_prefill_size=256,
                 context_length=1024, disable_precompile=not on_gpu)
-    reference, rows = None, []
+    reference, rows = None, {}
     for name, variant in ENGINE_VARIANTS.items():
         engine = Engine(**base, **variant)
         if reference is None:
@@ -468,12 +471,13 @@ def run_engine_check(model_path: str, report: Report, on_gpu: bool) -> None:
             report.failures.append(f"engine, {name}: {compiles} compiles after warm-up")
         stats = engine.stats
         accepted = (stats.num_spec_accepted_tokens / stats.num_spec_verifications) if stats.num_spec_verifications else 0.0
-        rows.append((name, overlapped, accepted, seconds, compiles))
+        rows[name] = dict(overlapped=overlapped, accepted=accepted, seconds=seconds, compiles=compiles)
         del engine
         gc.collect()
     print(f"  {'variant':<22} {'overlapped steps':>16} {'accepted/verify':>15} {'ms/token, 1 req':>16} {'compiles':>9}")
-    for name, overlapped, accepted, seconds, compiles in rows:
-        print(f"  {name:<22} {overlapped:>16} {accepted:>15.2f} {seconds * 1e3:>16.2f} {compiles:>9}")
+    for name, r in rows.items():
+        print(f"  {name:<22} {r['overlapped']:>16} {r['accepted']:>15.2f} {r['seconds'] * 1e3:>16.2f} {r['compiles']:>9}")
+    return rows
 
 
 def main() -> int:
