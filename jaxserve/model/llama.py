@@ -40,6 +40,7 @@ from jaxtyping import Array, Float, Int32
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch
+from jaxserve.model.numerics import pairwise_sum
 from jaxserve.model.quant import ACT_BLOCKS, blocked_shape, int8_matmul
 from jaxserve.pallas.reference import write_kv
 
@@ -98,9 +99,10 @@ def rms_norm(
     x: Float[Array, "..."], weight: Float[Array, " E"], eps: float, axis: int = -1
 ) -> Float[Array, "..."]:
     """RMSNorm (Zhang & Sennrich 2019) over `axis` (of size E), computed in float32 and cast back to x's
-    dtype before the weight is applied."""
+    dtype before the weight is applied. The mean square is a `pairwise_sum`: a token's result does not
+    depend on the other tokens of its step."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + eps)
+    x32 = x32 * jax.lax.rsqrt(pairwise_sum(x32 * x32, axis) * (1.0 / x.shape[axis]) + eps)
     shape = [1] * x.ndim
     shape[axis] = -1
     return weight.reshape(shape) * x32.astype(x.dtype)

@@ -92,8 +92,12 @@ def int8_matmul(
     if num_cols == 1:
         xq = jnp.concatenate([xq, xq], axis=2)
     acc = jax.lax.dot_general(q, xq, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.int32)
-    acc = acc[:, :, :num_cols].astype(jnp.float32)  # [nb, O, T]
-    return jnp.einsum("bot,bt->ot", acc, x_scale) * scale[:, None]
+    acc = acc[:, :, :num_cols].astype(jnp.float32) * scale[None, :, None]  # [nb, O, T]
+    # the weight scale goes in before the sum over blocks, so the result is a dot's output: XLA:CPU
+    # contracts a multiply and an add in one fused loop into an FMA, and a last multiply would join the
+    # caller's residual add in one loop at some T and not at others, so a token's bits would depend
+    # on its step's shape
+    return jnp.einsum("bot,bt->ot", acc, x_scale)
 
 
 def quantize_params(config, params: dict[str, Any], quantization: str | None) -> tuple[Any, dict[str, Any]]:
