@@ -84,6 +84,7 @@ class RequestGroup:
         self.final: dict[str, StepOutput] = {}
         self._access = _ACCESS_RECORD.get()
         self._first_of_prompt: set[str] = set()  # one rid per submitted prompt: its prompt counts once
+        self._completion_counted: dict[str, int] = {}  # rid -> its completion tokens in the access record
         self._reservation: QueueReservation | None = None
         self._log_requests = engine_loop.server_args.log_requests and not is_probe
 
@@ -119,16 +120,24 @@ class RequestGroup:
     async def __aiter__(self) -> AsyncIterator[StepOutput]:
         while self._unfinished:
             out = await self._queue.get()
+            self._count_access(out)
             if out.finished:
                 self._unfinished.discard(out.rid)
                 self.final[out.rid] = out
-                if self._access is not None:
-                    self._access.completion_tokens += out.meta.completion_tokens
-                    if out.rid in self._first_of_prompt:
-                        self._access.prompt_tokens += out.meta.prompt_tokens
                 if self._log_requests:
                     _log_finished(out)
             yield out
+
+    def _count_access(self, out: StepOutput) -> None:
+        """Add `out`'s tokens to the access record as they arrive (a prompt on its first output, the
+        completion tokens not counted yet), so a stream its client left logs what it was sent."""
+        if self._access is None:
+            return
+        counted = self._completion_counted.get(out.rid)
+        if counted is None and out.rid in self._first_of_prompt:
+            self._access.prompt_tokens += out.meta.prompt_tokens
+        self._access.completion_tokens += out.meta.completion_tokens - (counted or 0)
+        self._completion_counted[out.rid] = out.meta.completion_tokens
 
     async def wait(self) -> list[StepOutput]:
         """The final output of every sequence, in submission order."""

@@ -270,6 +270,34 @@ def test_a_client_gone_during_a_non_streamed_generation_is_logged_as_499(server)
     assert line.group(1) == "499", line.group(0)
 
 
+def test_a_stream_its_client_left_logs_the_tokens_it_was_sent(server):
+    """A streamed /generate whose client leaves mid-stream: its access line counts the prompt and the
+    tokens streamed before the abort (it said prompt_tokens=0 completion_tokens=0: tokens were
+    counted only at a sequence's finish, which an abandoned stream never reaches)."""
+    import socket
+    import time
+
+    max_new = 240
+    body = json.dumps({"text": "count with me", "stream": True,
+                       "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}})
+    seen = len(server.log())
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        received = b""
+        while received.count(b"data:") < 3:
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+    deadline = time.monotonic() + 60
+    while not (line := re.search(r"POST /generate (\d+) prompt_tokens=(\d+) completion_tokens=(\d+)", server.log()[seen:])):
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    status, prompt, completion = map(int, line.groups())
+    assert status == 200 and prompt > 0, line.group(0)
+    assert 3 <= completion < max_new, line.group(0)  # what was streamed, and the rest was aborted
+
+
 def test_an_internal_error_closes_the_connection():
     """A 500 (a bug) says `Connection: close`: uvicorn closes the connection after it, and a keep-alive
     client that was not told so had its next request reset."""
