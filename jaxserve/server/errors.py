@@ -74,8 +74,17 @@ def error_body(message: str, status_code: int, param: str | None = None, code: s
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+class ErrorJSONResponse(JSONResponse):
+    """A JSON error body in ASCII, non-ASCII characters as \\u escapes: a message quoting the client's
+    value can carry a lone surrogate (valid in JSON text, not encodable as UTF-8), which JSONResponse's
+    UTF-8 rendering turned into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(message: str, status_code: int = 400, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code, param, code), status_code=status_code)
+    return ErrorJSONResponse(error_body(message, status_code, param, code), status_code=status_code)
 
 
 def from_engine_error(e: SamplingParamsError | RequestError, rename: Mapping[str, str] | None = None) -> APIError:
@@ -108,6 +117,8 @@ def from_validation_error(e: pydantic.ValidationError) -> APIError:
     `input_ids[1][1]`, not list[int]'s `input_ids[0]`; for `prompt` [1, true], `prompt[1]`."""
     errors = e.errors(include_url=False)
     first = errors[0].get("loc", ())[:1]
+    if not first:  # an error of the whole body: a key that is not a valid string (a lone surrogate)
+        return APIError(f"request body: {errors[0].get('msg', 'invalid value')}", 400, code="invalid_value")
 
     def progress(x) -> tuple:
         loc = x.get("loc", ())
@@ -128,6 +139,10 @@ def from_validation_error(e: pydantic.ValidationError) -> APIError:
             return APIError(f"{param}: {literal['msg']}", 400, param=param, code="invalid_value")
         expected = ", ".join(dict.fromkeys(members))
         return APIError(f"{param}: has the wrong type; expected one of: {expected}", 400, param=param, code="invalid_type")
+    if kind == "extra_forbidden" and isinstance(loc[-1], str) and not loc[-1].isidentifier():
+        parent = _loc_to_param(loc[:-1])  # a key such as "" or "a b": named as sent, quoted
+        param = f"{parent}.{loc[-1]}" if parent else loc[-1]
+        return APIError(f"{json.dumps(param)}: unknown field", 400, param=param, code="unknown_parameter")
     if param is None:
         return APIError(err.get("msg", "invalid request"), 400, code="invalid_type")
     if kind == "missing":
@@ -162,6 +177,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}", 400, code="invalid_json") from None
+    except ValueError:  # Python reads no integer of over 4300 digits (sys.get_int_max_str_digits)
+        raise APIError("the request body has a number too long to read (over 4300 digits)", 400, code="invalid_json") from None
     except RecursionError:
         raise APIError("the request body is nested too deeply", 400, code="invalid_json") from None
     if not isinstance(body, dict):
@@ -191,13 +208,13 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}"
     elif exc.status_code == 405 and exc.headers and exc.headers.get("Allow"):
         message = f"{request.method} {request.url.path} is not allowed: use {' or '.join(sorted(exc.headers['Allow'].split(', ')))}"
-    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
+    return ErrorJSONResponse(error_body(message, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
 
 def unavailable_response(message: str, retry_after_s: int | None = None) -> JSONResponse:
     """503 `unavailable`, with a Retry-After header (seconds) when retrying later can help."""
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return JSONResponse(error_body(message, 503, code="unavailable"), status_code=503, headers=headers)
+    return ErrorJSONResponse(error_body(message, 503, code="unavailable"), status_code=503, headers=headers)
 
 
 async def _unavailable_error(request: Request, exc: Exception) -> JSONResponse:

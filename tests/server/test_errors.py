@@ -138,6 +138,18 @@ BAD_INPUTS = [
      "field required for an assistant message"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10**23}}, "sampling_params.max_new_tokens",
      "must be between 0 and 2147483647, got 1" + "0" * 23),
+    # break test of stop 37, each a 500 before: an integer of over 4300 digits (Python's int parsing
+    # limit), in any field; a lone surrogate quoted back in the message (not encodable as UTF-8); a
+    # key that is a lone surrogate (a pydantic error with no location); a key that is no identifier
+    ("/generate", b'{"text": "hi", "sampling_params": {"max_new_tokens": 1' + b"0" * 5000 + b"}}", None, "over 4300 digits"),
+    (CHAT, b'{"messages": [], "zzz": ' + b"9" * 5000 + b"}", None, "over 4300 digits"),
+    ("/generate", _ascii_json({"text": "hi", "sampling_params": {"max_new_tokens": "\ud800"}}),
+     "sampling_params.max_new_tokens", 'must be an integer, got "\ud800"'),
+    (COMPLETIONS, _ascii_json({"prompt": "hi", "temperature": "\udcff"}), "temperature", "temperature"),
+    ("/generate", _ascii_json({"text": "hi", "sampling_params": {"\ud800": 1}}), "sampling_params.\ud800", "unknown"),
+    ("/generate", _ascii_json({"text": "hi", "\ud800": 1}), None, "string"),
+    ("/generate", {"text": "hi", "": 1}, "", '"": unknown field'),
+    ("/generate", {"text": "hi", "a b": 1}, "a b", '"a b": unknown field'),
     (CHAT, {"messages": MSG, "n": 2**31}, "n", "must be in [1, "),
     # a schema nested past Python's recursion limit was a 500 (RecursionError in json.loads)
     ("/generate", {"text": "a", "sampling_params": {"json_schema": "[" * 100000}}, "sampling_params.json_schema",
