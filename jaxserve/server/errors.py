@@ -139,17 +139,18 @@ def from_validation_error(e: pydantic.ValidationError) -> APIError:
             return APIError(f"{param}: {literal['msg']}", 400, param=param, code="invalid_value")
         expected = ", ".join(dict.fromkeys(members))
         return APIError(f"{param}: has the wrong type; expected one of: {expected}", 400, param=param, code="invalid_type")
-    if kind == "extra_forbidden" and isinstance(loc[-1], str) and not loc[-1].isidentifier():
-        parent = _loc_to_param(loc[:-1])  # a key such as "" or "a b": named as sent, quoted
-        param = f"{parent}.{loc[-1]}" if parent else loc[-1]
-        return APIError(f"{json.dumps(param)}: unknown field", 400, param=param, code="unknown_parameter")
+    if kind == "extra_forbidden" and isinstance(loc[-1], str):
+        # the last part is the key as sent, never a union member: named whatever it looks like ("Text",
+        # "", "a b"; quoted where it is no identifier)
+        key, parent = loc[-1], _loc_to_param(loc[:-1])
+        param = f"{parent}.{key}" if parent else key
+        hint = hint_for("generate", key) if len(loc) == 1 else None
+        shown = param if key.isidentifier() else json.dumps(param)
+        return APIError(f"{shown}: unknown field" + (f"; {hint}" if hint else ""), 400, param=param, code="unknown_parameter")
     if param is None:
         return APIError(err.get("msg", "invalid request"), 400, code="invalid_type")
     if kind == "missing":
         return APIError(f"{param}: field required", 400, param=param, code="missing_required_parameter")
-    if kind == "extra_forbidden":
-        hint = hint_for("generate", param) if len(loc) == 1 else None
-        return APIError(f"{param}: unknown field" + (f"; {hint}" if hint else ""), 400, param=param, code="unknown_parameter")
     return APIError(f"{param}: {err.get('msg', 'invalid value')}", 400, param=param, code="invalid_type")
 
 

@@ -150,6 +150,8 @@ BAD_INPUTS = [
     ("/generate", _ascii_json({"text": "hi", "\ud800": 1}), None, "string"),
     ("/generate", {"text": "hi", "": 1}, "", '"": unknown field'),
     ("/generate", {"text": "hi", "a b": 1}, "a b", '"a b": unknown field'),
+    ("/generate", {"text": "hi", "Text": 1}, "Text", "Text: unknown field"),
+    ("/generate", {"text": "hi", "str": 1}, "str", "str: unknown field"),
     (CHAT, {"messages": MSG, "n": 2**31}, "n", "must be in [1, "),
     # a schema nested past Python's recursion limit was a 500 (RecursionError in json.loads)
     ("/generate", {"text": "a", "sampling_params": {"json_schema": "[" * 100000}}, "sampling_params.json_schema",
