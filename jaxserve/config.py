@@ -277,7 +277,7 @@ class ServerArgs:
         False, "keep the process up after the engine died (/health stays 503) instead of exiting with status 1", group="http")
     shutdown_timeout: float = _flag(
         30.0, "seconds SIGTERM lets running requests finish before aborting them (a second SIGTERM exits at once)", group="http")
-    # tool calling on /v1/chat/completions (jaxserve/server/function_call/)
+    # tool calling on /v1/chat/completions (jaxserve/server/openai/tools/)
     tool_call_parser: str | None = _flag(
         None, "how replies are parsed into tool_calls: qwen25 | qwen | hermes (<tool_call>{json}</tool_call>) or "
         "llama3 (a JSON reply); names as SGLang's (default: qwen25)", group="structured_output",
@@ -304,9 +304,9 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 15 for NGRAM; SGLang's is 12: a sequence's 1 + K tokens fill the 16-token extend bucket, whose verification costs the same for any K up to 15, and 15 gave a TPOT 6-11 percent lower than 12 at one copy-heavy request, docs/benchmarks.md)", group="speculative")
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
     speculative_max_batch_size: int = _flag(8, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks). With the adaptive draft policy, 8 gained on both copy-heavy (1.36x output tok/s) and random prompts (1.11x) at 8 concurrent (docs/benchmarks.md)", group="speculative")
-    disable_speculative_adaptive: bool = _flag(False, "verify every draft; by default a request's draft is verified only where its measured acceptance pays for the measured cost of verifying it, so speculation turns itself off on text it cannot predict (jaxserve/engine/speculative/policy.py)", group="speculative")
-    speculative_ngram_capacity: int = _flag(10_000_000, "tokens of recent finished requests (prompt + output) kept for drafts from other requests: a request's suffix is also matched there, and the longer of its own match and the store's is drafted; the oldest are evicted first; 0 turns the store off (jaxserve/engine/speculative/ngram_store.py)", group="speculative")
-    # scale out (issue 18): data-parallel replicas behind sglang-router (jaxserve/server/dp_launcher.py)
+    disable_speculative_adaptive: bool = _flag(False, "verify every draft; by default a request's draft is verified only where its measured acceptance pays for the measured cost of verifying it, so speculation turns itself off on text it cannot predict (jaxserve/speculative/policy.py)", group="speculative")
+    speculative_ngram_capacity: int = _flag(10_000_000, "tokens of recent finished requests (prompt + output) kept for drafts from other requests: a request's suffix is also matched there, and the longer of its own match and the store's is drafted; the oldest are evicted first; 0 turns the store off (jaxserve/speculative/ngram_store.py)", group="speculative")
+    # scale out (issue 18): data-parallel replicas behind sglang-router (jaxserve/launch/data_parallel.py)
     dp_size: int = _flag(
         1, "data parallelism: run this many worker processes, each with its share of the devices (CPU: of the cores) "
         "and its own port (--port + 1, + 2, ...), behind sglang-router on --port; every worker gets the pool flags "
@@ -344,7 +344,7 @@ class ServerArgs:
     tokenizer_mode: str = _flag("auto", "auto only (SGLang's default): the fast tokenizer (tokenizers library)", choices=("auto",), group="model")
     device: str | None = _flag(None, "the JAX platform in use (cpu, gpu or cuda, tpu), checked at start-up; another is an error: the platform is chosen by JAX_PLATFORMS (default: JAX's default backend)", group="model")
     watchdog_timeout: float = _flag(300.0, "accepted for SGLang command lines; changes nothing: jaxserve has no watchdog, so a step that hangs is not detected (a step that raises ends the engine: the process exits 1, or with --keep-alive-on-engine-error stays up with /health at 503)", group="scheduling")
-    # SGLang launch flags of the chat route and the tokenizer (jaxserve/server/chat_template.py, reasoning.py)
+    # SGLang launch flags of the chat route and the tokenizer (jaxserve/server/openai/chat_template.py, reasoning.py)
     chat_template: str | None = _flag(None, "a Jinja chat template file (.jinja, or any file but .json) that replaces the model's own for /v1/chat/completions, rendered by transformers' apply_chat_template; SGLang's built-in template names and its .json conversation templates are refused at start-up (default: the tokenizer's template)", group="model")
     reasoning_parser: str | None = _flag(None, "split the model's <think>...</think> reasoning from its answer in chat replies: message.reasoning_content and delta.reasoning_content (SGLang's names: deepseek-r1 and qwen3, and their aliases) (default: none, the reasoning stays in content)", group="structured_output")
     skip_tokenizer_init: bool = _flag(False, "SGLang's: /generate takes input_ids only (text is a 400 naming text) and its outputs carry output_ids and no text; the OpenAI routes refuse text prompts and chat. The tokenizer is still loaded: stop strings and grammars use it", group="model")
@@ -404,7 +404,7 @@ class ServerArgs:
         min(S, T) rows: S is --max-running-requests and T the largest extend bucket (--chunked-prefill-size,
         or --max-prefill-tokens without chunking, at most --context-length when given, at least 16), each
         rounded up to a power of two, as `ModelRunner` buckets them and `NgramSpeculator.propose_batch`
-        shares them (jaxserve/engine/speculative/decoder.py).
+        shares them (jaxserve/speculative/decoder.py).
         """
         def pow2_at_least(n: int, minimum: int = 1) -> int:
             return 1 << (max(n, minimum, 1) - 1).bit_length()

@@ -483,7 +483,7 @@ def main(argv=None) -> None:
     if args.paired:
         if args.paired.split(":")[1] != "1":
             p.error("--paired runs one request at a time: give DATASET:1:NUM_PROMPTS")
-        sys.modules.setdefault("torch", None)  # as the server does (jaxserve/server/__main__.py)
+        sys.modules.setdefault("torch", None)  # as the server does (jaxserve/launch/__main__.py)
         for v in args.variants:
             name, _, flags = v.partition("=")
             results.append(paired_overhead(name, base + shlex.split(flags), args.paired, args.seed, Path(args.log_dir),

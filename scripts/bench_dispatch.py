@@ -15,7 +15,7 @@ import dataclasses
 
 import jax
 
-from jaxserve.engine.model_runner import BatchEntry
+from jaxserve.runner.model_runner import BatchEntry
 from jaxserve.model.loader import load_model
 from bench_model import jax_runner, timed_alternating  # scripts/ is on sys.path when this runs as a script
 

@@ -40,7 +40,7 @@ def candidate_drafts(tokens: Sequence[int], num_draft: int, num_branches: int, m
     token, ordered by the length of the suffix match there (longest first; among equals, the latest
     first). A continuation that runs into the end of `tokens` repeats with its period, as
     `ngram_match` does. Two drafts are distinct when they differ anywhere."""
-    from jaxserve.engine.speculative.ngram import ngram_match
+    from jaxserve.speculative.ngram import ngram_match
 
     arr = np.asarray(tokens, dtype=np.int64)
     first = ngram_match(arr, num_draft, max_match_len).draft

@@ -51,8 +51,7 @@ def run_leader(args) -> dict:
     from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
     from jaxserve.parallel import distributed
-    from jaxserve.server import launch
-
+    from jaxserve.launch import server as launch
     server_args = ServerArgs.from_cli(["--model-path", args.model_path, *FLAGS, *_cluster_flags(args, 0)])
     server_args = dataclasses.replace(server_args, no_weights_cache=True)  # as launch.main does
     cluster = launch.join_cluster(server_args)
@@ -133,7 +132,7 @@ def main() -> None:
     followers = []
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
     for rank in range(1, args.tp):
-        argv = [sys.executable, "-m", "jaxserve.server", "--model-path", args.model_path, *FLAGS, *_cluster_flags(args, rank),
+        argv = [sys.executable, "-m", "jaxserve.launch", "--model-path", args.model_path, *FLAGS, *_cluster_flags(args, rank),
                 "--log-level", "warning"]
         followers.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL))
     try:

@@ -1,4 +1,4 @@
-"""Host cost of the cross-request n-gram store (`jaxserve/engine/speculative/ngram_store.py`).
+"""Host cost of the cross-request n-gram store (`jaxserve/speculative/ngram_store.py`).
 
 Fills an `NgramStore` of --capacity tokens past full (requests of --request-len random token ids
 over a 49,152-token vocabulary, SmolLM2's), then times `match` (a hit: a query ending in a stored
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from jaxserve.engine.speculative.ngram_store import NgramStore
+from jaxserve.speculative.ngram_store import NgramStore
 
 
 def per_call_us(fn, repeats: int, calls: int = 100) -> float:

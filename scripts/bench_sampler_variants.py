@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine import sampler as sampler_lib
+from jaxserve.runner import sampler as sampler_lib
 from jaxserve.engine.request import SamplingParams
 
 

@@ -24,8 +24,8 @@ import numpy as np
 
 import bench_model
 from bench_verify import runner_with
-from jaxserve.engine.hlo_text import pool_copies
-from jaxserve.engine.model_runner import BatchEntry
+from jaxserve.runner.hlo_text import pool_copies
+from jaxserve.runner.model_runner import BatchEntry
 from jaxserve.model.loader import load_model
 from jaxserve.pallas.reference import ragged_paged_attention_xla
 

@@ -14,7 +14,7 @@ import sys
 CHILD = r"""
 import json, resource, sys, time
 import jaxserve.engine.engine as engine_mod
-from jaxserve.engine import sampler as sampler_lib
+from jaxserve.runner import sampler as sampler_lib
 from jaxserve.engine.request import SamplingParams
 if sys.argv[1] == "baseline":
     def old(buckets, vocab):

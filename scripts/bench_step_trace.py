@@ -217,7 +217,7 @@ class _SpecProbe:
         self.by_class: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
 
     def _note_class(self, req, num_draft: int, num_accepted: int) -> None:
-        from jaxserve.engine.speculative.policy import match_class
+        from jaxserve.speculative.policy import match_class
 
         state = req.draft_state
         if num_draft and state is not None and getattr(state, "match_len", None) is not None:

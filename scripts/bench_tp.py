@@ -47,7 +47,7 @@ def compare_tp(model_path: str, tp: int, *, prompt_len: int, batch_sizes, repeat
 
     from jaxserve import parallel
     from jaxserve.cache.kv_pool import PoolShape
-    from jaxserve.engine.model_runner import BatchEntry, ModelRunner
+    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
     from jaxserve.model import llama
     from jaxserve.model.loader import load_model, replicate_kv_heads
     from jaxserve.pallas import get_attention_backend

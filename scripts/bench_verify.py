@@ -32,7 +32,7 @@ import numpy as np
 
 import bench_model
 from jaxserve.cache.kv_pool import PoolShape
-from jaxserve.engine.model_runner import BatchEntry, ModelRunner
+from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 from jaxserve.model.loader import load_model
 from jaxserve.pallas.reference import _MASK_VALUE, KV_BLOCK_TOKENS, ragged_paged_attention_xla
 

@@ -12,4 +12,4 @@ the endpoints.
 import runpy
 
 if __name__ == "__main__":
-    runpy.run_module("jaxserve.server", run_name="__main__")  # its __main__ hides torch, then serves
+    runpy.run_module("jaxserve.launch", run_name="__main__")  # its __main__ hides torch, then serves

@@ -63,13 +63,13 @@ def test_disable_precompile_logs_first_use_compiles_at_debug_and_a_missed_bucket
     engine = Engine(model_path=tiny_model_dir, max_total_tokens=1024, max_running_requests=2, context_length=256,
                     page_size=16, disable_precompile=True)
     greedy = {"max_new_tokens": 2, "temperature": 0.0}
-    with caplog.at_level(logging.DEBUG, logger="jaxserve.engine.model_runner"):
+    with caplog.at_level(logging.DEBUG, logger="jaxserve.runner.model_runner"):
         engine.generate([5, 6, 7], greedy)
     serving = [r for r in caplog.records if "while serving" in r.getMessage()]
     assert serving and all(r.levelno == logging.DEBUG for r in serving)
 
     caplog.clear()
     engine.runner.precompiled = True  # as after precompile(): a compile now is a bucket precompile missed
-    with caplog.at_level(logging.DEBUG, logger="jaxserve.engine.model_runner"):
+    with caplog.at_level(logging.DEBUG, logger="jaxserve.runner.model_runner"):
         engine.generate(list(range(3, 103)), greedy)  # 100 prompt tokens: a token bucket not compiled yet
     assert any(r.levelno == logging.WARNING and "while serving" in r.getMessage() for r in caplog.records)

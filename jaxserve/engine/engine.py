@@ -5,7 +5,7 @@
     rids = engine.add_request([1, 2, 3], {"max_new_tokens": 4}); outs = engine.step(); engine.abort(rid)
 
 `step()` = schedule -> forward (jitted) -> sample (jitted) -> postprocess. The jitted core is
-`jaxserve.engine.model_runner.forward_step`, a pure function of (params, k_pool, v_pool, ForwardBatch).
+`jaxserve.runner.model_runner.forward_step`, a pure function of (params, k_pool, v_pool, ForwardBatch).
 """
 
 from __future__ import annotations
@@ -27,21 +27,21 @@ from jaxserve.config import ServerArgs
 from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_backend
 from jaxserve.constrained.reasoner import ReasonerMatcher
 from jaxserve.engine import overlap, prompt_logprobs
-from jaxserve.engine import sampler as sampler_lib
-from jaxserve.engine.cache_manager import CacheManager
+from jaxserve.runner import sampler as sampler_lib
+from jaxserve.scheduler.cache_manager import CacheManager
 from jaxserve.engine.context_length import resolve_context_length
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.logprob_start import check_logprob_start_len, is_checked
-from jaxserve.engine.buckets import EXTEND_BLOCK_Q
-from jaxserve.engine.model_runner import ModelRunner
-from jaxserve.engine.pool_limits import PoolLimits
+from jaxserve.engine.validation.logprob_start import check_logprob_start_len, is_checked
+from jaxserve.runner.buckets import EXTEND_BLOCK_Q
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.outputs import EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, grammar_spec, new_rid
-from jaxserve.engine.request_validation import RequestValidator
+from jaxserve.engine.validation.validator import RequestValidator
 from jaxserve.engine.sampling_rows import grammar_bitmask, sampler_warmup_variants, sampling_rows
-from jaxserve.engine.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
-from jaxserve.engine.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats
-from jaxserve.engine.speculative.verify_step import verify_step
+from jaxserve.scheduler.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
+from jaxserve.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats
+from jaxserve.speculative.verify_step import verify_step
 from jaxserve.engine.stats_log import prefill_line, prefill_stats
 from jaxserve.model import llama
 from jaxserve.model.loader import load_model, replicate_kv_heads

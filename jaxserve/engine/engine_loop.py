@@ -59,7 +59,7 @@ from jaxserve.engine.engine import Engine, RequestError, RequestMeta, StepOutput
 from jaxserve.engine.engine_load import EngineLoad, snapshot_load
 from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
 from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
-from jaxserve.engine.request_validation import check_submit, tokenize_for_submit
+from jaxserve.engine.validation.validator import check_submit, tokenize_for_submit
 from jaxserve.parallel.distributed import RankLostError
 
 logger = logging.getLogger(__name__)

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import jax
 
-from jaxserve.engine import sampler as sampler_lib
-from jaxserve.engine.model_runner import BatchEntry
+from jaxserve.runner import sampler as sampler_lib
+from jaxserve.runner.model_runner import BatchEntry
 from jaxserve.engine.outputs import StepOutput
 from jaxserve.engine.request import Req
-from jaxserve.engine.scheduler import ScheduleBatch
+from jaxserve.scheduler.scheduler import ScheduleBatch
 
 if TYPE_CHECKING:
     from jaxserve.engine.engine import Engine

@@ -13,7 +13,7 @@ import numpy as np
 import regex
 
 from jaxserve.constrained import GrammarSpec
-from jaxserve.engine.field_types import SAMPLING_FIELD_TYPES, first_type_error
+from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, first_type_error
 
 _INT_MAX = 2**31 - 1
 # the valid range of an integer field, said when a value is past int32 (the other checks below agree)
@@ -113,7 +113,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise `SamplingParamsError` naming the first invalid field (types: the table of
-        `engine/field_types.py`, the same message as from_dict and the HTTP routes)."""
+        `engine/validation/field_types.py`, the same message as from_dict and the HTTP routes)."""
         values = {name: getattr(self, name) for name in SAMPLING_FIELD_TYPES if hasattr(self, name)}
         if (problem := first_type_error(values)) is not None:
             raise SamplingParamsError(*problem)

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.constrained.reasoner import ReasonerMatcher
-from jaxserve.engine import sampler as sampler_lib
+from jaxserve.runner import sampler as sampler_lib
 from jaxserve.engine.request import Req, SamplingParams
 
 

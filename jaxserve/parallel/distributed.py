@@ -5,7 +5,7 @@ Rank 0 is the only controller: it runs the HTTP server, the tokenizer, the sched
 and the release policy. Every other rank (a follower) builds the same engine (same weights, pool and
 compiled programs) but never schedules: it only replays, in order, the device programs rank 0 runs,
 so every collective of the sharded step has all its processes. The unit replayed is one method call
-of `jaxserve.engine.model_runner.ModelRunner` (`run_batch`, `sample`, `read_pages`, `write_pages`,
+of `jaxserve.runner.model_runner.ModelRunner` (`run_batch`, `sample`, `read_pages`, `write_pages`,
 `copy_pages`): rank 0's runner sends each call's host inputs through `StepChannel.step` before running
 it, and `follow` makes the same call on the follower's runner.
 

@@ -50,9 +50,12 @@ from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_load import EngineLoad
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.model.tokenizer import tokenizer_files_path
-from jaxserve.server import models_api, native_api, openai_api, responses_api
+from jaxserve.server.openai import models as models_api
+from jaxserve.server.native import generate as native_api
+from jaxserve.server.openai import chat_completions as openai_api
+from jaxserve.server.openai.responses import api as responses_api
 from jaxserve.server.auth import APIKeyMiddleware
-from jaxserve.server.chat_template import load_chat_template
+from jaxserve.server.openai.chat_template import load_chat_template
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
 from jaxserve.server.errors import (
     CLIENT_CLOSED_REQUEST,
@@ -63,10 +66,10 @@ from jaxserve.server.errors import (
     unavailable_response,
 )
 from jaxserve.server.field_types import describe
-from jaxserve.server.function_call import get_parser
+from jaxserve.server.openai.tools import get_parser
 from jaxserve.server.metrics import mark_unlogged
 from jaxserve.server.openapi import openapi_document
-from jaxserve.server.reasoning import reasoning_format
+from jaxserve.server.openai.reasoning import reasoning_format
 
 access_logger = logging.getLogger("jaxserve.access")
 

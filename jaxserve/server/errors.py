@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.outputs import ContextLengthError, RequestError
 from jaxserve.engine.engine_loop import EngineUnavailableError
-from jaxserve.engine.field_types import TYPE_ERROR_MARKERS
+from jaxserve.engine.validation.field_types import TYPE_ERROR_MARKERS
 from jaxserve.engine.request import SamplingParamsError
 
 # Hints for the mistakes new users make most, keyed by (where, field): "sampling_params" for a key
@@ -39,7 +39,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "stop", "seed", "n
                     "presence_penalty", "repetition_penalty", "ignore_eos", "regex", "json_schema")
 FIELD_HINTS.update({("generate", f): f"{f} goes inside sampling_params" for f in _SAMPLING_FIELDS})
 # substrings of SamplingParamsError messages that report a wrong type (docs/api.md: code invalid_type):
-# the type table's wording (engine/field_types.py) and the value checks' own
+# the type table's wording (engine/validation/field_types.py) and the value checks' own
 _TYPE_ERROR_MARKERS = (*TYPE_ERROR_MARKERS, "must be a list", "must be strings")
 
 

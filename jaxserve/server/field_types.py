@@ -7,7 +7,7 @@ with pydantic's text, "Input should be a valid integer"), so that the same wrong
 
     {"message": "seed: must be an integer, got true (a boolean)", "param": "seed", "code": "invalid_type"}
 
-The table is the engine's (`jaxserve/engine/field_types.py`, which `SamplingParams` checks with, so
+The table is the engine's (`jaxserve/engine/validation/field_types.py`, which `SamplingParams` checks with, so
 the in-process engine says the same), plus the OpenAI names of its fields (`max_tokens` for
 `max_new_tokens`, ...). A JSON null passes (it means the default). Ranges stay with the engine
 (`SamplingParams.validate`) and `request_checks`.
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from jaxserve.engine.field_types import SAMPLING_FIELD_TYPES as NATIVE_FIELD_TYPES
-from jaxserve.engine.field_types import FieldType, describe, first_type_error
+from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES as NATIVE_FIELD_TYPES
+from jaxserve.engine.validation.field_types import FieldType, describe, first_type_error
 from jaxserve.server.errors import APIError
 
 __all__ = ["FieldType", "NATIVE_FIELD_TYPES", "SAMPLING_FIELD_TYPES", "check_field_types", "describe"]

@@ -241,7 +241,7 @@ class ChatCompletionRequest(_OpenAISampling):
     # SGLang's: with --reasoning-parser, false leaves the reasoning in content
     separate_reasoning: bool = True
     # SGLang's: with --reasoning-parser and stream, false sends the reasoning in one
-    # delta.reasoning_content once it ends instead of as it is decoded (server/reasoning.py)
+    # delta.reasoning_content once it ends instead of as it is decoded (server/openai/reasoning.py)
     stream_reasoning: bool = True
     # not a chat field (OpenAI refuses it); kept only to answer with a 400 that names it, and out of
     # /openapi.json, which documents what the route accepts

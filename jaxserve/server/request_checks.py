@@ -1,12 +1,12 @@
 """Checks the API makes before a request reaches the engine: the sampling seed's range and
-`logit_bias` keys that name one token twice, on every route that has them. (`logprob_start_len` is the engine's check, `engine/logprob_start.py`, which
+`logit_bias` keys that name one token twice, on every route that has them. (`logprob_start_len` is the engine's check, `engine/validation/logprob_start.py`, which
 the native API calls before submitting.)
 
 Seeds. OpenAI's published API schema and vLLM's request models bound `seed` to a signed 64-bit
 integer; SGLang does not bound it. jaxserve accepts that range, on `/v1/completions`,
 `/v1/chat/completions` and `/generate` (`sampling_params.seed` and SGLang's `sampling_seed`), so
 no client that follows OpenAI's schema is refused. The sampler keys its random stream with a uint32
-(`engine/sampler.py`: `fold_in(fold_in(key(0), seed mod 2**32), step)`), so a seed is honoured mod
+(`runner/sampler.py`: `fold_in(fold_in(key(0), seed mod 2**32), step)`), so a seed is honoured mod
 2**32: -1 draws as 4294967295, and two seeds that differ by a multiple of 2**32 draw the same
 tokens. Sequence i of `n` uses seed + i (mod 2**32 as well). -1 is an ordinary seed, not "random"
 (llama.cpp's meaning): leave the field out for a random one.
@@ -21,7 +21,7 @@ from jaxserve.server.errors import APIError
 
 SEED_MIN = -(2**63)  # OpenAI's schema and vLLM: a signed 64-bit integer
 SEED_MAX = 2**63 - 1
-SAMPLER_SEED_MODULUS = 2**32  # engine/sampler.py reduces each seed to a uint32
+SAMPLER_SEED_MODULUS = 2**32  # runner/sampler.py reduces each seed to a uint32
 
 
 def check_seed(value: Any, field: str = "seed") -> None:

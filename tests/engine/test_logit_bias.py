@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.request import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, SamplingParamsError
-from jaxserve.engine.sampler import build_sampling_batch, sample
+from jaxserve.runner.sampler import build_sampling_batch, sample
 
 V = 100
 

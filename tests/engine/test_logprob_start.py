@@ -1,5 +1,5 @@
 """`Engine.add_request` checks `logprob_start_len` as the HTTP API does (SGLang's rule, one check:
-jaxserve/engine/logprob_start.py); before, the in-process API queued any value."""
+jaxserve/engine/validation/logprob_start.py); before, the in-process API queued any value."""
 
 from __future__ import annotations
 

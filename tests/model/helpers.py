@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.cache.kv_pool import PoolShape
-from jaxserve.engine.buckets import MAX_LAYERS_PER_CALL
-from jaxserve.engine.model_runner import BatchEntry, ModelRunner
+from jaxserve.runner.buckets import MAX_LAYERS_PER_CALL
+from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 from jaxserve.model import llama
 from jaxserve.pallas.reference import ragged_paged_attention_xla
 

@@ -106,7 +106,7 @@ def test_unknown_quantization_and_tensor_parallel_refused():
 
 
 def test_greedy_speculation_exact_on_quantized_engine(tiny_model_dir):
-    from tests.engine.test_spec_decode import GREEDY, assert_no_leak, copy_prompts, make_engine, spec_engine
+    from tests.speculative.test_spec_decode import GREEDY, assert_no_leak, copy_prompts, make_engine, spec_engine
 
     prompts = copy_prompts(6, seed=1)
     plain = make_engine(tiny_model_dir, quantization="w8a8_int8")
@@ -128,9 +128,9 @@ def test_int8_logits_same_bits_in_every_step_shape(tiny_model_dir, model):
     """A token's int8 logits are the same bits decoded alone, beside another request, inside a
     speculative verification and inside a prefill (model/numerics.py): int8 rounding turns any
     last-bit difference into a different text, which made greedy speculation inexact."""
-    from jaxserve.engine.model_runner import BatchEntry
+    from jaxserve.runner.model_runner import BatchEntry
     from jaxserve.engine.engine import Engine
-    from tests.engine.test_spec_decode import make_engine
+    from tests.speculative.test_spec_decode import make_engine
 
     if model == "default":  # SmolLM2-135M: where the break test found int8 speculation inexact
         eng = Engine(max_total_tokens=2048, chunked_prefill_size=64, context_length=512, disable_precompile=True,

@@ -185,7 +185,7 @@ def test_follower_with_another_page_size_is_refused(tiny_model_dir, tmp_path):
 def test_follower_compiling_past_dist_timeout_is_waited_for(tiny_model_dir, tmp_path, monkeypatch):
     """--dist-timeout 20: rank 0 finished first and gave up 20 s later, naming rank 1 missing, while rank 1
     was alive and compiling. Here rank 1 takes 3 s longer than --dist-timeout 3, heartbeating."""
-    from jaxserve.server.launch import FOLLOWER_START_DELAY_ENV
+    from jaxserve.launch.server import FOLLOWER_START_DELAY_ENV
 
     monkeypatch.setenv(FOLLOWER_START_DELAY_ENV, "6")  # read by the followers only
     cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "slow_rank",

@@ -46,7 +46,7 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
     import jax
 
     from jaxserve.engine.engine import Engine
-    from jaxserve.engine.model_runner import BatchEntry
+    from jaxserve.runner.model_runner import BatchEntry
 
     engine = Engine(
         model_path=model_dir, tp_size=tp, attention_backend=backend, max_total_tokens=1024,
@@ -116,7 +116,7 @@ def lower_cuda(model_dir: str, tp: int) -> dict:
 
     from jaxserve import parallel
     from jaxserve.cache.kv_pool import PoolShape
-    from jaxserve.engine.model_runner import BatchEntry, ModelRunner
+    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
     from jaxserve.model import llama
     from jaxserve.model.loader import load_model, replicate_kv_heads
     from jaxserve.pallas.ragged_paged_attention import ragged_paged_attention

@@ -14,7 +14,7 @@ def bench():
 
 
 def test_candidates_start_with_todays_draft_then_other_matches_longest_first(bench):
-    from jaxserve.engine.speculative.ngram import ngram_draft
+    from jaxserve.speculative.ngram import ngram_draft
 
     #         0  1  2  3  4  5  6  7  8  9 10
     tokens = [1, 2, 3, 9, 2, 4, 7, 1, 2, 5, 2]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine import EngineStats, RequestError, RequestMeta, StepOutput
-from jaxserve.engine.pool_limits import PoolLimits
+from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.request import SamplingParams, finish_abort, finish_length
 
 

@@ -12,7 +12,7 @@ from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.server.app import create_app, served_model_name
 from jaxserve.server.errors import APIError
-from jaxserve.server.openai_api import sampling_params_of
+from jaxserve.server.openai.chat_completions import sampling_params_of
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.server.fakes import FakeEngine
 

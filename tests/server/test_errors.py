@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from jaxserve.server.responses_input import FIELD_TYPES as RESPONSES_FIELD_TYPES
+from jaxserve.server.openai.responses.input import FIELD_TYPES as RESPONSES_FIELD_TYPES
 
 LONG_TEXT = "hello " * 400  # > 256 tokens, the test server's context length
 HUGE_TEXT = "x" * 3_000_000  # too long for any tokenization: refused before the tokenizer runs

@@ -1,4 +1,4 @@
-"""One type table for the sampling fields (jaxserve/engine/field_types.py): the in-process engine
+"""One type table for the sampling fields (jaxserve/engine/validation/field_types.py): the in-process engine
 (`SamplingParams.from_dict` and a directly built `SamplingParams`) and the HTTP routes
 (`server/field_types.check_field_types`) refuse a wrong JSON type with the same message. Before, the
 engine said "must be a number, got True" or "has the wrong type str" where the routes said
@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from jaxserve.engine.field_types import SAMPLING_FIELD_TYPES, FieldType
+from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, FieldType
 from jaxserve.engine.request import SamplingParams, SamplingParamsError
 from jaxserve.server.errors import APIError, from_engine_error
 from jaxserve.server.field_types import NATIVE_FIELD_TYPES, check_field_types

@@ -1,0 +1,1 @@
+"""Start-up: the CLI, the server launch, data parallel behind sglang-router."""

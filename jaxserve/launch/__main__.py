@@ -1,0 +1,14 @@
+"""`python -m jaxserve.launch [flags]` (and `python scripts/serve.py [flags]`, which runs this module)."""
+
+import sys
+
+# The server never uses PyTorch (a dev-only dependency, for reference tests), but transformers imports
+# it whenever it is installed: ~180 MB of RSS. Hiding it keeps a dev install's server as lean as a
+# user's (importlib finds no module whose sys.modules entry is None, so transformers runs torch-free).
+# It must happen before anything imports transformers, so before jaxserve.launch.server.
+sys.modules.setdefault("torch", None)
+
+from jaxserve.launch.server import main  # noqa: E402
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,583 @@
+"""The model runner: the only jit boundary of jaxserve.
+
+It owns the params and the KV pools, pads each host-side batch to a power-of-two shape bucket, and
+runs that bucket's compiled step: one executable with `lax.scan` over the layers (`layer_loop="scan"`,
+`forward_step`), or embed, layer-group and head executables with the layer group (a few consecutive
+layers) called from Python until all layers have run (`layer_loop="host"`, `HostLayerLoop`, the CPU
+default). Executables are compiled ahead of time
+(`precompile`, with a progress bar) and kept in a dict, so every compile is explicit and counted
+(`num_compiles_after_warmup`).
+
+Shape buckets: `jaxserve/runner/buckets.py`.
+The argument pytrees (`ForwardBatch`, `SamplingBatch`) have one structure for the process's lifetime.
+
+For research code: `forward_step` is the whole step as one pure function of plain arrays (the params
+dict, the pools, a ForwardBatch; what the scan loop jits); call it under your own `jax.jit`, trace it or
+inspect its jaxpr. The host loop computes the same step from its parts, `llama.embed_tokens`,
+`llama.decoder_layers` and `head_step`. The Flax Modules are rebuilt (`nnx.merge`) only inside these
+traced functions; no Module or nnx.State crosses the jit boundary.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jaxtyping import Array, Float
+from tqdm.auto import tqdm
+
+from jaxserve import parallel
+
+from jaxserve.config import ModelConfig
+from jaxserve.runner import sampler as sampler_lib
+from jaxserve.runner.buckets import (
+    EXTEND_BLOCK_Q,
+    MAX_LAYERS_PER_CALL,
+    MIN_PAGE_BUCKET_TOKENS,
+    BucketKey,
+    extend_token_buckets,
+    layers_per_call,
+    pow2_at_least,
+    pow2_range,
+)
+from jaxserve.runner.device_pages import PAGE_JITS, DevicePageRead, padded_page_ids, sharded_page_jits
+from jaxserve.model import llama
+from jaxserve.model.forward_batch import ForwardBatch
+from jaxserve.pallas.metadata import build_attention_metadata
+
+logger = logging.getLogger(__name__)
+
+
+
+def forward_step(
+    params: llama.Params,
+    k_pool: Float[Array, "L N KVH ps D"],
+    v_pool: Float[Array, "L N KVH ps D"],
+    batch: ForwardBatch,
+    *,
+    config: ModelConfig,
+    attn_fn: Callable,
+    forward_fn: Callable = llama.forward,
+    return_input_logprobs: bool = False,
+) -> tuple[Float[Array, "S V"], Float[Array, " T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
+    """One engine step: write the batch's K/V into the pools and return float32 logits [S, V] at
+    `batch.logits_idx`, the prompt logprobs [T] and the updated pools.
+
+    Prompt logprobs (`return_input_logprobs`): log p(target_ids[t] | tokens up to t) for every packed
+    token (0 where the target is -1); this needs logits at every row, so it is a separate variant.
+    `attn_fn` is an attention backend (`jaxserve.pallas.get_attention_backend`) or the model's K/V
+    write + attention (`llama.paged_attention(backend)`, what the runner passes). `params` is the Flax
+    model's plain params dict (`jaxserve.model.loader.load_model`).
+    Pure; `config`, `attn_fn`, `forward_fn` and `return_input_logprobs` are static. The engine runs this
+    same computation either as one executable (`--layer-loop scan`) or split into `llama.embed_tokens`,
+    `llama.decoder_layers` calls over groups of layers and `head_step` (`--layer-loop host`,
+    `HostLayerLoop`).
+    """
+    hidden, k_pool, v_pool = forward_fn(params, k_pool, v_pool, batch, config=config, attn_fn=attn_fn)
+    logits, input_logprobs = step_outputs(params, hidden, batch, return_input_logprobs, config=config)
+    return logits, input_logprobs, k_pool, v_pool
+
+
+def step_outputs(
+    params: llama.Params, hidden: Float[Array, "T E"], batch: ForwardBatch, return_input_logprobs: bool | str,
+    *, config: ModelConfig,
+) -> tuple[Float[Array, "S V"], Float[Array, " T"] | Float[Array, "T V"]]:
+    """Logits [S, V] at `batch.logits_idx` and prompt logprobs [T] (zeros unless requested; "full":
+    the log-softmax [T, V] of every token) from the final hidden states."""
+    logits = llama.compute_logits(params, hidden[batch.logits_idx], config=config)
+    if return_input_logprobs == "full":  # every token's log-softmax [T, V] (engine/prompt_logprobs.py)
+        all_logits = llama.compute_logits(params, hidden, config=config)
+        input_logprobs = all_logits - jax.nn.logsumexp(all_logits, axis=-1, keepdims=True)
+    elif return_input_logprobs:
+        all_logits = llama.compute_logits(params, hidden, config=config)  # [T, V]
+        target = jnp.maximum(batch.target_ids, 0)
+        picked = jnp.take_along_axis(all_logits, target[:, None], axis=-1)[:, 0]
+        input_logprobs = jnp.where(batch.target_ids >= 0, picked - jax.nn.logsumexp(all_logits, axis=-1), 0.0)
+    else:
+        input_logprobs = jnp.zeros(batch.input_ids.shape, jnp.float32)
+    return logits, input_logprobs
+
+
+def head_step(
+    params: llama.Params, h: Float[Array, "E T"], batch: ForwardBatch, *, config: ModelConfig,
+    return_input_logprobs: bool = False,
+) -> tuple[Float[Array, "S V"], Float[Array, " T"]]:
+    """The end of a host-loop step: final norm of the residual stream [E, T], then `step_outputs`."""
+    hidden = llama.final_hidden(params, h, config=config)
+    return step_outputs(params, hidden, batch, return_input_logprobs, config=config)
+
+
+class HostLayerLoop:
+    """One compiled step of a bucket as three executables run from Python: embed, a group of G
+    consecutive decoder layers (called L / G times, with those layers' weights and the index of the
+    first; the pools are donated, so each call updates them in place) and the head. Called like a
+    compiled `forward_step`, with per-layer `params["layers"]`.
+
+    Why: under `lax.scan` XLA:CPU copies each layer's slice of the stacked weights before its matmuls;
+    separate per-layer buffers are read in place (docs/benchmarks.md, "Model speed").
+    """
+
+    def __init__(
+        self, embed: Callable, layers: Callable, head: Callable, first_layer_ids: Sequence[jax.Array]
+    ):
+        """`first_layer_ids`: the int32 device scalar of each group's first layer index (G apart), made
+        once by the runner."""
+        self.embed, self.layers, self.head, self.first_layer_ids = embed, layers, head, first_layer_ids
+
+    def __call__(self, params: llama.Params, k_pool, v_pool, batch: ForwardBatch):
+        """`batch` may hold numpy arrays: the embed program hands it back on the device for the others."""
+        outer = llama.outer_params(params)
+        per_layer = llama.per_layer(params)
+        group = len(per_layer) // len(self.first_layer_ids)
+        (h, cos, sin), batch = self.embed(outer, batch)
+        for i, first in enumerate(self.first_layer_ids):
+            ps = per_layer[i * group : (i + 1) * group]
+            h, k_pool, v_pool = self.layers(ps, h, k_pool, v_pool, first, batch, cos, sin)
+        logits, input_logprobs = self.head(outer, h, batch)
+        return logits, input_logprobs, k_pool, v_pool
+
+
+def embed_step(
+    params: llama.Params, batch: ForwardBatch, *, config: ModelConfig
+) -> tuple[tuple[Float[Array, "E T"], Float[Array, "T D"], Float[Array, "T D"]], ForwardBatch]:
+    """The start of a host-loop step: `llama.embed_tokens` (residual stream [E, T], RoPE cos and sin
+    [T, D]), and `batch` itself returned as device arrays for the step's other programs. The step's batch then crosses to the device once, as numpy
+    arguments of this call: with a `jax.device_put` of its 12 arrays first, the call took 4-5x longer
+    (jax 0.10.2, CPU; `scripts/bench_dispatch.py`)."""
+    return llama.embed_tokens(params, batch, config=config), batch
+
+
+@dataclasses.dataclass
+class BatchEntry:
+    """One sequence of a host-side batch: `extend_len` new tokens after `prefix_len` cached ones."""
+
+    token_ids: Sequence[int]  # the new tokens (length extend_len)
+    prefix_len: int
+    page_table: Sequence[int]
+    target_ids: Sequence[int] | None = None  # the token after each new token, for prompt logprobs
+    # logits rows for the last num_logits new tokens (speculative verification needs K + 1); each
+    # takes one row of the bucket's S logits rows, in order
+    num_logits: int = 1
+
+
+class ModelRunner:
+    """Holds params + KV pools and runs bucketed, compiled forward and sampling steps."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: llama.Params,
+        k_pool: jax.Array,
+        v_pool: jax.Array,
+        *,
+        attn_fn: Callable,
+        max_running_requests: int,
+        max_extend_tokens: int,
+        context_length: int,
+        layer_loop: str = "scan",
+        max_layers_per_call: int = MAX_LAYERS_PER_CALL,
+        min_extend_tokens: int = EXTEND_BLOCK_Q,
+        mesh: Mesh | None = None,
+    ):
+        """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
+        runs it as a `HostLayerLoop`, with the layer weights split into per-layer buffers (stacked
+        params are split here; per-layer params given to "scan" run unrolled, see `llama.forward`) and
+        `layers_per_call(num_layers, max_layers_per_call)` layers per call. `attn_fn` is an attention
+        backend (`jaxserve.pallas.get_attention_backend`). `mesh` (`jaxserve.parallel.make_mesh`, tensor parallelism): the params
+        and pools are placed on it by the rules table, attention runs per device under shard_map, and
+        every compiled program returns its pools and activations with fixed shardings (GSPMD inserts
+        the all-reduces after the row-parallel projections). None (or a 1-device mesh): one device. `min_extend_tokens`: the
+        smallest extend bucket (speculative verification adds 2, 4 and 8 tokens: a sequence's last
+        token + its draft in one query block of the bucket's size; at batch 1 on CPU a verification costs
+        1.25x (4-token bucket) to 2.1x (16-token bucket) a decode step, docs/benchmarks.md).
+
+        Raises:
+            ValueError: `layer_loop` is neither "scan" nor "host"."""
+        if layer_loop not in ("scan", "host"):
+            raise ValueError(f"layer_loop must be 'scan' or 'host', got {layer_loop!r}")
+        self.config = config
+        self.layer_loop = layer_loop
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        self.tp_size = 1 if self.mesh is None else parallel.sharding.tp_size(self.mesh)
+        if params is not None:
+            params = llama.unstack_layers(params) if layer_loop == "host" else params
+        attn_fn = llama.paged_attention(attn_fn)
+        shardings: dict[str, object] = {}
+        if self.mesh is not None:
+            params = parallel.shard_params(params, llama.logical_axes(config), self.mesh)
+            pool = parallel.pool_sharding(self.mesh, k_pool.shape[2])
+            k_pool, v_pool = parallel.sharding.put(k_pool, pool), parallel.sharding.put(v_pool, pool)
+            attn_fn = parallel.shard_attention(attn_fn, self.mesh)
+            rep, logits = parallel.replicated(self.mesh), parallel.vocab_sharding(self.mesh, config.vocab_size)
+            shardings = dict(step=(logits, rep, pool, pool), embed=rep, layers=(rep, pool, pool), head=(logits, rep))
+        self._page = sharded_page_jits(rep, pool) if self.mesh is not None else PAGE_JITS
+        self._replicated = parallel.replicated(self.mesh) if self.mesh is not None else None
+        self.params = params
+        out = {name: {"out_shardings": sh} for name, sh in shardings.items()}
+        self.k_pool = k_pool
+        self.v_pool = v_pool
+        self.page_size = k_pool.shape[3]
+        self.max_seqs = pow2_at_least(max_running_requests)
+        self.max_extend_tokens = pow2_at_least(max_extend_tokens, EXTEND_BLOCK_Q)
+        self.extend_tokens = extend_token_buckets(min(min_extend_tokens, EXTEND_BLOCK_Q), self.max_extend_tokens)
+        self.max_pages = pow2_at_least(-(-context_length // self.page_size))
+        self.min_pages = min(self.max_pages, pow2_at_least(MIN_PAGE_BUCKET_TOKENS // self.page_size))
+        self._step_jit = {
+            flag: jax.jit(
+                functools.partial(forward_step, config=config, attn_fn=attn_fn, return_input_logprobs=flag,
+                                  forward_fn=llama.forward),
+                donate_argnums=(1, 2), **out.get("step", {}),
+            )
+            for flag in (False, True, "full")
+        }
+        self._embed_jit = jax.jit(functools.partial(embed_step, config=config), **out.get("embed", {}))
+        self._layers_jit = jax.jit(
+            functools.partial(llama.decoder_layers, config=config, attn_fn=attn_fn), donate_argnums=(2, 3),
+            **out.get("layers", {}),
+        )
+        self._head_jit = {
+            flag: jax.jit(functools.partial(head_step, config=config, return_input_logprobs=flag),
+                          **out.get("head", {}))
+            for flag in (False, True, "full")
+        }
+        self.layers_per_call, self._first_layer_ids = None, []  # host loop only
+        if layer_loop == "host":
+            self.layers_per_call = layers_per_call(config.num_layers, max_layers_per_call)
+            self._first_layer_ids = [jnp.int32(i) for i in range(0, config.num_layers, self.layers_per_call)]
+            if jax.process_count() > 1 and self.mesh is not None:  # one process's scalar is no global input
+                self._first_layer_ids = [parallel.sharding.put(np.int32(i), self._replicated)
+                                         for i in range(0, config.num_layers, self.layers_per_call)]
+        # several processes: rank 0 reads the sampled ids, so they must be whole on its devices
+        multi = {"out_shardings": self._replicated} if jax.process_count() > 1 and self.mesh is not None else {}
+        self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,), **multi)
+        # rank 0 of several processes: a `jaxserve.parallel.distributed.StepChannel` that sends every
+        # program's host inputs to the other ranks before it runs (None: one process, or a follower)
+        self.channel = None
+        self._step_exec: dict[tuple[BucketKey, bool], Callable] = {}
+        self._sample_exec: dict[tuple, Callable] = {}
+        self.warmed_up = False
+        self.precompiled = False  # precompile() ran (False under --disable-precompile)
+        self.num_compiles_after_warmup = 0
+        self.compile_seconds = 0.0
+
+    # ---- buckets -------------------------------------------------------------------------------
+    def page_bucket(self, max_pages: int) -> int:
+        return min(self.max_pages, pow2_at_least(max_pages, self.min_pages))
+
+    def bucket_for(self, extend_lens: Sequence[int], max_pages: int) -> BucketKey:
+        """Smallest bucket that fits a batch (raises ValueError when none does)."""
+        num_seqs, num_tokens = len(extend_lens), sum(extend_lens)
+        pages = self.page_bucket(max_pages)
+        if max_pages > self.max_pages:
+            raise ValueError(f"a sequence needs {max_pages} pages, the context allows {self.max_pages}")
+        if all(n == 1 for n in extend_lens):
+            s = pow2_at_least(num_seqs)
+            if s > self.max_seqs:
+                raise ValueError(f"{num_seqs} decodes exceed max_running_requests bucket {self.max_seqs}")
+            return BucketKey(s, s, pages, 1)
+        if num_tokens > self.max_extend_tokens:
+            raise ValueError(f"{num_tokens} tokens exceed the extend bucket {self.max_extend_tokens}")
+        t = next(t for t in self.extend_tokens if t >= num_tokens)
+        s = min(t, self.max_seqs)
+        if num_seqs > s:
+            raise ValueError(f"{num_seqs} sequences exceed bucket {s}")
+        return BucketKey(t, s, pages, self.extend_block_q(t))
+
+    def extend_block_q(self, num_tokens: int) -> int:
+        """Query-block rows of an extend bucket of `num_tokens` tokens: EXTEND_BLOCK_Q, or the bucket's
+        tokens when fewer (the 2-, 4- and 8-token buckets of speculative verification). A block's rows
+        are all computed, so a 3-token verification in a 16-row block paid for 16 rows: on CPU its
+        attention took 11.5 against 20.4 ms over 30 layers in a 4-row block (docs/benchmarks.md, issue
+        20's fifth pass)."""
+        return min(num_tokens, EXTEND_BLOCK_Q)
+
+    def all_buckets(self) -> list[BucketKey]:
+        pages = pow2_range(self.min_pages, self.max_pages)
+        decode = [BucketKey(s, s, p, 1) for s in pow2_range(1, self.max_seqs) for p in pages]
+        extend = [
+            BucketKey(t, min(t, self.max_seqs), p, self.extend_block_q(t))
+            for t in self.extend_tokens
+            for p in pages
+        ]
+        return decode + extend
+
+    # ---- host -> device batch ------------------------------------------------------------------
+    def build_forward_batch(self, entries: Sequence[BatchEntry]) -> tuple[ForwardBatch, BucketKey]:
+        """Pad a host batch to its bucket: a `ForwardBatch` of numpy arrays, and the bucket.
+
+        It is passed to the compiled step as is: an executable converts numpy arguments in its call,
+        much faster than a separate `jax.device_put` of the same arrays (see `embed_step`)."""
+        extend_lens = [len(e.token_ids) for e in entries]
+        max_pages = max(len(e.page_table) for e in entries)
+        key = self.bucket_for(extend_lens, max_pages)
+        t_pad, s_pad = key.num_tokens, key.num_seqs
+        input_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slot_mapping = np.zeros(t_pad, np.int32)
+        logits_idx = np.zeros(s_pad, np.int32)
+        target_ids = np.full(t_pad, -1, np.int32)
+        ps = self.page_size
+        t = row = 0
+        if sum(e.num_logits for e in entries) > s_pad:
+            raise ValueError(f"{sum(e.num_logits for e in entries)} logits rows exceed the bucket's {s_pad}")
+        for e in entries:
+            n = len(e.token_ids)
+            pos = np.arange(e.prefix_len, e.prefix_len + n)
+            table = np.asarray(e.page_table, np.int32)
+            input_ids[t : t + n] = e.token_ids
+            positions[t : t + n] = pos
+            slot_mapping[t : t + n] = table[pos // ps] * ps + pos % ps
+            logits_idx[row : row + e.num_logits] = np.arange(t + n - e.num_logits, t + n)
+            row += e.num_logits
+            if e.target_ids is not None:
+                target_ids[t : t + len(e.target_ids)] = e.target_ids
+            t += n
+        meta = build_attention_metadata(
+            extend_lens,
+            [e.prefix_len for e in entries],
+            [e.page_table for e in entries],
+            num_tokens=t_pad,
+            num_seqs=s_pad,
+            pages_per_seq=key.pages_per_seq,
+            block_q=key.block_q,
+        )
+        batch = ForwardBatch(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            attn=meta.tree(),
+            logits_idx=logits_idx,
+            target_ids=target_ids,
+        )
+        return batch, key
+
+    # ---- execution -----------------------------------------------------------------------------
+    def forward(
+        self, entries: Sequence[BatchEntry], input_logprobs: bool | str = False, input_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """Run one step over `entries`; returns device logits [S_bucket, V]: `num_logits` rows per entry,
+        in order (one row each by default); the rows after them are padding.
+
+        With `input_logprobs`, returns (logits, prompt logprobs [T_bucket] as numpy) instead; with
+        `input_logprobs="full"`, (logits, log-softmax [T_bucket, V] as numpy).
+        `input_ids` (a decode-only batch, one device): the step's token ids [T_bucket] as a device array,
+        in place of the entries' `token_ids` (the overlap schedule feeds the previous decode step's
+        sampled tokens, `SampleOutput.next_tokens` of the same bucket, without reading them back).
+        """
+        batch, key = self.build_forward_batch(entries)
+        if input_ids is not None:
+            if input_ids.shape != batch.input_ids.shape or key.block_q != 1:
+                raise ValueError(f"input_ids {input_ids.shape} do not fit the decode bucket {key}")
+            batch = dataclasses.replace(batch, input_ids=input_ids)
+        return self.run_batch(batch, key, input_logprobs)
+
+    def run_batch(self, batch: ForwardBatch, key: BucketKey, input_logprobs: bool | str = False):
+        """The compiled step of bucket `key` over a padded host batch (`build_forward_batch`); returns
+        what `forward` returns. The unit the other ranks of a multi-host server replay."""
+        with self._routed("run_batch", batch, key, input_logprobs):
+            exe = self._step_exec.get((key, input_logprobs))
+            if exe is None:
+                exe = self._compile_step(key, batch, input_logprobs)
+            logits, prompt_logprobs, self.k_pool, self.v_pool = exe(self.params, self.k_pool, self.v_pool, batch)
+            if input_logprobs:
+                return logits, np.asarray(prompt_logprobs)
+            return logits
+
+    def _routed(self, op: str, *args):
+        """Around a method that runs a device program: on rank 0 of several processes, first send
+        `op(*args)` to the other ranks (`StepChannel.step`); a no-op in one process."""
+        return contextlib.nullcontext() if self.channel is None else self.channel.step(op, *args)
+
+    def sample(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
+        """Sample next tokens from `logits` [S, V]; returns host numpy arrays."""
+        with self._routed("sample", sampling, flags):
+            # read inside the routed call: on several processes, rank 0's result means every rank has
+            # read this step's messages, which the channel then deletes (StepChannel.step)
+            return jax.device_get(self._sample_on_device(logits, sampling, flags))
+
+    def sample_async(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
+        """`sample` without reading the result back: device arrays, still being computed
+        (`jax.device_get` reads them). One process only (the other ranks replay `sample`).
+
+        Raises:
+            RuntimeError: the runner leads several processes.
+        """
+        if self.channel is not None:
+            raise RuntimeError("sample_async runs in one process; rank 0 of several processes calls sample")
+        return self._sample_on_device(logits, sampling, flags)
+
+    def _sample_on_device(self, logits: jax.Array, sampling: sampler_lib.SamplingBatch, flags) -> sampler_lib.SampleOutput:
+        target = self._sampler_logits_sharding(flags)
+        if target is not None and logits.sharding != target:
+            logits = jax.device_put(logits, target)
+        key = (logits.shape[0], flags, jax.tree.map(lambda x: x.shape, sampling))
+        exe = self._sample_exec.get(key)
+        if exe is None:
+            exe = self._compile(lambda: self._sample_jit.lower(logits, sampling, flags).compile(), f"sampler {key[:2]}",
+                                feature_variant=True)
+            self._sample_exec[key] = exe
+        return sampler_lib.SampleOutput(*exe(logits, sampling))
+
+    def _sampler_logits_sharding(self, flags):
+        """Under tensor parallelism, greedy sampling reads the vocab-sharded logits as the step returns
+        them (an argmax per shard, then across shards); every other sampler variant gathers them onto
+        every device first (one layout for filters, penalties, masks and logprobs). None without a mesh."""
+        if self.mesh is None:
+            return None
+        if flags.all_greedy:
+            return parallel.vocab_sharding(self.mesh, self.config.vocab_size)
+        return self._replicated
+
+    def _lower_step(
+        self, batch: ForwardBatch, input_logprobs: bool, parts: Sequence[str] = ("embed", "layer", "head")
+    ) -> dict[str, jax.stages.Lowered]:
+        """The programs of one bucket's step, lowered (not yet compiled): "step" for the scan loop;
+        the given `parts` of "embed", "layer" (a group of `layers_per_call` layers) and "head" for the
+        host loop."""
+        if self.layer_loop == "scan":
+            return {"step": self._step_jit[input_logprobs].lower(self.params, self.k_pool, self.v_pool, batch)}
+        outer = llama.outer_params(self.params)
+        num_tokens, dtype = batch.input_ids.shape[0], jax.tree.leaves(outer)[0].dtype
+        h = jax.ShapeDtypeStruct((self.config.hidden_size, num_tokens), dtype, sharding=self._replicated)
+        rope = jax.ShapeDtypeStruct((num_tokens, self.config.head_dim), dtype, sharding=self._replicated)
+        lower = {
+            "embed": lambda: self._embed_jit.lower(outer, batch),
+            "layer": lambda: self._layers_jit.lower(
+                llama.per_layer(self.params)[: self.layers_per_call], h, self.k_pool, self.v_pool,
+                self._first_layer_ids[0], batch, rope, rope,
+            ),
+            "head": lambda: self._head_jit[input_logprobs].lower(outer, h, batch),
+        }
+        return {name: lower[name]() for name in parts}
+
+    def _assemble_step(self, compiled: dict[str, Callable]) -> Callable:
+        if self.layer_loop == "scan":
+            return compiled["step"]
+        return HostLayerLoop(compiled["embed"], compiled["layer"], compiled["head"], self._first_layer_ids)
+
+    def _compile_step(self, key: BucketKey, batch: ForwardBatch, input_logprobs: bool = False) -> Callable:
+        # the host loop's embed and layer programs are the same for both variants: compile only a head
+        other = self._step_exec.get((key, False))
+        if other is None:
+            other = self._step_exec.get((key, True))
+        reused = {"embed": other.embed, "layer": other.layers} if isinstance(other, HostLayerLoop) else {}
+        lowered = self._lower_step(batch, input_logprobs, [p for p in ("embed", "layer", "head") if p not in reused])
+        exe = self._compile(
+            lambda: self._assemble_step({**reused, **{name: low.compile() for name, low in lowered.items()}}),
+            f"step {key}{' with prompt logprobs' if input_logprobs else ''}",
+            feature_variant=input_logprobs,
+        )
+        self._step_exec[(key, input_logprobs)] = exe
+        return exe
+
+    def _compile(self, fn: Callable[[], Callable], what: str, feature_variant: bool = False) -> Callable:
+        """Compile and count. A `feature_variant` (prompt logprobs, a sampler with filters, penalties,
+        a grammar bitmask or top logprobs) is compiled on first use by design, so it is logged at
+        info; any other compile while serving is a bucket precompile missed: a warning."""
+        t0 = time.perf_counter()
+        exe = fn()
+        self.compile_seconds += time.perf_counter() - t0
+        if self.warmed_up:
+            self.num_compiles_after_warmup += 1
+            if feature_variant:
+                logger.info("compiled %s on first use (%.2f s)", what, time.perf_counter() - t0)
+            else:
+                # under --disable-precompile a compile on first use is what was asked for: no warning
+                logger.log(logging.WARNING if self.precompiled else logging.DEBUG,
+                           "compiled %s while serving (%.2f s); precompile covers the usual buckets", what, time.perf_counter() - t0)
+        return exe
+
+    def dummy_entries(self, key: BucketKey) -> list[BatchEntry]:
+        """A batch that lands exactly in bucket `key` (all tokens on the dummy page 0)."""
+        pages = [0] * key.pages_per_seq
+        if key.block_q == 1:
+            return [BatchEntry([0], 0, pages) for _ in range(key.num_seqs)]
+        # one sequence fewer than the bucket so the first one extends by >= 2 tokens (not a decode);
+        # the tokens are spread evenly so that no sequence outgrows its pages_per_seq pages
+        num_seqs = max(1, key.num_seqs - 1)
+        base, extra = divmod(key.num_tokens, num_seqs)
+        lens = [base + (i < extra) for i in range(num_seqs)]
+        assert lens[0] <= key.pages_per_seq * self.page_size, f"bucket {key} cannot be filled"
+        return [BatchEntry([0] * n, 0, pages) for n in lens]
+
+    def precompile(self, sampler_variants: Sequence, show_progress: bool = True) -> None:
+        """Compile every step bucket and the given sampler variants, then mark warm-up done.
+
+        `sampler_variants`: (SamplingBatch, flags) pairs built for each sequence bucket by the engine.
+        """
+        buckets = [k for k in self.all_buckets() if (k, False) not in self._step_exec]
+        jobs: list[tuple[object, Callable]] = []  # (key, lowered); step keys are (bucket, program name)
+        for key in buckets:
+            batch, got = self.build_forward_batch(self.dummy_entries(key))
+            assert got == key, (got, key)
+            jobs += [((key, name), lowered) for name, lowered in self._lower_step(batch, False).items()]
+        for sampling, flags in sampler_variants:
+            s = sampling.temperature.shape[0]
+            logits = jax.ShapeDtypeStruct((s, self.config.vocab_size), jnp.float32,
+                                          sharding=self._sampler_logits_sharding(flags))
+            key = (s, flags, jax.tree.map(lambda x: x.shape, sampling))
+            if key not in self._sample_exec:
+                jobs.append((key, self._sample_jit.lower(logits, sampling, flags)))
+        bar = tqdm(total=len(jobs), desc="Compiling", unit="executable", disable=not show_progress)
+        # XLA compiles outside the GIL: one worker per core roughly divides start-up time by the cores
+        t0 = time.perf_counter()
+        step_parts: dict[BucketKey, dict[str, Callable]] = {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            futures = {pool.submit(lowered.compile): key for key, lowered in jobs}
+            for fut in concurrent.futures.as_completed(futures):
+                key = futures[fut]
+                if isinstance(key[0], BucketKey):
+                    step_parts.setdefault(key[0], {})[key[1]] = fut.result()
+                else:
+                    self._sample_exec[key] = fut.result()
+                bar.update()
+        for key, parts in step_parts.items():
+            self._step_exec[(key, False)] = self._assemble_step(parts)
+        self.compile_seconds += time.perf_counter() - t0
+        bar.close()
+        self.warmed_up = True
+        self.precompiled = True
+
+    def mark_warmed_up(self) -> None:
+        self.warmed_up = True
+
+    # ---- KV page copies (release policy, issue 8) ------------------------------------------------
+    # `KVPageIO` (jaxserve/cache/page_io.py) over the device pools, through device_pages.py's jits.
+
+    def read_pages(self, pages) -> "DevicePageRead":
+        """Start copying K/V of `pages` to the host (`copy_to_host_async`); finish with `.result()`."""
+        idx = padded_page_ids(pages)
+        with self._routed("read_pages", pages):
+            k, v = self._page["gather"](self.k_pool, self.v_pool, idx)
+        k.copy_to_host_async()
+        v.copy_to_host_async()
+        return DevicePageRead(k, v)
+
+    def write_pages(self, pages, k: np.ndarray, v: np.ndarray) -> None:
+        """Write host K/V `[L, len(pages), KVH, ps, D]` into device `pages`. With several processes
+        the contents reach the other ranks through a collective (`StepChannel.share`)."""
+        with self._routed("write_pages", pages, (k.shape, k.dtype.str), (v.shape, v.dtype.str)):
+            if self.channel is not None:
+                k, v = self.channel.share(k, v)
+            idx = padded_page_ids(pages)
+            n, pad = len(pages), len(idx) - len(pages)
+            if pad:
+                widths = [(0, 0), (0, pad)] + [(0, 0)] * (k.ndim - 2)
+                k, v = np.pad(k[:, :n], widths), np.pad(v[:, :n], widths)
+            self.k_pool, self.v_pool = self._page["scatter"](self.k_pool, self.v_pool, idx, k, v)
+
+    def copy_pages(self, src, dst) -> None:
+        """Copy device pages `src` onto `dst` (whole pages, K and V)."""
+        src_idx, dst_idx = padded_page_ids(src), padded_page_ids(dst)
+        with self._routed("copy_pages", src, dst):
+            self.k_pool, self.v_pool = self._page["copy"](self.k_pool, self.v_pool, src_idx, dst_idx)

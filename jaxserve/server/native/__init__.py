@@ -1,0 +1,1 @@
+"""SGLang's native API (POST /generate) and its request schema as data."""

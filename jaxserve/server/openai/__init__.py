@@ -1,0 +1,1 @@
+"""OpenAI's API: completions, chat, models, logprobs, reasoning; responses/ and tools/."""
