@@ -28,34 +28,149 @@ few primitives they need:
   shorter than a page); it is read only by copy-on-write into a fresh page.
 - `remove_leaf` and `merge_child` (path compression) for the policy's host LRU and merging.
 
-Beside it: the node and result types (`radix_node.py`, re-exported here), the eviction heap
-(`radix_eviction.py`), read-only continuation lookups (`radix_lookup.py`), integrity checks
-(`radix_integrity.py`).
+The tree is one concept in one file: its node and result types, its eviction heap, its read-only
+continuation lookup and its integrity check all live here.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
-from typing import Callable, Hashable, Iterator, Sequence
+from typing import Callable, Hashable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 from jaxtyping import Int32
 
-from jaxserve.cache.radix_eviction import is_device_leaf, push_candidate
-from jaxserve.cache.radix_lookup import continuation
-# the node and result types live in radix_node.py; importing them from here keeps working
-from jaxserve.cache.radix_node import _EMPTY_PAGES, InsertResult, MatchResult, TreeNode
-
 __all__ = ["InsertResult", "MatchResult", "RadixCache", "TreeNode"]
+
+_EMPTY_PAGES = np.zeros((0,), dtype=np.int32)
+_node_ids = itertools.count()
+
+
+class TreeNode:
+    """One edge of the radix tree together with the node below it.
+
+    Attributes:
+        key: the token ids of this edge, a tuple of `len(pages) * page_size` ints (empty for the root).
+        pages: [len(key) // page_size] int32 KV page ids holding those tokens.
+        children: child nodes keyed by their first page's tokens (a tuple of page_size ints); the
+            root's keys are `(namespace, first_page_tokens)`.
+        parent: the parent node; None for the root and for nodes removed from the tree.
+        namespace: the namespace (LoRA id, cache salt, ...) of the subtree this node belongs to.
+        lock_ref: number of locks held on this node or on any node below it.
+        last_access_time: time (seconds, from the cache's `time_fn`) of the last match or insert
+            that walked through this node.
+        hit_count: number of `match_prefix` calls that matched (part of) this node.
+        host_pages: host-tier page ids holding this node's KV while the node is host-resident
+            (release policy stage 2), laid out like `pages`; None while it is on the device. A node
+            is in exactly one tier: on the device `pages` is set and `host_pages` None, on the host
+            `pages` is empty. The tree slices it on a split and checks it; copying, recalling and
+            freeing host pages belong to the host tier.
+    """
+
+    __slots__ = (
+        "key",
+        "pages",
+        "children",
+        "parent",
+        "namespace",
+        "lock_ref",
+        "last_access_time",
+        "hit_count",
+        "host_pages",
+        "id",
+        "_in_heap",
+    )
+
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        pages: Int32[np.ndarray, " P"],
+        parent: TreeNode | None,
+        namespace: Hashable,
+        last_access_time: float,
+    ):
+        self.key = key
+        self.pages = pages
+        self.children: dict[Hashable, TreeNode] = {}
+        self.parent = parent
+        self.namespace = namespace
+        self.lock_ref = 0
+        self.last_access_time = last_access_time
+        self.hit_count = 0
+        self.host_pages: Int32[np.ndarray, " P"] | None = None
+        self.id = next(_node_ids)
+        # True while the node has an entry in the eviction heap (at most one entry per node).
+        self._in_heap = False
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    @property
+    def is_on_device(self) -> bool:
+        """True when the node's KV is in the device pool (always for the root)."""
+        return self.host_pages is None
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, num_tokens={len(self.key)}, num_children={len(self.children)}, "
+            f"lock_ref={self.lock_ref}, namespace={self.namespace!r})"
+        )
+
+
+class MatchResult(NamedTuple):
+    """Result of `RadixCache.match_prefix`.
+
+    Attributes:
+        pages: [num_tokens // page_size] int32 page ids of the matched prefix, in sequence order.
+        num_tokens: matched tokens (a multiple of page_size).
+        last_node: the device node the match ends at (the root when nothing matched); lock it to pin
+            the matched prefix.
+        host_nodes: host-resident nodes that continue the match below `last_node`, in path order
+            (each a child of the one before); recalling them extends the match by their tokens.
+    """
+
+    pages: Int32[np.ndarray, " P"]
+    num_tokens: int
+    last_node: TreeNode
+    host_nodes: tuple[TreeNode, ...] = ()
+
+    @property
+    def num_host_tokens(self) -> int:
+        """Tokens matched in host-resident nodes past `num_tokens`."""
+        return sum(len(node.key) for node in self.host_nodes)
+
+
+class InsertResult(NamedTuple):
+    """Result of `RadixCache.insert`.
+
+    Attributes:
+        num_existing_tokens: tokens of the key that were already cached before the call.
+        duplicate_pages: int32 page ids the caller passed for the already-cached part that differ
+            from the tree's own pages there; the tree did not take them and the caller must free them.
+        last_node: the node holding the key's last token (the root for an empty key).
+        freed_host_pages: host-tier page ids of host-resident nodes on the key's path that took the
+            caller's device pages instead; the host tier frees them.
+    """
+
+    num_existing_tokens: int
+    duplicate_pages: Int32[np.ndarray, " D"]
+    last_node: TreeNode
+    freed_host_pages: Int32[np.ndarray, " H"] = _EMPTY_PAGES
+
 
 class RadixCache:
     """Prefix cache over paged KV: match, insert, lock, evict (SGLang RadixAttention).
 
-    Eviction uses a lazily pruned min-heap of unlocked device leaves (`radix_eviction.py`), pushed
-    on insert, unlock, eviction or offload of a last device child, and restore. Access times only
-    grow, so an entry's time is a lower bound of its node's; a popped entry whose time is older than
-    its node's is pushed back with the current time, which keeps the order exact LRU.
+    Eviction uses a lazily pruned min-heap of unlocked device leaves (LRU), pushed on insert, unlock,
+    eviction or offload of a last device child, and restore. Entries are (last_access_time, node id,
+    node); a node has at most one entry (`TreeNode._in_heap`). Entries that went stale (the node was
+    locked, got a device child, moved to the host or was removed) are dropped when popped, or
+    compacted away when the heap outgrows twice the tree. Access times only grow, so an entry's time
+    is a lower bound of its node's; a popped entry whose time is older than its node's is pushed back
+    with the current time, which keeps the order exact LRU.
 
     Args:
         page_size: tokens per KV page (>= 1).
@@ -170,9 +285,50 @@ class RadixCache:
         return MatchResult(pages, num_device_tokens, node, tuple(host_nodes))
 
     def continuation(self, key: Sequence[int], max_tokens: int, namespace: Hashable = None) -> list[int]:
-        """Up to `max_tokens` tokens that the tree holds right after `key`, read-only (see
-        `radix_lookup.continuation`)."""
-        return continuation(self, key, max_tokens, namespace)
+        """Up to `max_tokens` tokens that the tree holds right after `key` (read-only: no split, no
+        lock, no access-time or hit update). Where several cached sequences continue `key`, the most
+        recently used one. Speculative decoding drafts from it: other requests' continuations of the
+        same prefix.
+
+        Returns:
+            The token ids after `key` on a cached path (empty when no cached path extends `key`).
+        """
+        if self.disable or max_tokens <= 0 or not key:
+            return []
+        key = tuple(int(t) for t in key)
+        aligned = len(key) - len(key) % self.page_size
+        node, pos, rest = self._root, 0, None
+        while pos < aligned:
+            child = node.children.get(self._child_key(node, key, pos, namespace))
+            if child is None:
+                return []
+            m = self._match_len(child.key, key[:aligned], pos)
+            if m < len(child.key):
+                if pos + m < aligned:
+                    return []  # diverges inside the node
+                rest = child.key[m:]
+                node = child
+                break
+            pos += m
+            node = child
+        tail = key[aligned:]
+        if rest is None:  # at a node boundary: the child whose first tokens are the tail
+            candidates = [
+                c for k, c in node.children.items()
+                if (k[1] if node is self._root else k)[: len(tail)] == tail
+                and (node is not self._root or k[0] == namespace)
+            ]
+            if not candidates:
+                return []
+            node = max(candidates, key=lambda c: c.last_access_time)
+            rest = node.key
+        if rest[: len(tail)] != tail:
+            return []
+        out = list(rest[len(tail) : len(tail) + max_tokens])
+        while len(out) < max_tokens and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access_time)
+            out += node.key[: max_tokens - len(out)]
+        return out
 
     def insert(
         self,
@@ -513,15 +669,85 @@ class RadixCache:
     def check_integrity(self) -> None:
         """Verify sizes, locks, page counts, tiers, page uniqueness, links and heap coverage.
 
-        Cost is linear in the tree size; run it in tests or when the engine is idle. The checks live in
-        jaxserve/cache/radix_integrity.py.
+        Cost is linear in the tree size; run it in tests or when the engine is idle.
 
         Raises:
             AssertionError: naming the first inconsistency found.
         """
-        from jaxserve.cache.radix_integrity import check_integrity
-
-        check_integrity(self)
+        root = self._root
+        assert root.parent is None and root.key == () and len(root.pages) == 0, "root must be empty"
+        assert root.host_pages is None, "root must be on the device"
+        page_size = self.page_size
+        evictable = protected = host = num_nodes = 0
+        seen_pages: set[int] = set()
+        seen_host_pages: set[int] = set()
+        heap_ids = {entry[2].id for entry in self._heap}
+        assert len(heap_ids) == len(self._heap), "a node has more than one eviction heap entry"
+        for node in self.iter_nodes():
+            num_nodes += 1
+            assert node._in_heap == (node.id in heap_ids), (
+                f"{node!r}: in-heap flag {node._in_heap} disagrees with the eviction heap"
+            )
+            heap_ids.discard(node.id)
+            parent = node.parent
+            assert parent is not None, f"{node!r} has no parent"
+            child_key = self._child_key(parent, node.key, 0, node.namespace)
+            assert parent.children.get(child_key) is node, (
+                f"{node!r} is not its parent's child under its first page {child_key!r}"
+            )
+            assert parent is root or parent.namespace == node.namespace, (
+                f"{node!r} namespace differs from its parent's ({parent.namespace!r})"
+            )
+            if self.is_tail(node):
+                assert not node.children, f"tail {node!r} has children"
+            else:
+                assert len(node.key) > 0 and len(node.key) % page_size == 0, (
+                    f"{node!r}: key of {len(node.key)} tokens is not a positive multiple of page_size"
+                )
+            num_pages = -(-len(node.key) // page_size)
+            assert node.pages.dtype == np.int32 and node.pages.ndim == 1, (
+                f"{node!r}: pages must be a 1-D int32 array, got {node.pages.dtype} {node.pages.shape}"
+            )
+            if node.is_on_device:
+                assert len(node.pages) == num_pages, f"{node!r}: {len(node.pages)} pages for {len(node.key)} tokens"
+                for page in node.pages.tolist():
+                    assert page not in seen_pages, f"page {page} is held twice (again by {node!r})"
+                    seen_pages.add(page)
+            else:
+                assert len(node.pages) == 0, f"host-resident {node!r} still holds device pages"
+                assert node.host_pages.dtype == np.int32 and len(node.host_pages) == num_pages, (
+                    f"{node!r}: {len(node.host_pages)} host pages for {len(node.key)} tokens"
+                )
+                assert node.lock_ref == 0, f"host-resident {node!r} is locked"
+                for page in node.host_pages.tolist():
+                    assert page not in seen_host_pages, f"host page {page} is held twice (again by {node!r})"
+                    seen_host_pages.add(page)
+            assert parent.is_on_device or not node.is_on_device, (
+                f"device node {node!r} below host-resident {parent!r}"
+            )
+            children_locks = sum(child.lock_ref for child in node.children.values())
+            assert node.lock_ref >= children_locks, (
+                f"{node!r}: lock_ref below its children's total ({children_locks})"
+            )
+            if not node.is_on_device:
+                host += len(node.key)
+            elif node.lock_ref > 0:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+                if self._is_device_leaf(node):
+                    assert node._in_heap, f"unlocked device leaf {node!r} is not an eviction candidate"
+        assert root.lock_ref == 0, f"root lock_ref is {root.lock_ref}"
+        assert evictable == self._evictable_size, (
+            f"evictable_size {self._evictable_size} != {evictable} tokens found in the tree"
+        )
+        assert protected == self._protected_size, (
+            f"protected_size {self._protected_size} != {protected} tokens found in the tree"
+        )
+        assert host == self._host_size, f"host_size {self._host_size} != {host} tokens found in the tree"
+        assert num_nodes == self._num_nodes, f"num_nodes {self._num_nodes} != {num_nodes} nodes found"
+        stray = [entry[2] for entry in self._heap if entry[2].id in heap_ids]
+        assert all(node.parent is None for node in stray), "eviction heap holds a node unreachable from the root"
 
     # Internals
 
@@ -593,7 +819,31 @@ class RadixCache:
         self._push_candidate(leaf)
         return leaf
 
-    _is_device_leaf = staticmethod(is_device_leaf)
+    @staticmethod
+    def _is_device_leaf(node: TreeNode) -> bool:
+        """On the device with no child on the device (the eviction candidates, when unlocked)."""
+        if node.host_pages is not None:
+            return False
+        return not node.children or not any(child.host_pages is None for child in node.children.values())
 
     def _push_candidate(self, node: TreeNode) -> None:
-        push_candidate(self._heap, node, self._num_nodes)
+        """Add `node` to the eviction heap unless it has an entry; compact the heap once it holds
+        more than 2 x num_nodes + 64 entries."""
+        if not node._in_heap:
+            node._in_heap = True
+            heapq.heappush(self._heap, (node.last_access_time, node.id, node))
+            if len(self._heap) > 2 * self._num_nodes + 64:
+                self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        """Keep only current candidates, so the next compaction is at least num_nodes pushes away."""
+        heap = self._heap
+        kept = []
+        for entry in heap:
+            node = entry[2]
+            if node.parent is not None and node.lock_ref == 0 and self._is_device_leaf(node):
+                kept.append(entry)
+            else:
+                node._in_heap = False
+        heap[:] = kept  # in place: `evict` holds a reference to the list
+        heapq.heapify(heap)
