@@ -13,7 +13,7 @@ On a GPU it
    `--iters` back-to-back calls ended by `block_until_ready`, best of 3 repeats;
 3. prints the achieved bandwidth (K/V bytes the batch needs / time) against a measured device copy;
 4. with more than one GPU, runs the default model at tp 1 and at tp = all visible GPUs
-   (`scripts/bench_tp.py`'s comparison, Pallas backend, scan layer loop): greedy tokens must agree,
+   (`benchmarks/scale/bench_tp.py`'s comparison, Pallas backend, scan layer loop): greedy tokens must agree,
    and the prefill and decode step times of both are printed (`--no-tp` skips it);
 5. runs the whole engine on the default model (`--engine-model`; `--no-engine` skips it) with the
    GPU's defaults (Pallas attention, scan layer loop, buckets precompiled, the overlap schedule on)
@@ -373,8 +373,7 @@ def print_table(rows, ceiling: float, setup: Setup) -> None:
 
 def run_tp_check(tp: int, report: Report) -> None:
     """The default model at tp 1 and tp `tp` (all visible GPUs): same greedy tokens, step times."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_tp import compare_tp, print_table as print_tp_table
+    from benchmarks.scale.bench_tp import compare_tp, print_table as print_tp_table
 
     n = tp
     while n > 1 and 9 % n:  # the default model has 9 query heads: the largest tp that divides them

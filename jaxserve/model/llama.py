@@ -123,7 +123,7 @@ def _logits_x_wt(hidden: Float[Array, "N E"], head: Float[Array, "V E"]) -> Floa
 
 def _logits_w_x(hidden: Float[Array, "N E"], head: Float[Array, "V E"]) -> Float[Array, "N V"]:
     # [V, N] first, as the layers' W @ x; without the barrier XLA:CPU folds the transpose into the dot,
-    # which is then the x @ W^T kernel again (scripts/bench_verify.py)
+    # which is then the x @ W^T kernel again (benchmarks/speculative/bench_verify.py)
     logits_vn = jnp.einsum("ve,ne->vn", head, hidden, preferred_element_type=jnp.float32)
     return jax.lax.optimization_barrier(logits_vn).T
 

@@ -66,7 +66,7 @@ def ragged_paged_attention_xla(
     that a map over all blocks spent about a fifth of its attention time on (docs/benchmarks.md,
     issue 20's third pass).
     Materializing every block's whole KV bucket at once was 1.5-17x slower on CPU (docs/benchmarks.md,
-    `scripts/bench_attention.py`).
+    `benchmarks/attention/bench_attention.py`).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_kv_heads, page_size, _ = k_pool.shape

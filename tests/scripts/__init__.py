@@ -1,4 +1,4 @@
-"""Tests of the scripts/ tools, which are files, not a package: `load_script` imports one."""
+"""Tests of the scripts/ entry points, which are files, not a package: `load_script` imports one."""
 
 from __future__ import annotations
 
