@@ -20,9 +20,9 @@ import numpy as np
 
 from jaxserve.cache.kv_pool import PoolShape
 from jaxserve.engine.model_runner import BatchEntry, ModelRunner
-from jaxserve.model import llama, numerics, quant
+from jaxserve.model import llama, quant
 from jaxserve.model.loader import load_model
-from jaxserve.pallas import reference
+from jaxserve.pallas import numerics, reference
 from jaxserve.pallas.reference import ragged_paged_attention_xla
 
 PS = 16

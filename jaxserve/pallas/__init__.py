@@ -1,4 +1,5 @@
-"""Attention over the paged KV pool: the pure-XLA path, the Pallas kernel, and the metadata they share.
+"""Attention over the paged KV pool: the pure-XLA path, the Pallas kernel, the metadata they share, and
+the fixed-order float sums (numerics.py) that the model shares with them.
 
 Backends are chosen by name through `get_attention_backend` (`--attention-backend`). Importing this
 package does not import Pallas: the kernel module loads `jax.experimental.pallas` on first call.

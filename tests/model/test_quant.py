@@ -126,7 +126,7 @@ def _step_logits(runner, entries):
 @pytest.mark.parametrize("model", ["tiny", "default"])
 def test_int8_logits_same_bits_in_every_step_shape(tiny_model_dir, model):
     """A token's int8 logits are the same bits decoded alone, beside another request, inside a
-    speculative verification and inside a prefill (model/numerics.py): int8 rounding turns any
+    speculative verification and inside a prefill (pallas/numerics.py): int8 rounding turns any
     last-bit difference into a different text, which made greedy speculation inexact."""
     from jaxserve.runner.model_runner import BatchEntry
     from jaxserve.engine.engine import Engine

@@ -3,8 +3,7 @@
 A speculative verification computes a token in a step of K + 1 tokens that a plain decode computes
 alone, and a batch puts it beside other requests' tokens; greedy speculation is exact only if the
 token's logits are the same bits in every such step. On XLA:CPU they were not, for two reasons, both
-found by comparing one token's activations across step shapes (docs/benchmarks.md, issue 20's
-fifteenth pass):
+found by comparing one token's activations across step shapes:
 
 - a reduction's summation order is chosen by shape: `jnp.sum` over E of a feature-major [E, T]
   block changes order between T < 8 and T >= 8, and a row sum over an attention chunk between query
@@ -14,6 +13,9 @@ fifteenth pass):
 Float32 carries such a last-bit change to the logits as noise of ~1e-5; int8 activations
 (`--quantization w8a8_int8`) round it to a different quantization step, and after 30 layers the
 logits differ by ~1 and greedy text diverges.
+
+It lives in pallas/ because attention (reference.py) and the model (RMSNorm) both use it, and imports
+go one way, model -> pallas.
 """
 
 from __future__ import annotations
