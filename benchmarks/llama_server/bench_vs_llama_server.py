@@ -27,9 +27,11 @@ import subprocess
 import time
 from pathlib import Path
 
-
+from benchmarks.cases import with_case
 from benchmarks.serving import bench_decode_latency as latency
 from benchmarks.serving import bench_serving
+
+CASES = Path(__file__).resolve().parent / "cases"
 
 
 def default_gguf() -> str:
@@ -133,7 +135,7 @@ def print_interleaved(rows: list[dict]) -> None:
                   f"{sum(x <= 1 for x in ratios)} of {len(ratios)} |")
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", required=True, help="path of the llama-server binary")
     p.add_argument("--gguf", default=None, help="default: the default model's GGUF (Q4_1)")
@@ -154,7 +156,12 @@ def main(argv=None) -> None:
                    "one with --jaxserve-flags")
     p.add_argument("--rounds", type=int, default=6, help="--interleaved: counted rounds")
     p.add_argument("--settle-rounds", type=int, default=1, help="--interleaved: rounds run first and not counted")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    p = build_parser()
+    args = p.parse_args(with_case(p, argv, CASES, "benchmarks.llama_server.bench_vs_llama_server"))
     if args.jaxserve_variants and not args.interleaved:
         p.error("--jaxserve-variants needs --interleaved")
     gguf = args.gguf or default_gguf()

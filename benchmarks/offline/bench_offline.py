@@ -17,13 +17,17 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.cases import with_case
 from jaxserve.engine.engine import Engine
 from jaxserve.model.tokenizer import DEFAULT_MODEL_GGUF, default_model_path
+
+CASES = Path(__file__).resolve().parent / "cases"
 
 
 def machine_ceiling() -> tuple[float, float]:
@@ -55,14 +59,19 @@ def decode_itl(seconds, n: int, repeats: int = 3) -> float:
     return (tn - t1) / (n - 1)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128, help="max prompt length; lengths uniform in [len/4, len]")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--batch-1", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(with_case(ap, argv, CASES, "benchmarks.offline.bench_offline"))
 
     rng = np.random.default_rng(0)
     engine = Engine(model_path="default", max_running_requests=max(64, args.num_prompts), chunked_prefill_size=512,

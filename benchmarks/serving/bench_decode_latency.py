@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 import httpx
 
+from benchmarks.cases import with_case
 from benchmarks.serving import bench_serving
 
 SERVE = Path(__file__).resolve().parents[2] / "scripts" / "serve.py"
@@ -440,7 +441,7 @@ def _check_mode_options(p: argparse.ArgumentParser, args: argparse.Namespace) ->
             p.error(f"--{name.replace('_', '-')} does nothing {here}")
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", required=True, help='NAME=FLAGS, e.g. "off=" "ngram=--speculative-algorithm NGRAM"')
     p.add_argument("--workloads", nargs="+", default=[], help="DATASET:CONCURRENCY:NUM_PROMPTS")
@@ -472,7 +473,12 @@ def main(argv=None) -> None:
     p.add_argument("--log-dir", default="/tmp")
     p.add_argument("--output-file", default=None, help="append one JSON line per (variant, workload), with each request's ITLs (s)")
     p.add_argument("--plot", default=None, help="write a PNG: median TPOT per workload, one bar per variant")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    p = build_parser()
+    args = p.parse_args(with_case(p, argv, bench_serving.CASES, "benchmarks.serving.bench_decode_latency"))
     _check_mode_options(p, args)
     base = shlex.split(args.server_flags)
     results = []

@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks.cases import with_case
 from benchmarks.serving.bench_datasets import (  # noqa: F401 -- re-exported: tests and other benchmarks read them here
     DatasetRow,
     PromptSampler,
@@ -55,6 +56,7 @@ from benchmarks.serving.bench_backends import (  # noqa: F401 -- re-exported as 
 )
 
 NUM_ERRORS_SHOWN = 5
+CASES = Path(__file__).resolve().parent / "cases"
 
 
 @dataclass
@@ -449,7 +451,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-file", default=None, help="append one JSON line with the results")
     p.add_argument("--tag", default=None, help="label stored in the output record (plot_bench.py uses it)")
     p.add_argument("--disable-tqdm", action="store_true")
-    return p.parse_args(argv)
+    return p.parse_args(with_case(p, argv, CASES, "benchmarks.serving.bench_serving"))
 
 
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
