@@ -40,8 +40,8 @@ from jaxtyping import Array, Float, Int32
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch
-from jaxserve.model.numerics import pairwise_sum
 from jaxserve.model.quant import ACT_BLOCKS, blocked_shape, int8_matmul
+from jaxserve.pallas.numerics import pairwise_sum
 from jaxserve.pallas.reference import write_kv
 
 Params = dict[str, Any]  # the nested dict of arrays (nnx.to_pure_dict's form)

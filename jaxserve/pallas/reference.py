@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int32
 
-from jaxserve.model.numerics import pairwise_sum
 from jaxserve.pallas.metadata import AttentionMetadata
+from jaxserve.pallas.numerics import pairwise_sum
 
 _MASK_VALUE = -1e30
 KV_BLOCK_TOKENS = 256  # keys per inner-loop step of the XLA path; measured best of 128/256/1024 on CPU
@@ -113,7 +113,7 @@ def ragged_paged_attention_xla(
             new_max = jnp.maximum(run_max, s.max(axis=-1))
             p = jnp.exp(s - new_max[..., None])
             rescale = jnp.exp(run_max - new_max)
-            # a fixed-order sum: a reduce's order here changed with the block's rows (model/numerics.py)
+            # a fixed-order sum: a reduce's order here changed with the block's rows (pallas/numerics.py)
             denom = denom * rescale + pairwise_sum(p, -1)[..., 0]
             pv = jnp.einsum("krs,ksd->krd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return new_max, denom, acc * rescale[..., None] + pv
