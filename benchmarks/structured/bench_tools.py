@@ -108,7 +108,7 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve = Path(__file__).resolve().parent / "serve.py"
+    serve = Path(__file__).resolve().parents[2] / "scripts" / "serve.py"
     proc = subprocess.Popen([sys.executable, str(serve), *flags, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.serving import bench_serving
 from tests.server.conftest import wait_idle
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
 
 
 def scrape(http) -> dict[str, float]:
@@ -53,11 +49,7 @@ def test_counters_equal_known_totals(http):
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_serving_for_metrics", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script executes
-    spec.loader.exec_module(module)
-    return module
+    return bench_serving
 
 
 @pytest.mark.parametrize("dataset", ["random", "generated-shared-prefix", "sharegpt"])
