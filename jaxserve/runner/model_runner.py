@@ -153,7 +153,7 @@ def embed_step(
     """The start of a host-loop step: `llama.embed_tokens` (residual stream [E, T], RoPE cos and sin
     [T, D]), and `batch` itself returned as device arrays for the step's other programs. The step's batch then crosses to the device once, as numpy
     arguments of this call: with a `jax.device_put` of its 12 arrays first, the call took 4-5x longer
-    (jax 0.10.2, CPU; docs/decisions.md)."""
+    (jax 0.10.2, CPU; D-06)."""
     return llama.embed_tokens(params, batch, config=config), batch
 
 
