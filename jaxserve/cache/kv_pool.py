@@ -215,6 +215,10 @@ class PageAllocator:
     def num_usable(self) -> int:
         return self.num_pages - 1
 
+    def free_pages(self) -> list[int]:
+        """The page ids now free (a copy), for integrity checks."""
+        return list(self._free)
+
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= len(self._free)
 

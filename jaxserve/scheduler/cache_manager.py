@@ -197,7 +197,7 @@ class CacheManager:
                     continue
                 assert int(p) not in owners, f"page {p} owned twice (request {req.rid})"
                 owners[int(p)] = req.rid
-        free = set(int(p) for p in self.allocator._free)
+        free = set(self.allocator.free_pages())
         assert not free & set(owners), f"pages both free and owned: {sorted(free & set(owners))[:10]}"
         total = len(free) + len(owners)
         assert total == self.allocator.num_usable, f"{self.allocator.num_usable - total} pages leaked"
