@@ -57,12 +57,13 @@ class Program:
         """
         sampling = {k: kwargs.pop(k) for k in SAMPLING_DEFAULTS if k in kwargs and k not in self._arg_names()}
         defaults = _sampling_defaults(sampling)
-        state = ProgramState(context=ProgramContext(backend or get_default_backend(), defaults, stream))
+        ctx = ProgramContext(backend or get_default_backend(), defaults, stream)
+        state = ProgramState(context=ctx)
         bound = self.signature.bind(state, *args, **kwargs)
         if stream:
-            threading.Thread(target=self._execute, args=(state, bound, False), name=f"program-{self.__name__}", daemon=True).start()
+            threading.Thread(target=self._execute, args=(ctx, bound, False), name=f"program-{self.__name__}", daemon=True).start()
         else:
-            self._execute(state, bound, True)
+            self._execute(ctx, bound, True)
         return state
 
     __call__ = run
@@ -108,8 +109,7 @@ class Program:
     def _arg_names(self) -> set[str]:
         return set(list(self.signature.parameters)[1:])
 
-    def _execute(self, state: ProgramState, bound: inspect.BoundArguments, reraise: bool) -> None:
-        ctx = state._ctx
+    def _execute(self, ctx: ProgramContext, bound: inspect.BoundArguments, reraise: bool) -> None:
         ctx.begin()
         error = None
         try:
