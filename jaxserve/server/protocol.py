@@ -110,7 +110,7 @@ class ResponseFormat(_Request):
     json_schema: dict[str, Any] | None = None
 
 
-class _OpenAISampling(_Request):
+class OpenAISampling(_Request):
     """Fields shared by completions and chat completions. `max_completion_tokens` is OpenAI's newer
     name of `max_tokens`; given both, the smaller one applies. `logit_bias` maps token ids (as
     strings) to a bias in [-100, 100] added to their logits, at most 300 entries."""
@@ -146,7 +146,7 @@ class _OpenAISampling(_Request):
     rid: str | None = None
 
 
-class CompletionRequest(_OpenAISampling):
+class CompletionRequest(OpenAISampling):
     """POST /v1/completions. `prompt`: a text, a list of texts, token ids, or a list of those.
     `max_tokens` defaults to 16 (OpenAI's default), cut to what the context leaves."""
 
@@ -215,7 +215,7 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_OpenAISampling):
+class ChatCompletionRequest(OpenAISampling):
     """POST /v1/chat/completions. Without max_tokens / max_completion_tokens the reply may use the
     rest of the context.
 

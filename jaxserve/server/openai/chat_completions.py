@@ -51,10 +51,10 @@ from jaxserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    OpenAISampling,
     PromptTokensDetails,
     ToolCallDelta,
     UsageInfo,
-    _OpenAISampling,
 )
 from jaxserve.server.metrics import mark_streaming
 from jaxserve.server.field_types import check_field_types
@@ -66,7 +66,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 # ---- request -> engine ----------------------------------------------------------------------------
-def sampling_params_of(req: _OpenAISampling, max_new_tokens: int, ebnf: str | None = None) -> dict[str, Any]:
+def sampling_params_of(req: OpenAISampling, max_new_tokens: int, ebnf: str | None = None) -> dict[str, Any]:
     """The engine's sampling-params dict for an OpenAI request (absent fields keep their defaults);
     `ebnf` is a grammar the API layer imposes (a forced tool call) in place of the request's."""
     d = {
@@ -94,7 +94,7 @@ def sampling_params_of(req: _OpenAISampling, max_new_tokens: int, ebnf: str | No
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _json_schema_of(req: _OpenAISampling) -> str | None:
+def _json_schema_of(req: OpenAISampling) -> str | None:
     schema = json.dumps(req.json_schema) if isinstance(req.json_schema, dict) else req.json_schema
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
@@ -113,7 +113,7 @@ def _json_schema_of(req: _OpenAISampling) -> str | None:
     return json.dumps(inner)
 
 
-def max_tokens_of(req: _OpenAISampling) -> tuple[int | None, str]:
+def max_tokens_of(req: OpenAISampling) -> tuple[int | None, str]:
     """(the requested output length or None, the field that set it): max_completion_tokens replaces
     max_tokens; given both, the smaller applies (as OpenAI documents)."""
     given = [(v, f) for v, f in ((req.max_tokens, "max_tokens"), (req.max_completion_tokens, "max_completion_tokens"))
@@ -123,7 +123,7 @@ def max_tokens_of(req: _OpenAISampling) -> tuple[int | None, str]:
     return min(given)
 
 
-def _renames(req: _OpenAISampling, prompt_field: str, max_field: str, top_field: str) -> dict[str, str]:
+def _renames(req: OpenAISampling, prompt_field: str, max_field: str, top_field: str) -> dict[str, str]:
     """Engine field -> OpenAI field, for error messages."""
     renames = {
         "max_new_tokens": max_field,
@@ -138,7 +138,7 @@ def _renames(req: _OpenAISampling, prompt_field: str, max_field: str, top_field:
 
 
 def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[list[int], str | None, int]],
-            req: _OpenAISampling, return_logprob: bool, top_logprobs_num: int, *,
+            req: OpenAISampling, return_logprob: bool, top_logprobs_num: int, *,
             logprob_start_len: int = -1, ebnf: str | None = None, think_end_ids: tuple[int, ...] = ()) -> None:
     """Submit (token ids, rid, max_new_tokens) per prompt; a validation error aborts the ones before it.
     `think_end_ids`: the grammar applies after these tokens (`reasoning.grammar_think_end_ids`)."""
@@ -199,7 +199,7 @@ def _failure_response(outputs: list[StepOutput]) -> Response | None:
     return None
 
 
-def _new_rid(req: _OpenAISampling) -> str:
+def _new_rid(req: OpenAISampling) -> str:
     return req.rid or uuid.uuid4().hex
 
 
@@ -330,7 +330,7 @@ def _completion_stream(group: RequestGroup, req: CompletionRequest, response_id:
 
 async def _stream_events(
     group: RequestGroup,
-    req: _OpenAISampling,
+    req: OpenAISampling,
     *,
     opening: list[str],
     logprobs_since: Callable[[StepOutput, int], Any] | None,

@@ -9,11 +9,11 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from jaxserve.server.errors import APIError
-from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from jaxserve.server.request_checks import check_logit_bias_keys, check_seed
 
 
-def check_openai_request(req: _OpenAISampling) -> None:
+def check_openai_request(req: OpenAISampling) -> None:
     """Checks made on both endpoints: `stream_options` only with `stream: true` (OpenAI's rule); a
     `seed` in the signed 64-bit range (`request_checks.check_seed`); `logit_bias` naming each token once.
 
