@@ -2,7 +2,7 @@
 
     engine = Engine(model_path="default", max_total_tokens=4096)
     engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
-    rids = engine.add_request([1, 2, 3], {"max_new_tokens": 4}); outs = engine.step(); engine.abort(rid)
+    rids = engine.add_request(GenerateInput([1, 2, 3], {"max_new_tokens": 4})); outs = engine.step(); engine.abort(rid)
 
 `step()` = schedule -> forward (jitted) -> sample (jitted) -> postprocess. The jitted core is
 `jaxserve.runner.model_runner.forward_step`, a pure function of (params, k_pool, v_pool, ForwardBatch).
@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -31,13 +31,13 @@ from jaxserve.runner import sampler as sampler_lib
 from jaxserve.scheduler.cache_manager import CacheManager
 from jaxserve.engine.context_length import resolve_context_length
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.validation.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.runner.buckets import EXTEND_BLOCK_Q
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.outputs import EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, grammar_spec, new_rid
-from jaxserve.engine.validation.validator import RequestValidator
+from jaxserve.engine.request_input import GenerateInput
+from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
 from jaxserve.engine.sampling_rows import grammar_bitmask, sampler_warmup_variants, sampling_rows
 from jaxserve.scheduler.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from jaxserve.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats
@@ -201,52 +201,39 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
-        self,
-        prompt: str | Sequence[int],
-        sampling_params: SamplingParams | dict | None = None,
-        *,
-        rid: str | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
-        token_ids_logprob: Sequence[int] = (),
-        namespace: Hashable = None,
-        think_end_ids: Sequence[int] = (),
+        self, request: GenerateInput | CheckedInput | str | Sequence[int],
+        sampling_params: SamplingParams | dict | None = None, **fields: Any,
     ) -> list[str]:
-        """Queue a prompt (text or token ids); returns the rids of its `n` sequences.
+        """Queue one prompt; returns the rids of its `n` sequences.
 
-        `token_ids_logprob` (SGLang's field, with `return_logprob`): the logprobs of these ids at
-        every output position go into `meta.output_token_ids_logprobs`. `namespace`: the prefix
-        cache shares KV only between requests of the same namespace (SGLang's `cache_salt`).
-        `think_end_ids` (with a grammar): the reply reasons first, and the grammar applies only after
-        these tokens (the reasoning's end; SGLang's `ReasonerGrammarBackend`, constrained/reasoner.py).
+        `request`: a `GenerateInput` (its fields: request_input.py), checked here once
+        (`RequestValidator.check`), or a `CheckedInput` that passed the server's checks already
+        (`check_submit`), queued as it is. Research code may give the prompt (text or token ids), its
+        sampling params and the other fields by name instead (`GenerateInput.of`).
 
         Raises:
             SamplingParamsError: an invalid sampling parameter (names it).
             RequestError: empty prompt, prompt longer than the context, bad token ids, with logprobs
-                asked for a `logprob_start_len` below -1 or past the prompt (`logprob_start.py`).
+                asked for a `logprob_start_len` below -1 or past the prompt (`logprob_start.py`), a rid
+                in use.
         """
-        params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
-        input_ids = self.tokenize(prompt)
-        self.validate_input_ids(input_ids, params.max_new_tokens)
-        params = self.pool_limits.fit(params, len(input_ids))
-        self.validate_logit_bias(params)
-        self.validate_stop_token_ids(params)
-        if top_logprobs_num < 0 or top_logprobs_num > 20:
-            raise RequestError("top_logprobs_num", f"top_logprobs_num must be in [0, 20], got {top_logprobs_num}")
-        self.validate_token_ids_logprob(token_ids_logprob)
-        if is_checked(return_logprob, top_logprobs_num):
-            check_logprob_start_len(logprob_start_len, len(input_ids))
-        base = rid or new_rid()
+        if isinstance(request, CheckedInput):
+            if sampling_params is not None or fields:
+                raise TypeError("give a CheckedInput alone")
+            checked = request
+        else:
+            checked = self.validator.check(GenerateInput.of(request, sampling_params, **fields))
+        request, input_ids, params = checked.request, checked.input_ids, checked.params
+        base = request.rid or new_rid()
         if base in self._reqs or any(f"{base}-{i}" in self._reqs for i in range(params.n)):
             raise RequestError("rid", f"request id {base!r} is already in use")
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
         now = time.perf_counter()
         for i, r in enumerate(rids):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
-            req = Req(r, list(input_ids), params, return_logprob or top_logprobs_num > 0, top_logprobs_num,
-                      logprob_start_len, tuple(token_ids_logprob), namespace, arrival_time=now, seed=seed,
-                      think_end_ids=tuple(think_end_ids))
+            req = Req(r, list(input_ids), params, request.return_logprob or request.top_logprobs_num > 0,
+                      request.top_logprobs_num, request.logprob_start_len, tuple(request.token_ids_logprob),
+                      request.namespace, arrival_time=now, seed=seed, think_end_ids=tuple(request.think_end_ids))
             self._reqs[r] = req
             self._detok[r] = IncrementalDetokenizer(self.tokenizer, input_ids, params, self.eos_token_ids)
             self.stats.num_requests += 1
@@ -553,7 +540,7 @@ class Engine:
         if len(params) != len(prompts):
             raise RequestError("sampling_params", "one sampling_params per prompt is required")
         rids = [
-            self.add_request(p, sp, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+            self.add_request(GenerateInput(p, sp, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num))
             for p, sp in zip(prompts, params)
         ]
         results: dict[str, dict] = {}

@@ -1,7 +1,7 @@
 """EngineLoop: runs `Engine.step()` in one background thread and lets other threads submit requests.
 
     loop = EngineLoop(engine); loop.start()
-    rids = loop.submit("Hello", {"max_new_tokens": 8}, on_output=print)   # validated here, now
+    rids = loop.submit(GenerateInput("Hello", {"max_new_tokens": 8}), on_output=print)   # checked here, now
     loop.abort(rids[0]); loop.flush_cache().result(); loop.shutdown()
 
 Threads: the engine (scheduler, cache, tree, model runner) is touched only by the loop thread. Callers
@@ -20,10 +20,10 @@ schedule. The load snapshot published then carries fresh radix-cache stats (they
 refreshed at most once a second), so /metrics read while idle is not a snapshot from up to a second
 before the last step.
 
-Validation (sampling params, tokenization, prompt length, grammar compilation; `request_validation.py`)
-runs synchronously in the caller's thread, through the engine's read-only, thread-safe methods (`tokenize`,
-`validate_input_ids`, `compile_grammar`), so a bad request raises at `submit` and never reaches the
-loop.
+Validation (sampling params, tokenization, prompt length, grammar compilation; `validation/validator.py`)
+runs once, synchronously in the caller's thread, through the engine's read-only, thread-safe methods
+(`tokenize`, `validate_input_ids`, `compile_grammar`), so a bad request raises at `submit` and never
+reaches the loop, which queues the checked request as it is.
 
 Engine death: a step that raises (a bug, an XLA error, out of memory) ends the loop for good. Every
 pending request (running, queued or still in the inbox) gets at once an abort finish reason carrying
@@ -53,12 +53,13 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Sequence
 
 from jaxserve.engine.engine import Engine, RequestError, RequestMeta, StepOutput
 from jaxserve.engine.engine_load import EngineLoad, snapshot_load
 from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
 from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
+from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.validator import check_submit, tokenize_for_submit
 from jaxserve.parallel.distributed import RankLostError
 
@@ -163,7 +164,7 @@ class EngineLoop:
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a text (no special tokens added), or a validated copy of a list of ids
-        (`request_validation.tokenize_for_submit`; RequestError for a list of non-integers)."""
+        (`validator.tokenize_for_submit`; RequestError for a list of non-integers)."""
         return tokenize_for_submit(self.engine, prompt)
 
     def add_output_observer(self, observer: OutputCallback) -> None:
@@ -236,25 +237,22 @@ class EngineLoop:
     # ---- requests (any thread) ------------------------------------------------------------------
     def submit(
         self,
-        prompt: str | Sequence[int],
+        request: GenerateInput | str | Sequence[int],
         sampling_params: SamplingParams | dict | None = None,
         *,
-        rid: str | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
-        token_ids_logprob: Sequence[int] = (),
-        namespace: Hashable = None,
         on_output: OutputCallback,
         reservation: QueueReservation | None = None,
-        think_end_ids: Sequence[int] = (),
+        **fields: Any,
     ) -> list[str]:
-        """Validate a request now and queue it; returns the rids of its `n` sequences.
+        """Check a request now and queue it; returns the rids of its `n` sequences.
 
-        `on_output` is called on the loop thread with every `StepOutput` of those rids; the last one
-        has `finished=True`. With `reservation` (from `reserve`) its sequences take the batch's held
-        room instead of being checked against the queue again. `think_end_ids`: see `Engine.add_request`. A `max_new_tokens` absent from a dict `sampling_params` defaults to
-        SGLang's 128, cut to what the context leaves; one given explicitly must fit the context.
+        `request`: a `GenerateInput`, or its prompt with the sampling params and other fields by name
+        (`GenerateInput.of`). It is checked once, here (`check_submit`); the loop thread queues the
+        checked request as it is. `on_output` is called on the loop thread with every `StepOutput` of
+        those rids; the last one has `finished=True`. With `reservation` (from `reserve`) its sequences
+        take the batch's held room instead of being checked against the queue again. A `max_new_tokens`
+        absent from a dict `sampling_params` defaults to SGLang's 128, cut to what the context leaves;
+        one given explicitly must fit the context.
 
         Raises:
             SamplingParamsError: an invalid sampling parameter (names it).
@@ -263,23 +261,18 @@ class EngineLoop:
             EngineUnavailableError: the waiting queue is full, or the engine died.
             RuntimeError: the loop is shut down.
         """
-        input_ids, params = check_submit(
-            self.engine, prompt, sampling_params, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-            logprob_start_len=logprob_start_len, token_ids_logprob=token_ids_logprob,
-        )
-        base = rid or new_rid()
+        checked = check_submit(self.engine, GenerateInput.of(request, sampling_params, **fields))
+        input_ids, params = checked.input_ids, checked.params
+        base = checked.request.rid or new_rid()
+        if checked.request.rid is None:
+            checked = dataclasses.replace(checked, request=dataclasses.replace(checked.request, rid=base))
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
 
         def add() -> None:
             try:
-                got = self.engine.add_request(
-                    input_ids, params, rid=base, return_logprob=return_logprob,
-                    top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-                    token_ids_logprob=token_ids_logprob, namespace=namespace,
-                    **({"think_end_ids": tuple(think_end_ids)} if think_end_ids else {}),
-                )
+                got = self.engine.add_request(checked)
                 assert got == rids, (got, rids)
-            except Exception as e:  # validated already: this is an engine bug, fail only this request
+            except Exception as e:  # checked already: this is an engine bug, fail only this request
                 logger.exception("engine.add_request failed for %s", base)
                 self._fail(rids, f"the engine refused the request: {e}", status_code=500)
 

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 from jaxserve.engine.engine import Engine, RequestError, StepOutput
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.engine.request import SamplingParamsError
+from jaxserve.engine.request_input import GenerateInput
 from jaxserve.lang.backend import SCORING_MAX_NEW_TOKENS, Backend, GenChunk, GenResult
 from jaxserve.lang.chat_template import ChatTemplate
 from jaxserve.lang.errors import BackendError
@@ -83,10 +84,10 @@ class EngineBackend(Backend):
     def cache_prefix(self, prompt: str) -> None:
         self.generate(prompt, {"max_new_tokens": SCORING_MAX_NEW_TOKENS, "temperature": 0})
 
-    def _submit(self, prompt: str | Sequence[int], params: dict[str, Any], **kwargs: Any) -> "queue.SimpleQueue[StepOutput]":
+    def _submit(self, prompt: str | Sequence[int], params: dict[str, Any], **fields: Any) -> "queue.SimpleQueue[StepOutput]":
         outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
         try:
-            self.loop.submit(prompt, params, on_output=outputs.put, **kwargs)
+            self.loop.submit(GenerateInput(prompt, params, **fields), on_output=outputs.put)
         except (SamplingParamsError, RequestError) as e:
             raise BackendError(400, str(e), param=e.field) from e
         except RuntimeError as e:  # the loop is shut down

@@ -49,6 +49,7 @@ import jaxserve
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_load import EngineLoad
 from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.engine.request_input import GenerateInput
 from jaxserve.model.tokenizer import tokenizer_files_path
 from jaxserve.server.openai import models as models_api
 from jaxserve.server.native import generate as native_api
@@ -168,7 +169,7 @@ async def health_generate(request: Request) -> Response:
     if not engine_loop.is_running:
         return error_response("the engine loop is not running", 503, code="unavailable")
     group = RequestGroup(engine_loop, is_probe=True)
-    group.submit(engine_loop.tokenize("ping") or [0], {"max_new_tokens": 1, "temperature": 0})
+    group.submit(GenerateInput(engine_loop.tokenize("ping") or [0], {"max_new_tokens": 1, "temperature": 0}))
     mark_unlogged(request, group.rids)  # SGLang's probe is log_metrics=False too
     try:
         outputs = await asyncio.wait_for(group.wait(), HEALTH_GENERATE_TIMEOUT_S)

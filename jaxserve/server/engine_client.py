@@ -28,6 +28,7 @@ from starlette.requests import Request
 from jaxserve.engine.engine import StepOutput
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.engine.queue_admission import QueueReservation
+from jaxserve.engine.request_input import GenerateInput
 
 
 T = TypeVar("T")
@@ -99,10 +100,9 @@ class RequestGroup:
             self._engine_loop.release(self._reservation)
             self._reservation = None
 
-    def submit(self, prompt: str | Sequence[int], sampling_params: dict | None, **kwargs: Any) -> list[str]:
-        """Submit one prompt (keyword arguments as `EngineLoop.submit`); returns its rids."""
-        rids = self._engine_loop.submit(prompt, sampling_params, on_output=self._on_output,
-                                        reservation=self._reservation, **kwargs)
+    def submit(self, request: GenerateInput) -> list[str]:
+        """Submit one prompt (`EngineLoop.submit`); returns its rids."""
+        rids = self._engine_loop.submit(request, on_output=self._on_output, reservation=self._reservation)
         self._first_of_prompt.add(rids[0])
         self.rids += rids
         self._unfinished.update(rids)

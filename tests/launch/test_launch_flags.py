@@ -51,9 +51,9 @@ class ScriptedEngine(FakeEngine):
         self.prompts.append(prompt)
         return super().tokenize(prompt)
 
-    def add_request(self, ids, params, **kwargs):
-        rids = super().add_request(ids, params, **kwargs)
-        self.think_end_ids = tuple(kwargs.get("think_end_ids", ()))
+    def add_request(self, checked):
+        rids = super().add_request(checked)
+        self.think_end_ids = tuple(checked.request.think_end_ids)
         for r in rids:
             self.reqs[r]["max"] = min(self.reqs[r]["max"], len(self.pieces))
         return rids

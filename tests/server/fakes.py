@@ -9,7 +9,8 @@ from types import SimpleNamespace
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine import EngineStats, RequestError, RequestMeta, StepOutput
 from jaxserve.engine.validation.pool_limits import PoolLimits
-from jaxserve.engine.request import SamplingParams, finish_abort, finish_length
+from jaxserve.engine.request import finish_abort, finish_length
+from jaxserve.engine.validation.validator import CheckedInput
 
 
 class FakeEngine:
@@ -47,12 +48,13 @@ class FakeEngine:
     def validate_stop_token_ids(self, params):
         pass
 
-    def add_request(self, ids, params: SamplingParams, *, rid, return_logprob, top_logprobs_num, logprob_start_len,
-                    token_ids_logprob=(), namespace=None, think_end_ids=()):
+    def add_request(self, checked: CheckedInput):
         self.thread_ids.add(threading.get_ident())
+        rid, params = checked.request.rid, checked.params
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         for r in rids:
-            self.reqs[r] = {"prompt": len(ids), "out": [], "max": params.max_new_tokens, "think_end_ids": tuple(think_end_ids)}
+            self.reqs[r] = {"prompt": len(checked.input_ids), "out": [], "max": params.max_new_tokens,
+                            "think_end_ids": tuple(checked.request.think_end_ids)}
         return rids
 
     def _output(self, rid, new, finished, reason=None):

@@ -28,9 +28,9 @@ class RecordingEngine(FakeEngine):
         self.prompts: list[list[int]] = []
         self.order: list[str] = []
 
-    def add_request(self, ids, params, **kw):
-        self.prompts.append(list(ids))
-        rids = super().add_request(ids, params, **kw)
+    def add_request(self, checked):
+        self.prompts.append(list(checked.input_ids))
+        rids = super().add_request(checked)
         self.order += rids
         return rids
 

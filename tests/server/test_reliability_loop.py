@@ -24,8 +24,8 @@ class QueueingEngine(FakeEngine):
         self.max_running = max_running
         self.order: list[str] = []
 
-    def add_request(self, ids, params, **kw):
-        rids = super().add_request(ids, params, **kw)
+    def add_request(self, checked):
+        rids = super().add_request(checked)
         self.order += rids
         return rids
 

@@ -1,10 +1,11 @@
 """Checks a request passes before it reaches the scheduler: its text, ids and fields against the model.
 
-Two callers: `Engine` (its `tokenize` / `validate_*` methods hand over to a `RequestValidator`
-holding the model's vocabulary, context length and pool bounds), and `EngineLoop.submit`, which
-runs `check_submit` in the caller's thread through the engine's thread-safe methods, so a bad
-request raises there and never reaches the loop thread. Every refusal is a `RequestError` naming
-its field (the server's HTTP 400).
+Two paths, each checking a `GenerateInput` once and turning it into a `CheckedInput`:
+`Engine.add_request` (in-process callers) runs `RequestValidator.check`, which holds the model's
+vocabulary, context length and pool bounds; `EngineLoop.submit` (the server) runs `check_submit` in the
+caller's thread through the engine's read-only, thread-safe methods, so a bad request raises there and
+never reaches the loop thread, which queues the `CheckedInput` as it is. Every refusal is a
+`RequestError` naming its field (the server's HTTP 400).
 """
 
 from __future__ import annotations
@@ -18,10 +19,22 @@ from jaxserve.engine.validation.logprob_start import check_logprob_start_len, is
 from jaxserve.engine.outputs import ContextLengthError, RequestError
 from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.request_input import GenerateInput
 
 MAX_TOKEN_IDS_LOGPROB = 128  # a bound of ours: the sampler gathers a padded [S, L] block of logprobs
 MAX_TOP_LOGPROBS = 20
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "choices")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedInput:
+    """A `GenerateInput` that passed every check of its values: its prompt's token ids and its built
+    `SamplingParams` (max_new_tokens cut to what the context and the KV pool leave). Only this module
+    makes one; `Engine.add_request` queues it without checking it again."""
+
+    request: GenerateInput
+    input_ids: list[int]
+    params: SamplingParams
 
 
 class RequestValidator:
@@ -44,6 +57,32 @@ class RequestValidator:
         self.pool_limits = pool_limits
         self.chunked_prefill_size = chunked_prefill_size
         self.max_prefill_tokens = max_prefill_tokens
+
+    def check(self, request: GenerateInput) -> CheckedInput:
+        """The checks of `Engine.add_request` (in-process callers): as `check_submit`, except that a
+        max_new_tokens over the context is left to the context's bound and a grammar is compiled later
+        (an invalid one aborts its request).
+
+        Raises:
+            SamplingParamsError: an invalid sampling parameter (names it).
+            RequestError: empty prompt, prompt longer than the context, bad token ids, top_logprobs_num
+                outside [0, 20], with logprobs asked for a `logprob_start_len` below -1 or past the
+                prompt (`logprob_start.py`).
+        """
+        sp = request.sampling_params
+        params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
+        input_ids = self.tokenize(request.prompt)
+        self.validate_input_ids(input_ids, params.max_new_tokens)
+        params = self.pool_limits.fit(params, len(input_ids))
+        self.validate_logit_bias(params)
+        self.validate_stop_token_ids(params)
+        top = request.top_logprobs_num
+        if top < 0 or top > MAX_TOP_LOGPROBS:
+            raise RequestError("top_logprobs_num", f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        self.validate_token_ids_logprob(request.token_ids_logprob)
+        if is_checked(request.return_logprob, top):
+            check_logprob_start_len(request.logprob_start_len, len(input_ids))
+        return CheckedInput(request, input_ids, params)
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a text (no special tokens added), or the ids of a list as ints.
@@ -134,29 +173,23 @@ def tokenize_for_submit(engine: Any, prompt: str | Sequence[int]) -> list[int]:
     return list(prompt)
 
 
-def check_submit(
-    engine: Any,
-    prompt: str | Sequence[int],
-    sampling_params: SamplingParams | dict | None,
-    *,
-    return_logprob: bool,
-    top_logprobs_num: int,
-    logprob_start_len: int,
-    token_ids_logprob: Sequence[int],
-) -> tuple[list[int], SamplingParams]:
-    """`EngineLoop.submit`'s checks of a request, in the caller's thread; returns its ids and params.
+def check_submit(engine: Any, request: GenerateInput) -> CheckedInput:
+    """`EngineLoop.submit`'s checks of a request, in the caller's thread, through the engine's read-only,
+    thread-safe methods.
 
     A `max_new_tokens` absent from a dict `sampling_params` defaults to SGLang's 128, cut to what the
-    context leaves; one given explicitly must fit the context.
+    context leaves; one given explicitly must fit the context. Either is then cut to what the KV pool
+    holds for one request (`PoolLimits.fit`).
 
     Raises:
         SamplingParamsError: an invalid sampling parameter (names it).
         RequestError: empty or too long prompt, bad token ids (`tokenize_for_submit`), bad top_logprobs_num or logprob_start_len,
             an invalid regex / json_schema / ebnf (its field; compiled here, in the caller's thread).
     """
+    sampling_params = request.sampling_params
     params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
     explicit_max = isinstance(sampling_params, SamplingParams) or (sampling_params or {}).get("max_new_tokens") is not None
-    input_ids = tokenize_for_submit(engine, prompt)
+    input_ids = tokenize_for_submit(engine, request.prompt)
     engine.validate_input_ids(input_ids, params.max_new_tokens)
     if params.logit_bias:
         engine.validate_logit_bias(params)
@@ -172,13 +205,14 @@ def check_submit(
                 f"{engine.context_length}",
             )
         params = dataclasses.replace(params, max_new_tokens=room)
+    top_logprobs_num = request.top_logprobs_num
     if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
         raise RequestError("top_logprobs_num", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}")
     check_grammar(engine, params)
-    engine.validate_token_ids_logprob(token_ids_logprob)
-    if is_checked(return_logprob, top_logprobs_num):
-        check_logprob_start_len(logprob_start_len, len(input_ids))
-    return input_ids, params
+    engine.validate_token_ids_logprob(request.token_ids_logprob)
+    if is_checked(request.return_logprob, top_logprobs_num):
+        check_logprob_start_len(request.logprob_start_len, len(input_ids))
+    return CheckedInput(request, input_ids, engine.pool_limits.fit(params, len(input_ids)))
 
 
 def check_grammar(engine: Any, params: SamplingParams) -> None:

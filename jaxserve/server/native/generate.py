@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
-from jaxserve.engine.validation.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.request import MAX_N, SamplingParamsError
+from jaxserve.engine.request_input import GenerateInput
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.field_types import NATIVE_FIELD_TYPES, check_field_types
@@ -33,18 +33,6 @@ from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
 from jaxserve.server.request_checks import check_logit_bias_keys, check_seed
 from jaxserve.server.native.sglang_fields import SAMPLING_FIELD_NAMES, check_request, check_sampling_params
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prompt:
-    prompt: str | list[int]
-    sampling_params: dict[str, Any]
-    rid: str | None
-    return_logprob: bool
-    top_logprobs_num: int
-    logprob_start_len: int
-    token_ids_logprob: list[int]
-    namespace: tuple[str | None, str | None] | None  # the prefix cache's namespace: (cache_salt, extra_key)
 
 
 def _per_prompt(name: str, value: Any, num: int, is_one: bool) -> list[Any]:
@@ -65,8 +53,9 @@ def _takes_lists(req: GenerateRequest, is_batch: bool) -> bool:
     return is_batch or (isinstance(n, int) and not isinstance(n, bool) and n > 1)
 
 
-def _expand(req: GenerateRequest) -> tuple[list[_Prompt], bool, str]:
+def _expand(req: GenerateRequest, think_end_ids: tuple[int, ...] = ()) -> tuple[list[GenerateInput], bool, str]:
     """The prompts of a request, whether it is a batch, and the name of its prompt field.
+    `think_end_ids`: a grammar applies after these tokens (`require_reasoning`).
 
     A string `rid` of a batch becomes `<rid>_<i>` per prompt (SGLang's `_normalize_rid`). One prompt
     takes no list for a per-prompt field (`sampling_params` included: SGLang fails on it), unless its n
@@ -108,7 +97,7 @@ def _expand(req: GenerateRequest) -> tuple[list[_Prompt], bool, str]:
     namespaces = [None if salt is None and key is None else (salt, key) for salt, key in zip(cols["cache_salt"], cols["extra_key"])]
     rows = zip(prompts, map(dict, params), cols["rid"], cols["return_logprob"], cols["top_logprobs_num"],
                cols["logprob_start_len"], ids, namespaces)
-    return [_Prompt(*row) for row in rows], is_batch, field
+    return [GenerateInput(*row, think_end_ids=think_end_ids) for row in rows], is_batch, field
 
 
 def sampling_param_path(name: str, index: int | None) -> str:
@@ -175,12 +164,10 @@ class _Sequence:
     logprobs: LogprobKeys | None = None
 
 
-def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], field: str,
-            tokenize: Callable[[str | list[int]], list[int]], is_batch: bool = False,
-            think_end_ids: tuple[int, ...] = ()) -> dict[str, _Sequence]:
+def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[GenerateInput], field: str,
+            tokenize: Callable[[str | list[int]], list[int]], is_batch: bool = False) -> dict[str, _Sequence]:
     """Submit every prompt; returns what the response needs of each sequence, by rid. A bad prompt
-    of a batch is named with its index (`text[1]`), as a bad `sampling_params[1]` is.
-    `think_end_ids`: a grammar applies after these tokens (`require_reasoning`)."""
+    of a batch is named with its index (`text[1]`), as a bad `sampling_params[1]` is."""
     rename = {"prompt": field, "input_ids": field}
     sequences: dict[str, _Sequence] = {}
     num_submitted: list[int] = [0]  # prompts submitted: the next one is the bad one
@@ -188,7 +175,7 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt], f
     try:
         with group.reserved(sum(_num_sequences(p.sampling_params) for p in prompts), field):
             is_reserved = True
-            _submit_each(group, req, prompts, tokenize, sequences, num_submitted, think_end_ids)
+            _submit_each(group, req, prompts, tokenize, sequences, num_submitted)
     except (SamplingParamsError, RequestError) as e:
         group.abort()  # the prompts of the batch submitted before the bad one
         err = from_engine_error(e, rename)
@@ -223,26 +210,18 @@ def _num_sequences(sampling_params: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
 
 
-def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[_Prompt],
+def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[GenerateInput],
                  tokenize: Callable[[str | list[int]], list[int]], sequences: dict[str, _Sequence],
-                 num_submitted: list[int], think_end_ids: tuple[int, ...] = ()) -> None:
+                 num_submitted: list[int]) -> None:
     """Submit the prompts in order into the group's reservation, recording each sequence in `sequences`
     and counting the prompts in `num_submitted[0]`."""
     for p in prompts:
-        checks_start = is_checked(p.return_logprob, p.top_logprobs_num) and p.logprob_start_len != -1
-        # tokenized once, here when its length or ids are needed
-        prompt = tokenize(p.prompt) if req.return_prompt_token_ids or checks_start else p.prompt
-        if checks_start:
-            check_logprob_start_len(p.logprob_start_len, len(prompt))
-        rids = group.submit(
-            prompt, p.sampling_params, rid=p.rid, return_logprob=p.return_logprob,
-            top_logprobs_num=p.top_logprobs_num, logprob_start_len=p.logprob_start_len,
-            token_ids_logprob=p.token_ids_logprob, namespace=p.namespace,
-            **({"think_end_ids": think_end_ids} if think_end_ids else {}),
-        )
+        if req.return_prompt_token_ids:  # tokenized once, here, when the response needs the ids
+            p = dataclasses.replace(p, prompt=tokenize(p.prompt))
+        rids = group.submit(p)
         keys = LogprobKeys(p.top_logprobs_num > 0, bool(p.token_ids_logprob))
         seq = _Sequence(p.sampling_params.get("stream_interval") or 1,
-                        list(prompt) if req.return_prompt_token_ids else None,
+                        list(p.prompt) if req.return_prompt_token_ids else None,
                         keys if p.return_logprob else None)
         sequences.update(dict.fromkeys(rids, seq))
         num_submitted[0] += 1
@@ -311,14 +290,13 @@ async def generate(request: Request) -> Response:
     engine_loop = request.app.state.engine_loop
     skip_tokenizer = request.app.state.server_args.skip_tokenizer_init
     req = _parse(parse_json_body(await request.body()), skip_tokenizer)
-    prompts, is_batch, field = _expand(req)
-    group = RequestGroup(engine_loop)
     # SGLang's ReasonerGrammarBackend: with --reasoning-parser a reasoning request's grammar waits for </think>
     fmt = request.app.state.reasoning_format
     think_end_ids = () if not req.require_reasoning or fmt is None or skip_tokenizer else \
         tuple(engine_loop.tokenizer.encode(fmt.think_end, add_special_tokens=False))
-    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.tokenize, is_batch,
-                                                          think_end_ids))
+    prompts, is_batch, field = _expand(req, think_end_ids)
+    group = RequestGroup(engine_loop)
+    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.tokenize, is_batch))
     if not req.log_metrics:
         mark_unlogged(request, group.rids)
     tokenizer = engine_loop.tokenizer

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.request import MAX_N, SamplingParamsError
+from jaxserve.engine.request_input import GenerateInput
 from jaxserve.server.openai.chat_prompt import chat_prompt
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
@@ -146,10 +147,9 @@ def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[li
     try:
         with group.reserved(len(prompts) * n, "n" if len(prompts) == 1 else "prompt"):
             for ids, rid, max_new_tokens in prompts:
-                group.submit(ids, sampling_params_of(req, max_new_tokens, ebnf), rid=rid,
-                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                             logprob_start_len=logprob_start_len,
-                             **({"think_end_ids": think_end_ids} if think_end_ids else {}))
+                group.submit(GenerateInput(ids, sampling_params_of(req, max_new_tokens, ebnf), rid=rid,
+                                           return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                                           logprob_start_len=logprob_start_len, think_end_ids=think_end_ids))
     except (SamplingParamsError, RequestError) as e:
         group.abort()
         raise from_engine_error(e, renames) from None
