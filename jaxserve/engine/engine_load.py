@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxserve.engine.engine import Engine, EngineStats
+from jaxserve.cache.release_policy import RadixCacheStats
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.outputs import EngineSnapshot, EngineStats
+from jaxserve.engine.request import Req
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +34,11 @@ class EngineLoad:
     num_rejected_queue_full: int = 0  # submits refused because the waiting queue was full
     num_queue_timeouts: int = 0  # requests ended after waiting longer than the queue timeout
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
-    snapshot: Any = None  # the engine's own `EngineSnapshot` (for /metrics), where it has one
-    radix_cache: Any = None  # the release policy's `RadixCacheStats`: at most 1 s old while busy, fresh when idle
+    snapshot: EngineSnapshot | None = None  # the engine's own counters and gauges (for /metrics); None before the first
+    radix_cache: RadixCacheStats | None = None  # at most 1 s old while busy, fresh when idle; None: no radix cache
 
 
-def _chunked_rest(req) -> int:
+def _chunked_rest(req: Req | None) -> int:
     """Tokens of a partly prefilled request not yet in the KV pool (0 for None)."""
     return 0 if req is None else max(0, req.fill_len - req.kv_len)
 
@@ -51,8 +54,8 @@ def snapshot_load(engine: Engine, **loop_fields: Any) -> EngineLoad:
         kv_cached_tokens=engine.tree.total_size(),
         kv_locked_tokens=engine.tree.protected_size(),
         num_waiting_tokens=sum(r.fill_len for r in engine.scheduler.waiting),
-        num_chunked_rest_tokens=_chunked_rest(getattr(engine.scheduler, "chunked_req", None)),
+        num_chunked_rest_tokens=_chunked_rest(engine.scheduler.chunked_req),
         stats=dataclasses.replace(engine.stats),
-        snapshot=engine.snapshot() if hasattr(engine, "snapshot") else None,
+        snapshot=engine.snapshot(),
         **loop_fields,
     )

@@ -55,6 +55,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from jaxserve.cache.release_policy import RadixCacheStats
 from jaxserve.engine.engine import Engine, RequestError, RequestMeta, StepOutput
 from jaxserve.engine.engine_load import EngineLoad, snapshot_load
 from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
@@ -130,7 +131,7 @@ class EngineLoop:
         self._num_step_failures = 0
         self._last_step_time: float | None = None
         self._observers: list[OutputCallback] = []
-        self._radix_stats = None
+        self._radix_stats: RadixCacheStats | None = None
         self._radix_stats_time = float("-inf")
 
     # ---- what the server reads (immutable after construction) ------------------------------------
@@ -553,11 +554,11 @@ class EngineLoop:
             last_step_time=self._last_step_time, num_rejected_queue_full=self._admission.num_rejected,
             num_queue_timeouts=self._num_queue_timeouts, radix_cache=self._radix_cache_stats(fresh_radix_stats))
 
-    def _radix_cache_stats(self, fresh: bool):
+    def _radix_cache_stats(self, fresh: bool) -> RadixCacheStats | None:
         """The tree walk costs O(nodes), so while busy it runs here on the loop thread at most once a
         second; `fresh` (the engine is idle) refreshes it now."""
         now = time.monotonic()
-        if (fresh or now - self._radix_stats_time >= 1.0) and hasattr(self.engine, "radix_cache_stats"):
+        if fresh or now - self._radix_stats_time >= 1.0:
             self._radix_stats = self.engine.radix_cache_stats()
             self._radix_stats_time = now
         return self._radix_stats

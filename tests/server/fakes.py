@@ -24,7 +24,7 @@ class FakeEngine:
         self.num_steps = 0
         self.fail_next_step = False
         self.stats = EngineStats()
-        self.scheduler = SimpleNamespace(num_running=0, waiting=[])
+        self.scheduler = SimpleNamespace(num_running=0, waiting=[], chunked_req=None)
         self.cache = SimpleNamespace(used_tokens=lambda: 16 * len(self.reqs))
         self.tree = SimpleNamespace(total_size=lambda: 0, protected_size=lambda: 0)
         self.pool_shape = SimpleNamespace(num_tokens=1024)
@@ -85,6 +85,12 @@ class FakeEngine:
             return False
         self.finished.append(self._output(rid, [], True, finish_abort("aborted by the client")))
         return True
+
+    def snapshot(self):  # Engine's counters and gauges: the fake has none (/metrics leaves them out)
+        return None
+
+    def radix_cache_stats(self):
+        return None
 
     def has_unfinished(self):
         return bool(self.reqs or self.finished)
