@@ -31,8 +31,9 @@ from jaxserve.runner import sampler as sampler_lib
 from jaxserve.scheduler.cache_manager import CacheManager
 from jaxserve.engine.context_length import resolve_context_length
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.output_processor import LaunchedBatch, OutputProcessor, StepCounts
 from jaxserve.runner.buckets import EXTEND_BLOCK_Q
-from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.outputs import EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, grammar_spec, new_rid
@@ -40,8 +41,7 @@ from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
 from jaxserve.engine.sampling_rows import grammar_bitmask, sampler_warmup_variants, sampling_rows
 from jaxserve.scheduler.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
-from jaxserve.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats
-from jaxserve.speculative.verify_step import verify_step
+from jaxserve.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts
 from jaxserve.engine.stats_log import prefill_line, prefill_stats
 from jaxserve.model import llama
 from jaxserve.model.loader import load_model, replicate_kv_heads
@@ -171,15 +171,15 @@ class Engine:
         spec_config = SpeculativeConfig.from_server_args(args)
         self.speculator = NgramSpeculator(spec_config, self.tree) if spec_config is not None else None
         self._rng = random.Random(args.random_seed)
-        self._reqs: dict[str, Req] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.processor = OutputProcessor(self.scheduler, self.cache, self.speculator, args.disable_jump_forward)
         self._finished_outside_step: list[StepOutput] = []
         self.stats = EngineStats()
         self._throughput_mark = (time.perf_counter(), 0)
         self._gen_throughput = 0.0
-        self._step_started: float | None = None  # perf_counter seconds at the start of the running step
-        self._inflight: overlap.InflightDecode | None = None  # a decode step whose tokens are not read yet
+        self._inflight: LaunchedBatch | None = None  # a decode step whose tokens are not read yet (overlap)
         self._last_tokens_read = time.perf_counter()
+        # the overlap schedule needs the sampled tokens on the device: one process on one device
+        self._overlap_enabled = not args.disable_overlap_schedule and self.runner.mesh is None and self.runner.channel is None
         if not args.disable_precompile:
             self.runner.precompile(sampler_warmup_variants(
                 (k.num_seqs for k in self.runner.all_buckets()), cfg.vocab_size))
@@ -225,7 +225,7 @@ class Engine:
             checked = self.validator.check(GenerateInput.of(request, sampling_params, **fields))
         request, input_ids, params = checked.request, checked.input_ids, checked.params
         base = request.rid or new_rid()
-        if base in self._reqs or any(f"{base}-{i}" in self._reqs for i in range(params.n)):
+        if base in self.processor.reqs or any(f"{base}-{i}" in self.processor.reqs for i in range(params.n)):
             raise RequestError("rid", f"request id {base!r} is already in use")
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
         now = time.perf_counter()
@@ -234,14 +234,12 @@ class Engine:
             req = Req(r, list(input_ids), params, request.return_logprob or request.top_logprobs_num > 0,
                       request.top_logprobs_num, request.logprob_start_len, tuple(request.token_ids_logprob),
                       request.namespace, arrival_time=now, seed=seed, think_end_ids=tuple(request.think_end_ids))
-            self._reqs[r] = req
-            self._detok[r] = IncrementalDetokenizer(self.tokenizer, input_ids, params, self.eos_token_ids)
+            self.processor.track(req, IncrementalDetokenizer(self.tokenizer, input_ids, params, self.eos_token_ids))
             self.stats.num_requests += 1
             self.stats.prompt_tokens += len(input_ids)
             spec = grammar_spec(params)
             if params.max_new_tokens == 0 and not req.wants_input_logprobs:
-                self._finish(req, finish_length(0))
-                self._finished_outside_step.append(self._output(req, [], ""))
+                self._finish_outside_step(req, finish_length(0))
             elif params.max_new_tokens == 0:  # prompt logprobs only (SGLang's select scores choices so)
                 self.scheduler.add(req)
             elif spec is not None:
@@ -282,13 +280,11 @@ class Engine:
 
     def abort(self, rid: str) -> bool:
         """Stop a request wherever it is and free its pages. Returns False for an unknown rid."""
-        req = self._reqs.get(rid)
+        req = self.processor.reqs.get(rid)
         if req is None or req.is_finished:
             return False
         self.grammar_queue.remove(req)
-        self._finish(req, finish_abort("aborted by the client"))
-        self.stats.num_aborted_requests += 1
-        self._finished_outside_step.append(self._output(req, [], ""))
+        self._finish_outside_step(req, finish_abort("aborted by the client"), is_abort=True)
         return True
 
     def flush_cache(self) -> None:
@@ -312,37 +308,48 @@ class Engine:
     def step_in_flight(self) -> bool:
         """A decode step was launched and its tokens are not read yet (the overlap schedule): the next
         `step` reads them."""
-        return self._inflight is not None
+        return self._inflight is not None and not all(r.is_finished for r in self._inflight.reqs)
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Run one batch (prefill chunk(s) and/or decodes) and return every request's progress.
+        """Run one batch and return every request's progress: schedule -> launch -> read -> process.
 
-        Under the overlap schedule (`overlap.py`) a decode step's tokens come back from the next call:
-        that call launches the following decode step (when it can) before it reads them."""
+        Under the overlap schedule the step's followup decode step is launched before its tokens are
+        read, and read by the next call (`overlap.py`); a verification step reads k tokens per row."""
         self._admit_compiled_grammars()
         outputs, self._finished_outside_step = self._finished_outside_step, []
-        if self._inflight is not None:  # the overlap schedule: a decode step whose tokens are unread
-            more, self._inflight = overlap.complete(self, self._inflight, self._last_tokens_read)
-            self._last_tokens_read = time.perf_counter()
-            return outputs + more
-        batch = self.scheduler.schedule()
-        if batch is None:
+        launched = self._take_step_in_flight() or self._launch(self.scheduler.schedule())
+        launched = launched and self.processor.advance(launched)  # the KV it wrote; drops aborted requests
+        if launched is None:
             self._idle_checks()
             return outputs
-        if logger.isEnabledFor(logging.INFO) and not self.scheduler.is_decode_batch(batch):
+        self._inflight = self._launch_followup(launched)
+        step_outputs, counts = self.processor.process(launched, self._read(launched))
+        self.stats.add(counts)
+        return outputs + step_outputs
+
+    def _take_step_in_flight(self) -> LaunchedBatch | None:
+        """The step in flight, whose tokens this call reads; None without one, or when each of its requests
+        ended (aborted) since its launch."""
+        launched, self._inflight = self._inflight, None
+        return None if launched is None or all(r.is_finished for r in launched.reqs) else launched
+
+    def _launch(self, batch: ScheduleBatch | None) -> LaunchedBatch | None:
+        """Dispatch the forward and sampling of `batch` (None: nothing to run), verifying drafts where
+        the speculator proposes some. The sampled tokens stay on the device under the overlap schedule."""
+        if batch is None:
+            return None
+        started = time.perf_counter()
+        if logger.isEnabledFor(logging.INFO) and not batch.is_decode:
             # SGLang's Prefill batch line (engine/stats_log.py); the snapshot only when it is logged
             stats = prefill_stats(batch.reqs, batch.extend_lens, self.scheduler.running)
             logger.info(prefill_line(stats, self.snapshot()))
-        t0 = self._step_started = time.perf_counter()
-        if self.speculator is not None and self.speculator.should_speculate(batch.reqs, self.scheduler.is_decode_batch(batch)):
+        drafts = [[] for _ in batch.reqs]
+        if self.speculator is not None and self.speculator.should_speculate(batch.reqs, batch.is_decode):
             rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
             drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
-            if any(drafts):
-                return outputs + verify_step(self, batch, drafts, t0)
-        if overlap.is_enabled(self) and self.scheduler.is_decode_batch(batch) and overlap.can_overlap(batch.reqs):
-            self._inflight = overlap.launch(self, batch, t0)
-            return outputs
+        if any(drafts):
+            return self._launch_verify(batch, drafts, started)
         prompt_variant = prompt_logprobs.step_variant(batch.reqs)  # False, or which prompt logprobs
         logits = self.runner.forward(batch.entries(bool(prompt_variant)), input_logprobs=prompt_variant)
         if prompt_variant:
@@ -350,13 +357,60 @@ class Engine:
             prompt_logprobs.record(batch.reqs, batch.extend_lens, prompt_rows)
         bitmask = grammar_bitmask(batch.reqs, self.grammar_backend, self.model_config.vocab_size)
         sampling, flags = self._sampling_rows([(r, ()) for r in batch.reqs], bitmask, logits.shape[0])
-        sampled = self.runner.sample(logits, sampling, flags)  # numpy: converted in the call
-        self._last_tokens_read = time.perf_counter()
-        seconds = self._last_tokens_read - t0
-        self.scheduler.observe_step(batch, seconds)
-        if self.speculator is not None and self.scheduler.is_decode_batch(batch):
-            self.speculator.observe_decode(len(batch.reqs), seconds)
-        return outputs + self._postprocess(batch, sampled)
+        sample = self.runner.sample_async if self._overlap_enabled else self.runner.sample
+        return LaunchedBatch(batch, drafts, list(range(len(batch.reqs))), sample(logits, sampling, flags), started)
+
+    def _launch_verify(self, batch: ScheduleBatch, drafts: list[list[int]], started: float) -> LaunchedBatch:
+        """A verification step: every request's last token and its draft in one forward, one sampled row
+        per (request, draft prefix) (speculative/acceptance.py)."""
+        reqs, bitmask = batch.reqs, None
+        if any(r.grammar is not None for r in reqs):
+            drafts, bitmask = constrain_drafts(reqs, drafts, self.model_config.vocab_size)
+        entries = [BatchEntry([r.fill_ids[r.kv_len]] + d, r.kv_len, r.page_table, num_logits=1 + len(d))
+                   for r, d in zip(reqs, drafts)]
+        logits = self.runner.forward(entries)
+        sampling, flags = self._sampling_rows([(r, d[:j]) for r, d in zip(reqs, drafts) for j in range(len(d) + 1)],
+                                              bitmask, logits.shape[0])
+        rows = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]).tolist()
+        return LaunchedBatch(batch, drafts, rows, self.runner.sample(logits, sampling, flags), started, is_verify=True)
+
+    def _launch_followup(self, launched: LaunchedBatch) -> LaunchedBatch | None:
+        """The overlap schedule: launch the decode step after `launched` before reading its tokens, with
+        its sampled tokens (still on the device) as input, where nothing of the next step needs the host
+        (`overlap.can_follow`) and no request left the batch while it ran (the device's tokens are in the
+        batch's rows). Call after `OutputProcessor.advance`."""
+        if not (self._overlap_enabled and launched.batch.is_decode and not launched.is_verify
+                and launched.rows == list(range(len(launched.reqs))) and overlap.can_follow(launched.reqs)):
+            return None
+        if self.speculator is not None and self.speculator.should_speculate(launched.reqs, True):
+            return None
+        batch = self.scheduler.schedule_followup(launched.reqs)
+        if batch is None:
+            return None
+        started = time.perf_counter()
+        # the token ids are on the device: the entries carry a placeholder
+        entries = [BatchEntry([0], r.kv_len, r.page_table) for r in batch.reqs]
+        logits = self.runner.forward(entries, input_ids=launched.sampled.next_tokens)
+        # the row of a request's token after the one in flight: position len(output_ids) + 1
+        sampling, flags = self._sampling_rows([(r, (0,)) for r in batch.reqs], None, logits.shape[0])
+        self.stats.num_overlapped_steps += 1
+        sampled = self.runner.sample_async(logits, sampling, flags)
+        return LaunchedBatch(batch, [[] for _ in batch.reqs], list(range(len(batch.reqs))), sampled, started)
+
+    def _read(self, launched: LaunchedBatch) -> sampler_lib.SampleOutput:
+        """Wait for `launched`'s sampled tokens and observe how long it took since it was launched or,
+        under the overlap schedule, since the previous step's tokens were read."""
+        sampled = jax.device_get(launched.sampled)
+        now = time.perf_counter()
+        seconds = now - max(launched.launched, self._last_tokens_read)
+        self._last_tokens_read = now
+        self.scheduler.observe_step(launched.batch, seconds)
+        if self.speculator is not None and launched.is_verify:
+            self.speculator.observe_verify(launched.drafts, seconds)
+        elif self.speculator is not None and launched.batch.is_decode:
+            self.speculator.observe_decode(len(launched.reqs), seconds)
+        self._count_step(launched.batch.is_decode_only, launched.launched)
+        return sampled
 
     def _admit_compiled_grammars(self) -> None:
         for ready in self.grammar_queue.pop_ready():
@@ -364,39 +418,27 @@ class Engine:
             if req.is_finished:
                 continue
             if ready.error is not None:
-                self._finish(req, finish_abort(f"invalid grammar: {ready.error}"))
-                self._finished_outside_step.append(self._output(req, [], ""))
+                self._finish_outside_step(req, finish_abort(f"invalid grammar: {ready.error}"))
             else:
                 req.grammar = self.grammar_backend.new_matcher(ready.compiled)
                 if req.think_end_ids:
                     req.grammar = ReasonerMatcher(req.grammar, req.think_end_ids)
                 self.scheduler.add(req)
 
+    def _finish_outside_step(self, req: Req, reason: dict, is_abort: bool = False) -> None:
+        """End `req` between steps (aborted, an invalid grammar, nothing to generate); the next `step`
+        returns its output."""
+        counts = StepCounts(num_aborted_requests=int(is_abort))
+        self.processor.finish(req, reason, counts)
+        self.stats.add(counts)
+        self._finished_outside_step.append(self.processor.output(req, [], ""))
+
     def _sampling_rows(self, rows: Sequence[tuple[Req, Sequence[int]]], bitmask: np.ndarray | None, num_seqs: int):
-        """`sampling_rows.sampling_rows` for this model (also called by `speculative/verify_step.py`)."""
+        """`sampling_rows.sampling_rows` for this model: one row per (request, draft tokens before it)."""
         return sampling_rows(rows, bitmask, num_seqs, self.model_config.vocab_size, self.eos_token_ids)
 
-    def _postprocess(self, batch: ScheduleBatch, sampled: sampler_lib.SampleOutput) -> list[StepOutput]:
-        produced = self.scheduler.advance(batch)
-        self._count_step(batch.is_decode_only, self._step_started)
-        now = time.perf_counter()
-        outputs = []
-        for i, (req, is_real) in enumerate(zip(batch.reqs, produced)):
-            if not is_real or req.is_finished:
-                continue
-            if req.sampling_params.max_new_tokens == 0:  # its prompt logprobs are complete
-                self._finish(req, finish_length(0))
-                outputs.append(self._output(req, [], ""))
-                continue
-            new_ids, delta = self._emit_sampled(req, int(sampled.next_tokens[i]), sampled, i, now)
-            if not req.is_finished:
-                more_ids, more_text = self._jump_forward(req)
-                new_ids, delta = new_ids + more_ids, delta + more_text
-            outputs.append(self._output(req, new_ids, delta))
-        return outputs
-
-    def _count_step(self, is_decode_only: bool, started: float | None = None) -> None:
-        """Count a step that began at `started` (perf_counter seconds; None: now) before its tokens are appended."""
+    def _count_step(self, is_decode_only: bool, started: float) -> None:
+        """Count a step that began at `started` (perf_counter seconds) before its tokens are appended."""
         self.stats.num_steps += 1
         self.stats.release_mode = self.cache.release_mode
         if is_decode_only:
@@ -404,75 +446,9 @@ class Engine:
             if self.stats.num_decode_steps % self.args.decode_log_interval == 1 % self.args.decode_log_interval:
                 # the gen throughput window opens at the interval's first step, as SGLang's: not at the last
                 # log line, which left the idle time between them in the average
-                self._throughput_mark = (time.perf_counter() if started is None else started, self.stats.generation_tokens)
+                self._throughput_mark = (started, self.stats.generation_tokens)
             if self.stats.num_decode_steps % self.args.decode_log_interval == 0:
                 self._log_stats()
-
-    def _emit_sampled(self, req: Req, token: int, sampled: sampler_lib.SampleOutput, row: int, now: float):
-        """Append a sampled token (row `row` of `sampled`) with its logprobs; returns (ids, text delta)."""
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.stats.cached_tokens += req.cached_tokens
-        req.last_token_time = now
-        if req.return_logprob:
-            req.output_token_logprobs.append(float(sampled.logprobs[row]))
-            k = req.top_logprobs_num
-            req.output_top_logprobs.append(
-                [(float(sampled.top_logprobs[row, j]), int(sampled.top_ids[row, j])) for j in range(k)]
-            )
-            if req.token_ids_logprob:
-                req.output_token_ids_logprobs.append(
-                    [float(x) for x in sampled.token_ids_logprobs[row, : len(req.token_ids_logprob)]]
-                )
-        return self._append_tokens(req, [token])
-
-    def _jump_forward(self, req: Req) -> tuple[list[int], str]:
-        # Forced tokens are never sampled, so they have no logprobs: requests that return logprobs
-        # sample every token to keep output_token_logprobs aligned with output_ids.
-        if req.grammar is None or self.args.disable_jump_forward or req.return_logprob:
-            return [], ""
-        forced = req.grammar.jump_forward_tokens()[: req.remaining_new_tokens()]
-        if not forced:
-            return [], ""
-        req.num_forced_tokens += len(forced)
-        return self._append_tokens(req, forced)
-
-    def _append_tokens(self, req: Req, tokens: Sequence[int]) -> tuple[list[int], str]:
-        """Append sampled or grammar-forced tokens: detokenize, advance the grammar, detect the finish."""
-        detok = self._detok[req.rid]
-        appended, delta = [], ""
-        for token in tokens:
-            req.output_ids.append(token)
-            appended.append(token)
-            self.stats.generation_tokens += 1
-            res = detok.append(token)
-            delta += res.text_delta
-            if res.finished:
-                self._finish(req, res.finish_reason)
-                break
-            if req.grammar is not None:
-                if not req.grammar.accept_token(token):
-                    self._finish(req, finish_abort(f"grammar rejected token {token}"))
-                    break
-                if req.grammar.is_terminated():  # SGLang reports the last token as matched
-                    self._finish(req, finish_stop(token))
-                    break
-        return appended, delta
-
-    def _finish(self, req: Req, reason: dict) -> None:
-        req.finish_reason = reason
-        req.finished_time = time.perf_counter()
-        self.scheduler.finish(req)
-        self.stats.num_finished_requests += 1
-        if self.speculator is not None:
-            self.speculator.observe_finished(req)
-
-    def _output(self, req: Req, new_ids: list[int], delta: str) -> StepOutput:
-        detok = self._detok[req.rid]
-        finished = req.is_finished
-        if finished:
-            del self._reqs[req.rid], self._detok[req.rid]
-        return StepOutput(req.rid, new_ids, list(req.output_ids), detok.text, delta, finished, self.meta(req))
 
     def meta(self, req: Req) -> RequestMeta:
         return request_meta(req)

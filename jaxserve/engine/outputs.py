@@ -74,6 +74,11 @@ class EngineStats:
     num_overlapped_steps: int = 0  # decode steps launched before the previous step's tokens were read
     release_mode: str = "off"  # gauge: the KV release policy's adaptive mode (jaxserve/cache/adaptive.py)
 
+    def add(self, counts) -> None:
+        """Add what a step counted (`output_processor.StepCounts`, whose fields are counters of ours)."""
+        for field in dataclasses.fields(counts):
+            setattr(self, field.name, getattr(self, field.name) + getattr(counts, field.name))
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineSnapshot:

@@ -1,7 +1,7 @@
 """The sampler's inputs for a batch of requests: one row per token to sample, and the warm-up variants.
 
-`Engine.step` samples one row per request; a verification step (`speculative/verify_step.py`) one row
-per (request, draft prefix). Both build their `SamplingBatch` here, so a request is sampled the same
+A plain step samples one row per request; a verification step (`Engine._launch_verify`) one row per
+(request, draft prefix). Both build their `SamplingBatch` here, so a request is sampled the same
 way whichever step runs it.
 """
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 from jaxserve.scheduler.cache_manager import CacheManager
 from jaxserve.runner.model_runner import BatchEntry
@@ -39,14 +40,32 @@ STAGGER_MIN_SHARED_TOKENS = 32
 
 @dataclass
 class ScheduleBatch:
-    """A host-side batch: each request with the number of new tokens it runs this step."""
+    """A host-side batch: each request with the number of new tokens it runs this step.
+
+    `num_decodes`: how many of `reqs` were running (decoding) when the batch was built; they come last,
+    after the prompts it prefills. Set by the scheduler, so that the batch says what it is after
+    `Scheduler.advance` has moved its completed prompts to the running queue.
+    """
 
     reqs: list[Req]
     extend_lens: list[int]
+    num_decodes: int = 0
 
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.extend_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request decodes one token (a prompt's last chunk of one token does not count: it still
+        has to move to the running queue in `Scheduler.advance`)."""
+        return self.is_decode_only and self.num_decodes == len(self.reqs)
+
+    def subset(self, keep: Sequence[int]) -> ScheduleBatch:
+        """The batch of the requests at indices `keep` (in order)."""
+        first_decode = len(self.reqs) - self.num_decodes
+        return ScheduleBatch([self.reqs[i] for i in keep], [self.extend_lens[i] for i in keep],
+                             sum(1 for i in keep if i >= first_decode))
 
     def entries(self, with_targets: bool = False) -> list[BatchEntry]:
         out = []
@@ -124,15 +143,15 @@ class Scheduler:
             batch = self._schedule_prefill(num_decodes=sum(_new_token_lens(decodes)))
             if batch is not None:
                 self._last_was_prefill = True
-                return ScheduleBatch(batch.reqs + decodes, batch.extend_lens + _new_token_lens(decodes))
+                return ScheduleBatch(batch.reqs + decodes, batch.extend_lens + _new_token_lens(decodes), len(decodes))
             if decodes:
                 self._last_was_prefill = False
-                return ScheduleBatch(decodes, _new_token_lens(decodes))
+                return ScheduleBatch(decodes, _new_token_lens(decodes), len(decodes))
         self._last_was_prefill = False
         if self.running:
             decodes = self._prepare_decodes()
             if decodes:
-                return ScheduleBatch(decodes, _new_token_lens(decodes))
+                return ScheduleBatch(decodes, _new_token_lens(decodes), len(decodes))
         if not self.has_work():
             self.prefill_budget.end_busy_period()
         return None
@@ -150,7 +169,7 @@ class Scheduler:
             return None
         self._grow_decodes(reqs, [r.kv_len + 1 for r in reqs])
         self._last_was_prefill = False
-        return ScheduleBatch(list(reqs), [1] * len(reqs))
+        return ScheduleBatch(list(reqs), [1] * len(reqs), len(reqs))
 
     def _token_budget(self) -> int:
         cfg = self.config
@@ -158,15 +177,9 @@ class Scheduler:
             return min(cfg.max_prefill_tokens, cfg.chunked_prefill_size)
         return cfg.max_prefill_tokens
 
-    def is_decode_batch(self, batch: ScheduleBatch) -> bool:
-        """Every request of `batch` decodes one token (a prompt's last chunk of one token does not count:
-        it still has to move to the running queue in `advance`)."""
-        running = set(map(id, self.running))
-        return batch.is_decode_only and all(id(r) in running for r in batch.reqs)
-
     def observe_step(self, batch: ScheduleBatch, seconds: float) -> None:
         """Record how long `batch` took (wall seconds of its forward and sampling), for the prefill budget."""
-        num_decodes = sum(1 for r in batch.reqs if r in self.running)
+        num_decodes = batch.num_decodes
         num_tokens = sum(batch.extend_lens)
         self.prefill_budget.observe(num_decodes, num_tokens - num_decodes, seconds, self._fill_bucket(num_tokens),
                                     self._batch_after_admission)

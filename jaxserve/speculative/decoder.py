@@ -6,7 +6,7 @@ runner's `BatchEntry.num_logits`). Position j is sampled exactly as plain decodi
 request's output token number len(output) + j (`acceptance`), the longest agreeing draft prefix is
 kept, and the KV written for rejected drafts is rolled back (kv_len, and the pages past it).
 
-The step itself is `verify_step.py`; this module owns the proposals:
+The step itself is `Engine._launch_verify` and `engine/output_processor.py`; this module owns the proposals:
 - `should_speculate`: decode-only steps of at most `--speculative-max-batch-size` requests.
   Verification multiplies the tokens of a step by up to K + 1: on a batch-1 decode, which reads every
   weight for one token, the extra tokens are nearly free; a full batch is already compute-bound.

@@ -1,4 +1,4 @@
-"""The overlap schedule (engine/overlap.py) on the tiny random Llama: outputs, pages and compiles.
+"""The overlap schedule (engine/overlap.py, `Engine._launch_followup`) on the tiny random Llama: outputs, pages and compiles.
 
 The reference is the same engine with `--disable-overlap-schedule`, which reads every step's tokens
 before it builds the next batch; each test also checks that steps were overlapped (a test of the
@@ -127,7 +127,7 @@ def test_abort_and_arrival_while_a_step_is_in_flight(engines):
     before = on.stats.num_overlapped_steps
     done = {}
     steps = 0
-    while on._inflight is None or on.stats.num_overlapped_steps == before:
+    while not on.step_in_flight or on.stats.num_overlapped_steps == before:
         for o in on.step():
             done[o.rid] = o
         steps += 1

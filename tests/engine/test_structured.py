@@ -11,7 +11,6 @@ together and kept short (strings bounded by maxLength, arrays by maxItems).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import re
 
@@ -50,12 +49,11 @@ longest_whitespace_run_outside_strings = max_structural_whitespace_run
 
 @contextlib.contextmanager
 def jump_forward_disabled(engine: Engine):
-    saved = engine.args
-    engine.args = dataclasses.replace(saved, disable_jump_forward=True)
+    engine.processor.disable_jump_forward = True  # --disable-jump-forward, without a new engine
     try:
         yield
     finally:
-        engine.args = saved
+        engine.processor.disable_jump_forward = engine.args.disable_jump_forward
 
 
 # ---- regex ---------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+
 from jaxserve.scheduler.prefill_budget import PrefillBudget
 
 
@@ -245,7 +247,7 @@ def test_scheduler_takes_a_whole_chunk_on_stall_credit(tiny_model_dir):
     budget.stall_credit = 2.9  # short of the 3 running decodes
     batch = sched.schedule()
     assert sorted(batch.extend_lens) == [1, 1, 1, 13]  # the smallest bucket (16) first
-    eng._postprocess(batch, eng.runner.sample(*_logits_and_sampling(eng, batch)))
+    _run(eng, batch)
     budget.stall_credit = 3.0
     batch = sched.schedule()
     assert sorted(batch.extend_lens) == [1, 1, 1, 90 - 13]  # the rest of the prompt in one step
@@ -268,13 +270,13 @@ def test_scheduler_caps_prefill_beside_decodes(tiny_model_dir):
     sched.prefill_budget = type(sched.prefill_budget)(3.0, 4, 128)  # forget the real step times
     batch = sched.schedule()
     assert batch.extend_lens == [1, 1, 1]  # decode cost of this batch unknown: a decode-only step
-    eng._postprocess(batch, eng.runner.sample(*_logits_and_sampling(eng, batch)))
+    _run(eng, batch)
     sched.prefill_budget.observe(3, 0, 0.05)
     sched.prefill_budget.observe(0, 100, 0.5)  # 5 ms per prompt token: (3 - 1) x 50 / 5 = 20 tokens
     sched.prefill_budget.observe(3, 13, 0.08, step_bucket=16)  # the smallest bucket, measured within
     batch = sched.schedule()
     assert sorted(batch.extend_lens) == [1, 1, 1, 29]  # 3 + 20 tokens filled up to the 32-token bucket
-    eng._postprocess(batch, eng.runner.sample(*_logits_and_sampling(eng, batch)))
+    _run(eng, batch)
     sched.prefill_budget.observe(3, 29, 0.12, step_bucket=32)
     for _ in range(20):  # slower decode steps (the median reaches 100 ms) absorb larger chunks
         sched.prefill_budget.observe(3, 0, 0.1)
@@ -300,10 +302,10 @@ def test_scheduler_ends_the_busy_period_when_idle(tiny_model_dir):
     assert budget.stall_credit == 0.0
 
 
-def _logits_and_sampling(eng, batch):
-    logits = eng.runner.forward(batch.entries())
-    sampling, flags = eng._sampling_rows([(r, ()) for r in batch.reqs], None, logits.shape[0])
-    return logits, sampling, flags
+def _run(eng, batch):
+    """Run a batch the test scheduled by hand through the engine's own launch and output path."""
+    launched = eng.processor.advance(eng._launch(batch))
+    eng.processor.process(launched, jax.device_get(launched.sampled))
 
 
 def test_enable_mixed_chunk_is_tri_state():

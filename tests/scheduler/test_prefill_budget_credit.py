@@ -83,7 +83,7 @@ def test_scheduler_grants_when_queued_and_takes_back_at_finish(tiny_model_dir):
     while len(sched.running) < 2:
         eng.step()
     eng.step()
-    req_a, req_b = eng._reqs[a], eng._reqs[b]
+    req_a, req_b = eng.processor.reqs[a], eng.processor.reqs[b]
     assert len(req_a.output_ids) >= 2 and len(req_b.output_ids) >= 2
     sched.retract(req_a)  # back in the queue with its output so far: no second grant
     assert budget.stall_credit == pytest.approx(3.0)

@@ -230,7 +230,7 @@ def test_second_request_gets_the_first_requests_continuation(engines):
     window = out[i - 5: i + 1]
     second = unrelated_prefix(set(text), 30, seed=6) + window
     rid = spec.add_request(second, GREEDY)[0]
-    req = spec._reqs[rid]
+    req = spec.processor.reqs[rid]
     expected = brute_force_store_match([(text, None)], second, 4, 18)
     assert expected[0] == out[i + 1: i + 5]
     assert spec.speculator.propose(req, 4) == expected[0]
@@ -241,7 +241,7 @@ def test_second_request_gets_the_first_requests_continuation(engines):
     assert outs[rid] == plain.generate(second, GREEDY)["output_ids"]
     # another namespace sees nothing of the first request's text
     other = spec.add_request(second, GREEDY, namespace="other")[0]
-    assert spec.speculator.propose(spec._reqs[other], 4) == []
+    assert spec.speculator.propose(spec.processor.reqs[other], 4) == []
     while spec.has_unfinished():
         spec.step()
     spec.flush_cache()
