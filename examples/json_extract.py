@@ -44,7 +44,7 @@ def make_backend(url: str | None, api_key: str | None = None):
         from jaxserve.lang import RuntimeEndpoint
 
         return RuntimeEndpoint(url, api_key=api_key)
-    from jaxserve.engine.engine import Engine
+    from jaxserve import Engine
     from jaxserve.lang import EngineBackend
 
     return EngineBackend(Engine(model_path="default", context_length=2048, disable_precompile=True))
