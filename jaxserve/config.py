@@ -227,7 +227,7 @@ class ServerArgs:
     max_prefill_tokens: int = _flag(16384, "max new tokens in one prefill batch", group="scheduling")
     chunked_prefill_size: int | None = _flag(None, "max tokens of a prompt prefilled per step; -1 disables (default 512 on CPU, 8192 elsewhere)", group="scheduling")
     enable_mixed_chunk: bool | None = _flag(None, "run prefill chunks and decodes in one forward; --no-enable-mixed-chunk runs them in separate forwards (default: on for CPU, where it measured better; off elsewhere, as SGLang)", group="scheduling")
-    disable_overlap_schedule: bool | None = _flag(None, "read each decode step's sampled tokens before the next step starts; --no-disable-overlap-schedule launches the next decode step first, so the host's work on the tokens runs while the device computes (the overlap schedule) (default: off on CPU, where it measured no faster, docs/benchmarks.md; on elsewhere, as SGLang)", group="scheduling")
+    disable_overlap_schedule: bool | None = _flag(None, "read each decode step's sampled tokens before the next step starts; --no-disable-overlap-schedule launches the next decode step first, so the host's work on the tokens runs while the device computes (the overlap schedule) (default: off on CPU, where it measured no faster, D-28; on elsewhere, as SGLang)", group="scheduling")
     page_size: int = _flag(16, "tokens per KV page", group="memory")
     schedule_policy: str = _flag("lpm", "lpm | fcfs | lof | random | dfs-weight",
                                  choices=("lpm", "fcfs", "lof", "random", "dfs-weight"), group="scheduling")
@@ -267,7 +267,7 @@ class ServerArgs:
     release_conservative_batch_size: int = _flag(8, "below this many running requests: no proactive soft release and no merging", group="radix_cache")
     release_aggressive_batch_size: int = _flag(16, "from this many running requests on: proactive soft release and merging", group="radix_cache")
     enable_radix_cache_stats: bool = _flag(False, "log radix cache stats once per second ([RadixCache] Nodes, Shared, Frozen, SoftFreed, Merged)", group="radix_cache")
-    # reliability (issue 19): admission control, engine death, graceful shutdown
+    # reliability: admission control, engine death, graceful shutdown
     max_queued_requests: int | None = _flag(
         None, "most requests waiting for a batch slot; beyond it a request gets 503 with Retry-After "
         "(default: the KV pool's tokens / 64, at least 128)", group="scheduling")
@@ -282,13 +282,13 @@ class ServerArgs:
         None, "how replies are parsed into tool_calls: qwen25 | qwen | hermes (<tool_call>{json}</tool_call>) or "
         "llama3 (a JSON reply); names as SGLang's (default: qwen25)", group="structured_output",
     )
-    # Decode latency (issue 20): the prefill budget of steps with running decodes, and n-gram speculation
+    # Decode latency: the prefill budget of steps with running decodes (D-25, D-26), and n-gram speculation (D-29 to D-31)
     prefill_decode_itl_ratio: float = _flag(
         2.5,
         "bound a step that runs a prefill chunk beside running decodes to this multiple of a decode-only step "
         "of the same batch: the scheduler sizes each such step's prefill tokens (and its extend bucket) from the step times it measures; "
         "0 turns the bound off (every step may take a whole --chunked-prefill-size chunk); at 8 concurrent requests 2.5 kept "
-        "P99 ITL under 2.5x the median with more output tok/s than 2.0 on both random and copy-heavy prompts (docs/benchmarks.md)",
+        "P99 ITL under 2.5x the median with more output tok/s than 2.0 on both random and copy-heavy prompts (D-25)",
         group="scheduling",
     )
     min_prefill_budget: int = _flag(32, "fewest prefill tokens a step with running decodes may take (so prompts always progress)", group="scheduling")
@@ -301,12 +301,12 @@ class ServerArgs:
         group="scheduling",
     )
     speculative_algorithm: str | None = _flag(None, "speculative decoding algorithm: NGRAM (drafts from n-gram matches in the request, in recent requests and in the radix cache) (default: none, one token per decode step)", choices=("NGRAM",), group="speculative")
-    speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 15 for NGRAM; SGLang's is 12: a sequence's 1 + K tokens fill the 16-token extend bucket, whose verification costs the same for any K up to 15, and 15 gave a TPOT 6-11 percent lower than 12 at one copy-heavy request, docs/benchmarks.md)", group="speculative")
+    speculative_num_draft_tokens: int | None = _flag(None, "draft tokens verified per sequence per step (default 15 for NGRAM; SGLang's is 12: a sequence's 1 + K tokens fill the 16-token extend bucket, whose verification costs the same for any K up to 15, and 15 gave a TPOT 6-11 percent lower than 12 at one copy-heavy request, D-29)", group="speculative")
     speculative_ngram_max_trie_depth: int = _flag(18, "longest n-gram (tokens) matched against the request's history to find a draft", group="speculative")
-    speculative_max_batch_size: int = _flag(8, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks). With the adaptive draft policy, 8 gained on both copy-heavy (1.36x output tok/s) and random prompts (1.11x) at 8 concurrent (docs/benchmarks.md)", group="speculative")
+    speculative_max_batch_size: int = _flag(8, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks). With the adaptive draft policy, 8 gained on both copy-heavy (1.36x output tok/s) and random prompts (1.11x) at 8 concurrent (D-30)", group="speculative")
     disable_speculative_adaptive: bool = _flag(False, "verify every draft; by default a request's draft is verified only where its measured acceptance pays for the measured cost of verifying it, so speculation turns itself off on text it cannot predict (jaxserve/speculative/policy.py)", group="speculative")
     speculative_ngram_capacity: int = _flag(10_000_000, "tokens of recent finished requests (prompt + output) kept for drafts from other requests: a request's suffix is also matched there, and the longer of its own match and the store's is drafted; the oldest are evicted first; 0 turns the store off (jaxserve/speculative/ngram_store.py)", group="speculative")
-    # scale out (issue 18): data-parallel replicas behind sglang-router (jaxserve/launch/data_parallel.py)
+    # scale out: data-parallel replicas behind sglang-router (jaxserve/launch/data_parallel.py, D-35)
     dp_size: int = _flag(
         1, "data parallelism: run this many worker processes, each with its share of the devices (CPU: of the cores) "
         "and its own port (--port + 1, + 2, ...), behind sglang-router on --port; every worker gets the pool flags "
@@ -322,7 +322,7 @@ class ServerArgs:
         "from JAX_NUM_CPU_DEVICES or XLA_FLAGS=--xla_force_host_platform_device_count)",
         group="parallelism", aliases=("--tp", "--tensor-parallel-size"),
     )
-    # several hosts (issue 18): one model over --nnodes processes on jax.distributed (jaxserve/parallel/distributed.py)
+    # several hosts: one model over --nnodes processes on jax.distributed (jaxserve/parallel/distributed.py, D-34)
     nnodes: int = _flag(
         1, "processes (usually one per host) that together run one model; with more than 1, --tp-size counts "
         "the devices of all of them and rank 0 alone serves HTTP (docs/scaling.md)", group="parallelism")

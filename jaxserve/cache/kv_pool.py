@@ -2,14 +2,14 @@
 
 Layout (DESIGN.md): `k_pool, v_pool : [num_layers, num_pages, num_kv_heads, page_size, head_dim]`: a page holds
 each kv head's `page_size x head_dim` rows contiguously, which decode attention reads as whole blocks
-(docs/benchmarks.md, issue 20's tenth pass).
+(D-01).
 Page 0 is a reserved dummy page that padding tokens write to; it is never handed out.
 
 Sizing (`pool_budget` / `size_pool`): `--max-total-tokens` wins; otherwise `--mem-fraction-static`
 of the device's memory minus the weights (on accelerators the default fraction is 0.85, SGLang's
 rule). On CPU, where JAX reports no device memory, the base is the RAM available now
 (`/proc/meminfo` MemAvailable); with neither flag the CPU pool gets min(1.5 GiB, 10% of that RAM), so a
-laptop stays usable (issue 19: a 30% share took 7.6 GB of RSS for a 135M model). The memory-derived
+laptop stays usable (D-04: a 30% share took 7.6 GB of RSS for a 135M model). The memory-derived
 size is rounded down to 3 significant bits so that restarts reuse compiled executables. The rule and
 the size are logged at start-up.
 
@@ -80,7 +80,7 @@ def available_memory_bytes(devices=None) -> int:
     return 8 << 30
 
 
-CPU_DEFAULT_POOL_CAP_BYTES = 3 << 29  # 1.5 GiB: with 2 GiB the default server's RSS measured 3.36-3.51 GB, at the 3.5 GB limit (issue 19)
+CPU_DEFAULT_POOL_CAP_BYTES = 3 << 29  # 1.5 GiB: with 2 GiB the default server's RSS measured 3.36-3.51 GB, at the 3.5 GB limit (D-04)
 CPU_DEFAULT_POOL_RAM_FRACTION = 0.10
 ACCELERATOR_DEFAULT_FRACTION = 0.85
 

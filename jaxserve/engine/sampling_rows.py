@@ -70,7 +70,7 @@ def sampler_warmup_variants(num_seqs_buckets: Iterable[int], vocab_size: int):
     compiled batch size (numpy, as `Engine.step` passes them): greedy, temperature, and temperature
     with top_k, top_p and both (each filter is its own program; min_p needs none). The filters are
     what OpenAI clients send most; on CPU each compiles in 0.5-0.9 s alone
-    (docs/bench/fix8_sampler_variants.txt) and took 2.6-4.1 s per batch size on first use beside
+    (D-19) and took 2.6-4.1 s per batch size on first use beside
     serving steps. Logprobs, grammar bitmasks, penalties and logit_bias still compile on first use
     (README.md, "first-use variants")."""
     filters = ({}, {"top_k": 20}, {"top_p": 0.9}, {"top_k": 20, "top_p": 0.9})

@@ -134,14 +134,13 @@ def _logits_w_x_fused(hidden: Float[Array, "N E"], head: Float[Array, "V E"]) ->
 
 # Output projection layouts over the checkpoint's [V, E] head, by name (`compute_logits(layout=...)`):
 # "x_wt" the token-major x @ W^T, "w_x" the feature-major W @ x then a transpose of the small
-# [V, N] result, "w_x_fused" the same with the transpose left to XLA. Measured in
-# docs/benchmarks.md, "Verification against a decode step".
+# [V, N] result, "w_x_fused" the same with the transpose left to XLA. Measured: D-08.
 LOGITS_LAYOUTS: dict[str, Callable[..., jax.Array]] = {
     "x_wt": _logits_x_wt,
     "w_x": _logits_w_x,
     "w_x_fused": _logits_w_x_fused,
 }
-DEFAULT_LOGITS_LAYOUT = "w_x"  # verification steps 5-9% faster, decode the same (docs/benchmarks.md)
+DEFAULT_LOGITS_LAYOUT = "w_x"  # verification steps 5-9% faster, decode the same (D-08)
 
 
 class Attention(nnx.Module):
@@ -187,10 +186,10 @@ class Attention(nnx.Module):
         # the barrier keeps the dot W @ x: without it XLA:CPU folds the transpose below into the dot,
         # which then runs as x^T @ W^T, a slower kernel at T > 1 (30 layers' QKV and output
         # projections: 13.3 against 8.1 ms at T = 4, 17.5 against 9.9 at T = 16; the same at T = 1;
-        # docs/benchmarks.md, issue 20's fifth pass)
+        # D-08)
         qkv = jax.lax.optimization_barrier(qkv)
         # transpose the 2-D result, then split the heads: a 3-D transpose(2, 0, 1) of [KVH, (G + 2) D, T]
-        # cost ~1 ms more per layer at T = 512 on XLA:CPU (docs/benchmarks.md, "Flax NNX model ...")
+        # cost ~1 ms more per layer at T = 512 on XLA:CPU (D-07)
         qkv = qkv.T.reshape(num_tokens, nkv, -1)  # [T, KVH, (G + 2) D]: the per-token layout attention reads
         # a kv head's G query heads are consecutive: query head h = kv head * G + g, as in HF's GQA
         q = qkv[:, :, : g * d].reshape(num_tokens, nkv * g, d)
@@ -244,8 +243,7 @@ class DecoderLayer(nnx.Module):
     ) -> tuple[Float[Array, "E T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
         """The residual stream is feature-major, [E, T], so every projection is `W @ x` with W in the
         checkpoint's [out, in] layout. On XLA:CPU this runs decode batches (T = 2..64) 1.2-1.9x faster
-        than x [T, E] @ W [in, out], and a 512-token chunk 6% slower (docs/benchmarks.md, "Projection
-        layout")."""
+        than x [T, E] @ W [in, out], and a 512-token chunk 6% slower (D-07)."""
         eps = self.config.rms_norm_eps
         with jax.named_scope("attention"):
             o, k_pool, v_pool = self.attention(

@@ -11,7 +11,7 @@ SGLang's W8A8Int8 takes one activation scale per token; on the default model tha
 L2 error in the logits (outlier features), blocks of 64 everywhere (llama.cpp's Q8 activations use 32)
 2.4%, the int8 weights alone 1.2%; but the blocks' partial sums made a 16-token verification 40%
 slower, so only the output and down projections (the worst inputs) use blocks and the rest one scale
-per token (`ACT_BLOCKS`): 2.1-3.9% (docs/benchmarks.md, issue 20's seventh pass). Applied at load time to any
+per token (`ACT_BLOCKS`): 2.1-3.9% (D-10). Applied at load time to any
 checkpoint (GGUF is dequantized, safetensors read in float, then quantized). Embedding lookups, norms,
 RoPE, attention and the KV pool stay in the model's dtype.
 
@@ -81,7 +81,7 @@ def int8_matmul(
 
     Each block's int8 x int8 product accumulates in int32 (exact); the rounding is the two
     quantizations and the float32 rescale. A one-column x is padded to two (YNNPACK's dot rejects
-    vectors, and XLA:CPU's own int8 loop is ~40x slower; measured in docs/benchmarks.md).
+    vectors, and XLA:CPU's own int8 loop is ~40x slower; D-10).
     """
     nb, _, block = q.shape
     num_cols = x.shape[1]

@@ -63,9 +63,8 @@ def ragged_paged_attention_xla(
     a prefill does about half the work of a full square. The loop over blocks stops after the batch's
     real ones (the builder packs them first), so a bucket's padding blocks cost nothing: a speculative
     verification of one sequence runs in a 16-token bucket with 16 sequence slots, 16 padding blocks
-    that a map over all blocks spent about a fifth of its attention time on (docs/benchmarks.md,
-    issue 20's third pass).
-    Materializing every block's whole KV bucket at once was 1.5-17x slower on CPU (docs/benchmarks.md,
+    that a map over all blocks spent about a fifth of its attention time on (D-16).
+    Materializing every block's whole KV bucket at once was 1.5-17x slower on CPU (D-14,
     `benchmarks/attention/bench_attention.py`).
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -80,8 +79,7 @@ def ragged_paged_attention_xla(
     # of the loop index: without it, a bucket of at most one chunk (pages_per_seq <= 16 at page size 16,
     # any context <= 256 tokens) has a start XLA clamps to 0, so the K/V gathers leave the loop, XLA
     # fuses the write_kv scatter into the hoisted V gather, and to keep the pre-scatter pool alive for
-    # that fusion it copies the whole V pool every layer: 50-100x slower decode (docs/benchmarks.md,
-    # "Sixth pass: the small-context decode cliff").
+    # that fusion it copies the whole V pool every layer: 50-100x slower decode (D-15).
     page_table = jnp.pad(meta.page_table, ((0, 0), (0, -pages_per_seq % pages_per_chunk + pages_per_chunk)))
     row_offset = jnp.tile(jnp.arange(block_q, dtype=jnp.int32), group)  # [G * Bq] query row of each row
     rows = group * block_q
@@ -101,10 +99,9 @@ def ragged_paged_attention_xla(
             pages = jax.lax.dynamic_slice(page_table[seq], (c * pages_per_chunk,), (pages_per_chunk,))
             # Index the pool directly: slicing out the layer first would copy the whole layer. The
             # chunk goes head-major, [KVH, chunk, D], before the dots: with the kv-head batch axis in
-            # the middle of the operand XLA:CPU's dots ran slower (docs/benchmarks.md, issue 20's
-            # sixth pass). A page holds each head's rows contiguously ([KVH, ps, D]), so the gather
-            # moves page_size x D blocks and the transpose swaps whole blocks (issue 20's tenth pass:
-            # decode attention 1.3-1.5x faster than with [ps, KVH, D] pages)
+            # the middle of the operand XLA:CPU's dots ran slower (D-16). A page holds each head's rows
+            # contiguously ([KVH, ps, D]), so the gather moves page_size x D blocks and the transpose
+            # swaps whole blocks (D-01: decode attention 1.3-1.5x faster than with [ps, KVH, D] pages)
             k = k_pool[layer, pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, chunk, head_dim)
             v = v_pool[layer, pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, chunk, head_dim)
             s = jnp.einsum("krd,ksd->krs", q_blk, k, preferred_element_type=jnp.float32) * sm_scale

@@ -1,5 +1,5 @@
-"""One model over several processes (issue 18): jax.distributed start-up, the configuration check
-between ranks, the step channel from rank 0 to the other ranks, and the follower loop.
+"""One model over several processes: jax.distributed start-up, the configuration check
+between ranks, the step channel from rank 0 to the other ranks (its cost: D-34), and the follower loop.
 
 Rank 0 is the only controller: it runs the HTTP server, the tokenizer, the scheduler, the radix tree
 and the release policy. Every other rank (a follower) builds the same engine (same weights, pool and

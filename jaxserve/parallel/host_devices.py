@@ -1,7 +1,7 @@
 """Forced CPU host devices (`JAX_NUM_CPU_DEVICES=N`, or `XLA_FLAGS=--xla_force_host_platform_device_count=N`):
 XLA:CPU's thread pool sized so that a collective cannot starve it.
 
-Why (jax 0.10.2, docs/benchmarks.md "Tensor parallelism on CPU host devices"): XLA:CPU runs every host
+Why (jax 0.10.2, D-33): XLA:CPU runs every host
 device's program on one shared Eigen thread pool of max(cores, N) threads, and an all-reduce thunk
 that continues a parallel matmul blocks the pool thread it runs on until every device has reached the
 rendezvous. At tp 3 on 2 cores (a pool of 3) the 256-token steps of the default model aborted after

@@ -1,7 +1,7 @@
 """The device mesh and the tensor-parallel plan of a model (which tp sizes its shape allows).
 
 One mesh for the process: axes ("data", "tensor") of sizes (1, tp). Devices default to `jax.devices()`,
-which under `jax.distributed` lists every process's devices, so a multi-host mesh (issue 18) is the same
+which under `jax.distributed` lists every process's devices, so a multi-host mesh (docs/scaling.md) is the same
 call with more devices.
 """
 

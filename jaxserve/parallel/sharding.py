@@ -55,7 +55,7 @@ def _align(axes, params):
 
 
 def put(x, sharding: NamedSharding) -> jax.Array:
-    """`jax.device_put(x, sharding)`, also when the mesh spans several processes (issue 18): each
+    """`jax.device_put(x, sharding)`, also when the mesh spans several processes: each
     process then places only its own devices' slices of `x`, which every process holds whole (same
     weights, same zero pool), since device_put refuses devices of other processes."""
     if sharding.is_fully_addressable:

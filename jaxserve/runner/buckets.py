@@ -20,7 +20,7 @@ EXTEND_BLOCK_Q = 16
 MIN_PAGE_BUCKET_TOKENS = 4096
 # Most layers per call of the host loop: each call costs ~100 us of dispatch and runtime overhead.
 # Groups of 5 took 2-5% off the default model's decode steps against one layer per call, and compile
-# in ~1.15 s against ~0.75 s for one layer (docs/benchmarks.md, "Model speed").
+# in ~1.15 s against ~0.75 s for one layer (D-05).
 MAX_LAYERS_PER_CALL = 5
 
 

@@ -2,7 +2,7 @@
 
 What the model runner's compiled step does with the KV pools is visible only there: whether XLA
 copies a pool-shaped buffer (the small-context decode cliff: one copy of the V pool per layer,
-docs/benchmarks.md, "Sixth pass") and whether the donated pools come back aliased to the outputs.
+D-15) and whether the donated pools come back aliased to the outputs.
 `tests/runner/test_model_runner_hlo.py` asserts on these readers. Plain text parsing: no JAX import, no device.
 """
 

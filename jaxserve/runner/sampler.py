@@ -169,7 +169,7 @@ def first_argmax(x: Float[Array, "S V"]) -> Int32[Array, " S"]:
     """`jnp.argmax(x, axis=-1)` exactly (the first maximum; the first NaN where a row has one), as a max
     and a min over an index iota. XLA:CPU runs argmax as one (value, index) reduction that it does
     not vectorize: over SmolLM2's 49,152-token vocabulary it took 0.29 ms for 1 row, 1.86 ms for 16
-    and 7.2 ms for 64, this 0.07, 0.41 and 2.4 ms (docs/benchmarks.md, issue 20's fifth pass)."""
+    and 7.2 ms for 64, this 0.07, 0.41 and 2.4 ms (D-18)."""
     vocab_size = x.shape[-1]
     row_max = jnp.max(x, axis=-1, keepdims=True)  # XLA:CPU's vectorized max may skip a NaN
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)

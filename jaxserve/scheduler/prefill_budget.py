@@ -12,7 +12,7 @@ clamped to [min_tokens, max_tokens], from what the steps took: decode_seconds pe
 last `COST_WINDOW` steps), and the marginal seconds per prefill token of steps that had a chunk (a
 moving average). A step is then filled to the largest extend bucket whose own measured cost keeps
 the bound (`step_tokens`). The more decodes
-run, the longer a decode step and the larger the chunk they can absorb. Issue 20 measured a
+run, the longer a decode step and the larger the chunk they can absorb. Measured (D-25): a
 512-token chunk holding 8 decodes for ~2.5 s against ~120 ms decode steps (P99 / median ITL 1037 /
 118 ms); the bound makes that ratio a setting (`--prefill-decode-itl-ratio`).
 
@@ -29,17 +29,17 @@ all be paid for. Over a busy period of requests that run to max_new_tokens, the 
 for delay at most `stall_fraction` of the period's ITLs; a request that stops early can have lent
 credit that a stall spent before the take-back, and the take-back's debt then blocks the period's
 later stalls (the excess is at most the unearned grants of the requests live at the last stall).
-Granted in advance, a busy period's first wave can pay for its prompts: served, the first request
-runs alone and the others arrive while it runs, and with credit earned per decode token (the Third
-and Fourth passes, docs/benchmarks.md) the wave was prefilled 10-30 tokens per step beside the 1-5
-decodes then running, about half of the bound's throughput loss; a whole-chunk step beside one
-decode is one long ITL. Credit is capped at `STALL_CREDIT_WINDOW` ITLs' worth, so a deep queue does
-not bank a burst of stalls, and it restarts from 0 when the engine goes idle (`end_busy_period`), so
-a short run cannot spend what an earlier one earned. Measured served at 8 concurrent requests
-against no bound (docs/benchmarks.md, "Fifth pass", three invocations in the idle slot): copy-heavy
-prompts +5.3, -4.2 and +8.4% output tok/s with P99 / median ITL 1.28-1.36 (the Fourth pass: -11..-13%),
-random ones -3.0, -5.4 and -13.1% with 2.05-2.77; a run of 650 ITLs has 6.5 long ones to spend, and
-its P99 stays under 3x the median only with at most 6.
+Granted in advance, a busy period's first wave can pay for its prompts: served, the first request runs
+alone and the others arrive while it runs, and with credit earned per decode token (D-26) the wave was
+prefilled 10-30 tokens per step beside the 1-5 decodes then running, about half of the bound's
+throughput loss; a whole-chunk step beside one decode is one long ITL. Credit is capped at
+`STALL_CREDIT_WINDOW` ITLs' worth, so a deep queue does not bank a burst of stalls, and it restarts
+from 0 when the engine goes idle (`end_busy_period`), so a short run cannot spend what an earlier one
+earned. Measured served at 8 concurrent requests against no bound (D-26, three invocations in the idle
+slot; today: docs/results.md, "ITL"): copy-heavy prompts +5.3, -4.2 and +8.4% output tok/s with P99 /
+median ITL 1.28-1.36 (credit earned per decode token: -11..-13%), random ones -3.0, -5.4 and -13.1%
+with 2.05-2.77; a run of 650 ITLs has 6.5 long ones to spend, and its P99 stays under 3x the median
+only with at most 6.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ from jaxserve.runner.buckets import pow2_at_least
 EMA_WEIGHT = 0.1
 # the stall credit never exceeds stall_fraction x this many ITLs (16 stalled tokens at 1%)
 STALL_CREDIT_WINDOW = 1600
-# issue 20's goal: P99 ITL at most 3x the median, so an ITL over 3x a decode step is a long one
+# the ITL goal (docs/results.md, "ITL"): P99 ITL at most 3x the median, so an ITL over 3x a
+# decode step is a long one
 LONG_ITL_RATIO = 3.0
 # a step's cost is the median of the last this many steps of its kind (decode bucket, extend bucket):
 # one slow step (another process, a GC pause) does not move it, a slower spell that lasts (longer
@@ -158,7 +159,7 @@ class PrefillBudget:
         """The engine has nothing to run: the stall credit starts again from 0, so that the steps of one
         busy period delay at most `stall_fraction` of that period's own ITLs. A credit banked
         earlier let a short run have more long ITLs than its share (the cap of 16 plus 1% of a
-        2,032-ITL run, docs/benchmarks.md); a debt from one period's first tries of unmeasured
+        2,032-ITL run, D-26); a debt from one period's first tries of unmeasured
         buckets is not held against the next. Every request has finished by then, so no grant is
         outstanding (any left, from a request that never reached `finish_request`, is dropped)."""
         self.stall_credit = 0.0
@@ -190,7 +191,7 @@ class PrefillBudget:
         few decodes left running during a wave of admissions is much shorter (measured at 8
         concurrent copy-heavy requests: 4 decodes beside 32-token chunks were 3.1x their own decode
         step and 2.4x that of 8, so they were cut to 16-token chunks at 3.9 ms per prompt token
-        against 2.5, docs/benchmarks.md)."""
+        against 2.5, D-25)."""
         return self.decode_seconds(max(num_decodes, batch_size))
 
     def budget(self, num_decodes: int, batch_size: int = 0) -> int:
@@ -229,8 +230,8 @@ class PrefillBudget:
         steps ran); until then it is tried when the buckets below allow a first try
         (`_first_try_fits`), from the bottom up: a first try beside 7 decodes over 3x their step is 7
         long ITLs, and first tries of the 64-token bucket straight from the budget's estimate gave 11
-        of a 650-ITL run's 17 (docs/benchmarks.md, Third pass), from the line through the two buckets
-        below 7 of 22 in a served copy-heavy run (Fifth pass). Measured at 8 concurrent requests: the linear
+        of a 650-ITL run's 17, from the line through the two buckets
+        below 7 of 22 in a served copy-heavy run (D-25). Measured at 8 concurrent requests: the linear
         per-token estimate and the 32-token minimum put 7 decodes + 57 prefill tokens into the
         64-token bucket, 3.5x a decode step."""
         up = next((t for t in buckets if t >= num_decodes + cap), num_decodes + cap)
@@ -254,10 +255,10 @@ class PrefillBudget:
         below keeps the bound; a larger one when the prefill part of the largest bucket below (its cost
         less the decode step of `num_decodes`), scaled in proportion to the tokens, keeps the bound at
         `bucket` too. Proportion over-estimates a larger bucket (seconds per prompt token fall with the
-        bucket: 3.2 ms at 32 and 64 tokens, 2.5 at 128, 1.7-2.1 at 512, docs/benchmarks.md), so a first
+        bucket: 3.2 ms at 32 and 64 tokens, 2.5 at 128, 1.7-2.1 at 512, D-25), so a first
         try that is over the bound is rare. The line through the two buckets below, the rule before, was
         under: beside 7 decodes the 16- and 32-token buckets took 107 and 141 ms, the line said 208 ms
-        at 64 tokens, it measured 240 (served, 7 long ITLs per such try, the Fifth pass); proportion
+        at 64 tokens, it measured 240 (served, 7 long ITLs per such try, D-25); proportion
         says 60 + 2 x 81 = 222 ms."""
         if not below:
             return True

@@ -77,7 +77,7 @@ _RECALL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class RadixCacheExporter:
-    """`jaxserve_radix_cache_*` from the release policy's `RadixCacheStats` (issue 8's names).
+    """`jaxserve_radix_cache_*` from the release policy's `RadixCacheStats` (D-36).
 
     Cumulative byte totals (`soft_freed_bytes`, `recalled_bytes`) are exported as gauges under those
     exact names; merges and evictions are counters (`_merge_count_total`, `_eviction_count_total`);
