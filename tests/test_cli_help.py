@@ -84,7 +84,7 @@ def test_the_readme_flag_table_lists_every_flag():
         assert f"| `--{f.name.replace('_', '-')}` |" in readme, f"README.md's flag table lacks --{f.name}"
 
 
-# the flags of a launch_server command line copied from SGLang's docs and scripts (issue fix4)
+# the flags of a launch_server command line copied from SGLang's docs and scripts
 SGLANG_COMMAND = ("--model-path /models/m --port 30001 --enable-metrics --trust-remote-code --log-requests "
                   "--disable-cuda-graph --kv-cache-dtype auto --enable-cache-report --tokenizer-mode auto "
                   "--watchdog-timeout 300 --device cpu --disable-overlap-schedule").split()

@@ -1,4 +1,4 @@
-"""Speculative decoding from n-gram drafts (issue 20): drafts, acceptance, policy and counters."""
+"""Speculative decoding from n-gram drafts: drafts, acceptance, policy and counters."""
 
 from jaxserve.speculative.acceptance import num_accepted
 from jaxserve.speculative.decoder import (

@@ -164,7 +164,7 @@ class NgramSpeculator:
     def ngram_match(self, req: Req, k: int) -> tuple[NgramMatch, bool]:
         """The longer of the request's own n-gram match and the store's, and whether it is the store's.
         A tie goes to the request's own match (the store's drafts at ties accepted 0.8 tokens against
-        4.9: docs/benchmarks.md, issue 20's fourth pass)."""
+        4.9: D-31)."""
         own = ngram_match(req.fill_ids, k, self.config.max_match_len)
         if self.store is None or own.match_len >= self.config.max_match_len:
             return own, False

@@ -13,25 +13,25 @@ worth decode(B) / B seconds of the batch's time, and request i's draft of k_i to
 
     a_i x decode(B) / B  >=  k_i x c.
 
-The rule is the break-even of a verification measured on the running hardware: on the default model
-at batch 1 on 2 CPU cores (decode ~29 ms, ~3 ms per verified draft token), a 15-token draft (the
-NGRAM default) is verified when it is expected to be accepted for more than about 1.5 tokens (docs/benchmarks.md, "Verification against a decode step"); at 8 concurrent
-random prompts (accept ~1.4 tokens per verification) drafts stop, on copy-heavy ones (~4.6) they do
-not. A request whose drafts are off is probed again (its draft verified anyway) after `probe_steps`
-decode steps, doubling after each failed probe up to `MAX_PROBE_STEPS` and reset by an accepted one,
-so that a request whose text turns repetitive gets its drafts back. Unmeasured costs favour trying:
-no decode-only step of the batch size yet -> plain decoding (it measures decode(B)); no verification
-yet -> verify. Outputs are exact either way: this changes only which steps verify drafts.
+The rule is the break-even of a verification measured on the running hardware: on the default model at
+batch 1 on 2 CPU cores (decode ~29 ms, ~3 ms per verified draft token), a 15-token draft (the NGRAM
+default) is verified when it is expected to be accepted for more than about 1.5 tokens (D-30); at 8
+concurrent random prompts (accept ~1.4 tokens per verification) drafts stop, on copy-heavy ones (~4.6)
+they do not. A request whose drafts are off is probed again (its draft verified anyway) after
+`probe_steps` decode steps, doubling after each failed probe up to `MAX_PROBE_STEPS` and reset by an
+accepted one, so that a request whose text turns repetitive gets its drafts back. Unmeasured costs
+favour trying: no decode-only step of the batch size yet -> plain decoding (it measures decode(B)); no
+verification yet -> verify. Outputs are exact either way: this changes only which steps verify drafts.
 
 a_i is kept per class of the draft's n-gram match length (`match_class`: 1, 2-3, 4-7, 8+ tokens; the
 radix tree's continuations of the exact prefix count as the longest class), a class seen for the
 first time being tried: one request's text mixes passages it copies (long matches, long accepts) with
 new text (short matches that fail), and a single average learned on one phase refused the other's
-drafts (docs/benchmarks.md, issue 20's third pass). Drafts from other requests' text (the
+drafts (D-30). Drafts from other requests' text (the
 cross-request `NgramStore`) are classes of their own, learned over all requests together (a dict
 the speculator shares between requests): at the same match length they accepted far less than a
 request's own matches (copy-heavy prompts, 4-7 tokens: 1.7 against 10-15 per verification), and a
-request meets too few of them to learn their worth alone (docs/benchmarks.md, issue 20's fourth pass).
+request meets too few of them to learn their worth alone (D-31).
 """
 
 from __future__ import annotations

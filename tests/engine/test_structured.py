@@ -1,4 +1,4 @@
-"""Structured generation end to end on the default model (SmolLM2-135M-Instruct), issue 9.
+"""Structured generation end to end on the default model (SmolLM2-135M-Instruct).
 
 Regexes, JSON schemas and choices constrain real outputs (checked with `re` and `jsonschema`), mixed
 batches of constrained and unconstrained requests stay batch invariant, jump-forward changes only the

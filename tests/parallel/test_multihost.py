@@ -1,4 +1,4 @@
-"""Multi-host serving on loopback (issue 18), tiny random checkpoint: `--nnodes 2` processes on
+"""Multi-host serving on loopback, tiny random checkpoint: `--nnodes 2` processes on
 jax.distributed give rank 0's HTTP server the greedy outputs of a single tp-1 process, at tp 2 over
 two processes of one CPU device and at tp 4 over two of two, with the host tier (soft release,
 recall) and copy-on-write in play; a follower killed mid-run (of three ranks) makes rank 0 fail the

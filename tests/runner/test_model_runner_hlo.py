@@ -1,10 +1,9 @@
 """The compiled step updates the KV pools in place in every bucket, the small-context ones included.
 
 A bucket of at most one kv chunk (pages_per_seq <= 16 at page size 16: any context <= 256 tokens) once
-compiled to a decode program that copied the whole V pool before each layer's K/V write: 50-100x
-slower decode, with outputs unchanged (docs/benchmarks.md, "Sixth pass: the small-context decode
-cliff"). Checked on the compiled HLO of the tiny checkpoint's programs (read by `jaxserve/runner/hlo_text.py`),
-so no timing is involved.
+compiled to a decode program that copied the whole V pool before each layer's K/V write: 50-100x slower
+decode, with outputs unchanged (D-15). Checked on the compiled HLO of the tiny checkpoint's programs
+(read by `jaxserve/runner/hlo_text.py`), so no timing is involved.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@ PrefillBudget's tests: one `simulate`, its machine (step costs and extend bucket
 stops given as parameters.
 
 The measured machine (`MEASURED`): a step of d decodes beside a chunk filled to extend bucket T costs
-the decode-only step of d plus the measured prefill part of T (docs/bench/itl_trace_fifth_grant.txt,
-in-process, idle slot: 8 decodes alone 57 ms, beside the 16-token bucket 94 ms, 32: 133, 64: 221, 128:
-260, 192: 397, 384: 697, 512: 920; one decode beside 512: 890), times a lognormal noise per step. A
-request's tokens arrive at the end of the steps that make them, so a step of duration s beside B
-decodes makes B ITLs of s, as bench_serving counts them. Arrivals as served: the first request runs its
+the decode-only step of d plus the measured prefill part of T (measured in-process on an idle machine,
+D-27: 8 decodes alone 57 ms, beside the 16-token bucket 94 ms, 32: 133, 64: 221, 128: 260, 192: 397,
+384: 697, 512: 920; one decode beside 512: 890), times a lognormal noise per step. A request's tokens
+arrive at the end of the steps that make them, so a step of duration s beside B decodes makes B ITLs of
+s, as bench_serving counts them. Arrivals as served: the first request runs its
 first step alone, the rest of the first wave arrives while it runs, and each later request arrives
 `arrival_seconds` after one finishes (bench_serving's next request over HTTP: a few ms, so it is queued
 for the step after the next; 0: for the next step).

@@ -97,7 +97,7 @@ def test_scheduler_grants_when_queued_and_takes_back_at_finish(tiny_model_dir):
     assert budget.stall_credit == 0.0
 
 
-# a synthetic machine shaped like the measured one (docs/benchmarks.md, Third pass): a decode step of 8
+# a synthetic machine shaped like the measured one (D-25): a decode step of 8
 # ~66 ms, 2.5 ms per token of the extend bucket, so 16 tokens beside 7 decodes are 1.6x a decode step,
 # 32 2.2x and 64 3.4x
 SYNTHETIC = Machine(BUCKETS, lambda num_decodes, num_tokens: (

@@ -1,7 +1,7 @@
 """PrefillBudget on simulated served runs (tests/scheduler/prefill_sim.py): the machine's measured step costs,
 bench_serving's workloads and arrivals, many seeds. Checks the goal's two halves as bench_serving
 computes them (numpy's P99 over every ITL of a run, output tok/s against the unbounded server), and
-that the rejected alternatives of docs/benchmarks.md's Sixth pass do worse on the same runs."""
+that the rejected alternatives of D-27 do worse on the same runs."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_simulated_served_p99_within_3x_the_median(workload):
 def test_simulated_throughput_against_unbounded(workload, floor):
     """Output tok/s of the bounded server against the unbounded one on the same runs, the mean over
     seeds: at or above `floor` (the simulator's machine is harsher than the real one: in-process the
-    real server lost 2.2% and 3.9%, the simulator 9.6% and 12.5%, docs/benchmarks.md), and the stall
+    real server lost 2.2% and 3.9%, the simulator 9.6% and 12.5%, D-26), and the stall
     credit is what keeps it there: without it the same runs lose 15% and 31%."""
     unbounded = _runs(lambda: PrefillBudget(0.0, 32, CHUNK, 0.01), workload)
 

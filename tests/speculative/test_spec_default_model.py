@@ -1,7 +1,6 @@
 """Greedy outputs of the default model (SmolLM2-135M-Instruct) are the same with n-gram speculation on
 and off: alone and batched, radix cache on, chunked prefill on (64-token chunks); in float32 and with
-`--quantization w8a8_int8` (where a last-bit difference between step shapes changes the text: issue
-20's fifteenth pass)."""
+`--quantization w8a8_int8` (where a last-bit difference between step shapes changes the text: D-11)."""
 
 from __future__ import annotations
 

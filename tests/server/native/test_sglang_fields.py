@@ -21,8 +21,6 @@ from jaxserve.server.native.sglang_fields import (
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
-# Implemented on the issue16b branch (the OpenAI half of issue 16), which adds the SamplingParams field.
-OTHER_BRANCH = {"logit_bias"}
 
 
 def sglang_class_fields(relpath: str, class_name: str) -> list[str]:
@@ -57,9 +55,9 @@ def test_implemented_rows_are_implemented():
     assert {f.name for f in REQUEST_FIELDS if f.handling is Handling.IMPLEMENTED} <= model_fields
     params = {f.name for f in dataclasses.fields(SamplingParams)} | {"sampling_seed"}
     implemented = {f.name for f in SAMPLING_FIELDS if f.handling is Handling.IMPLEMENTED}
-    assert implemented - OTHER_BRANCH <= params
+    assert implemented <= params
     # and nothing the engine implements is missing from the table
-    assert params - {"sampling_seed"} <= implemented | OTHER_BRANCH
+    assert params - {"sampling_seed"} <= implemented
 
 
 def test_docs_table_equals_the_data():

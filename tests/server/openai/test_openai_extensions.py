@@ -1,4 +1,4 @@
-"""The OpenAI extensions of issue 16 on the default model (SmolLM2-135M-Instruct) through the real server:
+"""The OpenAI extensions (docs/api.md) on the default model (SmolLM2-135M-Instruct) through the real server:
 max_completion_tokens, assistant prefill, echo with logprobs, logit_bias and tool calling, with the
 official `openai` client where it has the parameter and raw HTTP otherwise, streamed and not, and the
 400s that remain. One server serves the module (lazy compiles, a 4096-token pool)."""
