@@ -50,7 +50,6 @@ from jaxserve.runner.buckets import (
     pow2_at_least,
     pow2_range,
 )
-from jaxserve.runner.device_pages import PAGE_JITS, DevicePageRead, padded_page_ids, sharded_page_jits
 from jaxserve.model import llama
 from jaxserve.model.forward_batch import ForwardBatch
 from jaxserve.pallas.metadata import build_attention_metadata
@@ -124,7 +123,7 @@ class HostLayerLoop:
     compiled `forward_step`, with per-layer `params["layers"]`.
 
     Why: under `lax.scan` XLA:CPU copies each layer's slice of the stacked weights before its matmuls;
-    separate per-layer buffers are read in place (docs/benchmarks.md, "Model speed").
+    separate per-layer buffers are read in place (D-05).
     """
 
     def __init__(
@@ -155,6 +154,60 @@ def embed_step(
     arguments of this call: with a `jax.device_put` of its 12 arrays first, the call took 4-5x longer
     (jax 0.10.2, CPU; D-06)."""
     return llama.embed_tokens(params, batch, config=config), batch
+
+
+# ---- whole-page copies of the device KV pools [L, N, KVH, ps, D]: the host tier's device <-> host
+# copies and copy-on-write of a partly matched page (`KVPageIO`, jaxserve/cache/page_io.py). Page counts
+# are padded to powers of two with the dummy page 0, so each count bucket compiles once; writes are
+# donated updates of the pools.
+
+class DevicePageRead:
+    """A device -> host copy of K/V pages in flight (`PendingRead`)."""
+
+    def __init__(self, k: jax.Array, v: jax.Array):
+        self._k, self._v = k, v
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(self._k), np.asarray(self._v)
+
+
+def padded_page_ids(pages) -> np.ndarray:
+    """`pages` as int32 ids padded with the dummy page 0 to a power of two (one compile per bucket)."""
+    pages = np.asarray(pages, np.int32).reshape(-1)
+    out = np.zeros(pow2_at_least(len(pages)), np.int32)
+    out[: len(pages)] = pages
+    return out
+
+
+def _gather_pages(k_pool, v_pool, pages):
+    # [L, N, KVH, ps, D] -> [L, n, KVH, ps, D]
+    return k_pool[:, pages], v_pool[:, pages]
+
+
+def _scatter_pages(k_pool, v_pool, pages, k, v):
+    return k_pool.at[:, pages].set(k.astype(k_pool.dtype)), v_pool.at[:, pages].set(v.astype(v_pool.dtype))
+
+
+def _copy_pages(k_pool, v_pool, src, dst):
+    return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
+
+
+# the page copies of a single-device pool (the results stay on its device)
+PAGE_JITS: dict[str, Callable] = {
+    "gather": jax.jit(_gather_pages),
+    "scatter": jax.jit(_scatter_pages, donate_argnums=(0, 1)),
+    "copy": jax.jit(_copy_pages, donate_argnums=(0, 1)),
+}
+
+
+def sharded_page_jits(rep, pool) -> dict[str, Callable]:
+    """The page copies over a sharded pool: their results keep the pool's sharding (the compiled steps
+    take exactly that), and pages read for the host come back whole."""
+    return {
+        "gather": jax.jit(_gather_pages, out_shardings=(rep, rep)),
+        "scatter": jax.jit(_scatter_pages, donate_argnums=(0, 1), out_shardings=(pool, pool)),
+        "copy": jax.jit(_copy_pages, donate_argnums=(0, 1), out_shardings=(pool, pool)),
+    }
 
 
 @dataclasses.dataclass
@@ -199,7 +252,8 @@ class ModelRunner:
         the all-reduces after the row-parallel projections). None (or a 1-device mesh): one device. `min_extend_tokens`: the
         smallest extend bucket (speculative verification adds 2, 4 and 8 tokens: a sequence's last
         token + its draft in one query block of the bucket's size; at batch 1 on CPU a verification costs
-        1.25x (4-token bucket) to 2.1x (16-token bucket) a decode step, docs/benchmarks.md).
+        1.25x (4-token bucket) to 2.1x (16-token bucket) a decode step, D-17;
+        today's costs: docs/results.md, "Other current numbers").
 
         Raises:
             ValueError: `layer_loop` is neither "scan" nor "host"."""
@@ -297,8 +351,7 @@ class ModelRunner:
         """Query-block rows of an extend bucket of `num_tokens` tokens: EXTEND_BLOCK_Q, or the bucket's
         tokens when fewer (the 2-, 4- and 8-token buckets of speculative verification). A block's rows
         are all computed, so a 3-token verification in a 16-row block paid for 16 rows: on CPU its
-        attention took 11.5 against 20.4 ms over 30 layers in a 4-row block (docs/benchmarks.md, issue
-        20's fifth pass)."""
+        attention took 11.5 against 20.4 ms over 30 layers in a 4-row block (D-17)."""
         return min(num_tokens, EXTEND_BLOCK_Q)
 
     def all_buckets(self) -> list[BucketKey]:
@@ -551,8 +604,8 @@ class ModelRunner:
     def mark_warmed_up(self) -> None:
         self.warmed_up = True
 
-    # ---- KV page copies (release policy, issue 8) ------------------------------------------------
-    # `KVPageIO` (jaxserve/cache/page_io.py) over the device pools, through device_pages.py's jits.
+    # ---- KV page copies (release policy, D-36) ---------------------------------------------------
+    # `KVPageIO` (jaxserve/cache/page_io.py) over the device pools, through the page-copy jits above.
 
     def read_pages(self, pages) -> "DevicePageRead":
         """Start copying K/V of `pages` to the host (`copy_to_host_async`); finish with `.result()`."""
