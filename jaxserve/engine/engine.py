@@ -312,10 +312,8 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Run one batch and return every request's progress: schedule -> launch -> read -> process.
-
-        Under the overlap schedule the step's followup decode step is launched before its tokens are
-        read, and read by the next call (`overlap.py`); a verification step reads k tokens per row."""
+        """Run one batch, return every request's progress: schedule -> launch -> read -> process. Under the
+        overlap schedule (overlap.py) the next decode step is launched before this one's tokens are read."""
         self._admit_compiled_grammars()
         outputs, self._finished_outside_step = self._finished_outside_step, []
         launched = self._take_step_in_flight() or self._launch(self.scheduler.schedule())
