@@ -11,18 +11,18 @@ O(length). The window starts with the prompt's last tokens, so a tokenizer that 
 at the start of a decode (SentencePiece) still prints the first output token's space.
 
 Finish rules (checked in this order on every token; SGLang's names and shapes of finish reasons):
-1. A stop token (`stop_token_ids`, or an EOS id unless `ignore_eos`): `{"type": "stop", "matched": id}`.
+1. A stop token (`stop_token_ids`, or an EOS id unless `ignore_eos`): `finish_stop(id)`.
    Its text is dropped, as SGLang's `trim_matched_stop` does, unless `no_stop_trim` (then it is decoded
    like any token, so a special token still vanishes under `skip_special_tokens`).
-2. A stop string in the text: `{"type": "stop", "matched": "the string"}`. The text is cut where the
+2. A stop string in the text: `finish_stop("the string")`. The text is cut where the
    earliest stop string starts, unless `no_stop_trim` (then everything decoded so far is kept, as
    SGLang does). A stop string may span tokens; text that could be the start of a stop string is held
    back until it no longer can match or the request finishes. A `stop_regex` match works the same
-   way (`{"type": "stop", "matched": "<the pattern>"}`, SGLang's FINISHED_MATCHED_REGEX): text from
+   way (`finish_stop("<the pattern>")`, SGLang's FINISHED_MATCHED_REGEX): text from
    the start of a partial match (the `regex` package's `partial=True`: the text so far could still
    grow into a match) is held back, so streamed text is never retracted. A pattern such as `a.*b`
    therefore holds back everything after an `a` until the `b` or the end.
-3. `max_new_tokens` reached: `{"type": "length", "length": max_new_tokens}`.
+3. `max_new_tokens` reached: `finish_length(max_new_tokens)`.
 Rules 1 and 2 apply only once `min_new_tokens` tokens exist (the sampler also bans stop tokens
 before that). SGLang checks the length first; stop-first (vLLM's order) reports "stop" and trims the
 text when the last allowed token completes a stop string or is EOS.
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Sequence
 
 import regex
 
-from jaxserve.engine.request import SamplingParams, finish_length, finish_stop
+from jaxserve.engine.request import FinishReason, SamplingParams, finish_length, finish_stop
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output (SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET).
@@ -55,7 +55,7 @@ class DetokenizeResult(NamedTuple):
 
     text_delta: str
     finished: bool
-    finish_reason: dict | None
+    finish_reason: FinishReason | None
 
 
 class IncrementalDetokenizer:
@@ -122,7 +122,7 @@ class IncrementalDetokenizer:
         return self._finish_reason is not None
 
     @property
-    def finish_reason(self) -> dict | None:
+    def finish_reason(self) -> FinishReason | None:
         return self._finish_reason
 
     def append(self, token_id: int) -> DetokenizeResult:
@@ -166,7 +166,7 @@ class IncrementalDetokenizer:
         self._held = text[len(text) - hold :]
         return self._emit(text[: len(text) - hold], None)
 
-    def finish(self, finish_reason: dict) -> DetokenizeResult:
+    def finish(self, finish_reason: FinishReason) -> DetokenizeResult:
         """Finish now for a reason found outside (abort, grammar end): print everything held back.
 
         Raises:
@@ -260,12 +260,12 @@ class IncrementalDetokenizer:
                 return length
         return 0
 
-    def _finish(self, text: str, finish_reason: dict) -> DetokenizeResult:
+    def _finish(self, text: str, finish_reason: FinishReason) -> DetokenizeResult:
         self._finish_reason = finish_reason
         self._held = ""
         return self._emit(text, finish_reason)
 
-    def _emit(self, text: str, finish_reason: dict | None) -> DetokenizeResult:
+    def _emit(self, text: str, finish_reason: FinishReason | None) -> DetokenizeResult:
         if text:
             self._pieces.append(text)
             self._text_cache = None

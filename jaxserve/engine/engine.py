@@ -35,7 +35,9 @@ from jaxserve.engine.output_processor import LaunchedBatch, OutputProcessor, Ste
 from jaxserve.runner.buckets import EXTEND_BLOCK_Q
 from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 from jaxserve.engine.validation.pool_limits import PoolLimits
-from jaxserve.engine.outputs import EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta
+from jaxserve.engine.outputs import (
+    EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta, sglang_meta_info,
+)
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, grammar_spec, new_rid
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
@@ -525,7 +527,7 @@ class Engine:
                     results[out.rid] = {
                         "text": out.text,
                         "output_ids": out.output_ids,
-                        "meta_info": dataclasses.asdict(out.meta),
+                        "meta_info": sglang_meta_info(out.meta),
                     }
         flat = [results[r] for group in rids for r in group]
         if single:

@@ -337,7 +337,7 @@ class EngineLoop:
     def abort(self, rid: str) -> bool:
         """Abort a request (or every sequence of an n > 1 request by its base rid). Thread-safe.
 
-        Its callback then receives a last output with finish reason `{"type": "abort", ...}`.
+        Its callback then receives a last output with finish reason of kind "abort".
         Returns False when the rid is unknown or already finished.
         """
         with self._cond:
@@ -349,8 +349,8 @@ class EngineLoop:
         return True
 
     def abort_all(self, message: str) -> concurrent.futures.Future:
-        """Abort every pending request; each ends with finish reason `{"type": "abort", "message":
-        message}` (no status code: a normal, cut-short answer). The future is done once all have
+        """Abort every pending request; each ends with an abort finish reason whose message is
+        `message` (no status code: a normal, cut-short answer). The future is done once all have
         been told. Used by the graceful shutdown when its drain time is up."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -515,9 +515,7 @@ class EngineLoop:
 
     def _fail(self, rids: list[str], message: str, status_code: int | None) -> None:
         """Give each rid's callback a last, aborted output (built from the last output it had)."""
-        reason = finish_abort(message)
-        if status_code is not None:
-            reason["status_code"] = status_code
+        reason = finish_abort(message, status_code)
         for r in rids:
             with self._cond:
                 pending = self._pending.get(r)

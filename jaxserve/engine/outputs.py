@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
-from jaxserve.engine.request import Req
+from jaxserve.engine.request import FinishReason, Req
 
 
 class RequestError(ValueError):
@@ -29,7 +30,7 @@ class RequestMeta:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    finish_reason: dict | None
+    finish_reason: FinishReason | None
     e2e_latency: float
     num_forced_tokens: int = 0
     ttft: float | None = None
@@ -102,6 +103,27 @@ class EngineSnapshot:
     gen_throughput: float
     spec_accept_length: float = 0.0  # mean tokens per verifying sequence-forward (SGLang's name); 0: none yet
     spec_accept_rate: float = 0.0  # accepted / proposed draft tokens
+
+
+def sglang_finish_reason(reason: FinishReason | None) -> dict[str, Any] | None:
+    """`reason` in SGLang's wire shape (its `BaseFinishReason.to_json`): {"type": "stop", "matched": ...},
+    {"type": "length", "length": n}, {"type": "abort", "message": ...} (with "status_code" when set)."""
+    if reason is None:
+        return None
+    if reason.kind == "stop":
+        return {"type": "stop", "matched": reason.matched}
+    if reason.kind == "length":
+        return {"type": "length", "length": reason.length}
+    wire: dict[str, Any] = {"type": "abort", "message": reason.message}
+    if reason.status_code is not None:
+        wire["status_code"] = reason.status_code
+    return wire
+
+
+def sglang_meta_info(meta: RequestMeta) -> dict[str, Any]:
+    """`meta` as a dict of SGLang's meta_info fields, its finish reason in SGLang's shape (the research
+    API `Engine.generate` and jaxserve.lang's engine backend answer so, as /generate does)."""
+    return {**dataclasses.asdict(meta), "finish_reason": sglang_finish_reason(meta.finish_reason)}
 
 
 def request_meta(req: Req) -> RequestMeta:

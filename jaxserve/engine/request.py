@@ -1,4 +1,4 @@
-"""Requests: `SamplingParams` (SGLang's fields and defaults), `Req` (one sequence's state) and finish reasons."""
+"""Requests: `SamplingParams` (SGLang's fields and defaults), `Req` (one sequence's state) and `FinishReason`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import enum
 import itertools
 import math
 import re
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import regex
@@ -271,7 +271,7 @@ class Req:
 
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
-    finish_reason: dict | None = None
+    finish_reason: FinishReason | None = None
     page_table: list[int] = dataclasses.field(default_factory=list)
     kv_len: int = 0
     cached_tokens: int = 0
@@ -332,14 +332,35 @@ def new_rid() -> str:
     return f"{next(_rid_counter):x}-{np.random.randint(1 << 30):08x}"
 
 
-def finish_stop(matched: int | str | None) -> dict:
-    """SGLang's finish reason for EOS, a stop token id or a stop string."""
-    return {"type": "stop", "matched": matched}
+@dataclasses.dataclass(frozen=True)
+class FinishReason:
+    """Why a request finished (SGLang's FINISH_MATCHED_TOKEN / _STR, FINISH_LENGTH, FINISH_ABORT).
+
+    `kind`: "stop" (EOS, a stop token id, a stop string or regex), "length" (max_new_tokens or the
+    room the context and the pool leave) or "abort". `matched`: with "stop", the token id or the
+    string that matched (None: the grammar ended). `length`: with "length", the output tokens.
+    `message`: with "abort", why. `status_code`: with an abort the engine (not the client) caused,
+    the HTTP status of a non-streamed answer (500: an engine error, 503: shut down or queue timeout).
+    The server writes it in SGLang's or OpenAI's words; the engine never builds their dicts.
+    """
+
+    kind: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
 
 
-def finish_length(length: int) -> dict:
-    return {"type": "length", "length": length}
+def finish_stop(matched: int | str | None) -> FinishReason:
+    """EOS, a stop token id or a stop string (`matched`; None when a grammar ended the output)."""
+    return FinishReason("stop", matched=matched)
 
 
-def finish_abort(message: str) -> dict:
-    return {"type": "abort", "message": message}
+def finish_length(length: int) -> FinishReason:
+    """The output reached `length` tokens, its bound."""
+    return FinishReason("length", length=length)
+
+
+def finish_abort(message: str, status_code: int | None = None) -> FinishReason:
+    """Aborted, with why; `status_code` when the engine failed the request (see `FinishReason`)."""
+    return FinishReason("abort", message=message, status_code=status_code)

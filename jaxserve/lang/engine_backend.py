@@ -12,12 +12,12 @@ only through `backend.loop` (`backend.loop.call(lambda engine: ...)`), never dir
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 from typing import Any, Iterator, Sequence
 
 from jaxserve.engine.engine import Engine, RequestError, StepOutput
 from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.engine.outputs import sglang_meta_info
 from jaxserve.engine.request import SamplingParamsError
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.lang.backend import SCORING_MAX_NEW_TOKENS, Backend, GenChunk, GenResult
@@ -108,7 +108,7 @@ class EngineBackend(Backend):
 
 def _result(out: StepOutput) -> GenResult:
     """The finished output as a GenResult; an aborted request raises BackendError."""
-    reason = out.meta.finish_reason or {}
-    if reason.get("type") == "abort":
-        raise BackendError(int(reason.get("status_code") or 500), str(reason.get("message", "the request was aborted")))
-    return GenResult(out.text, list(out.output_ids), dataclasses.asdict(out.meta))
+    reason = out.meta.finish_reason
+    if reason is not None and reason.kind == "abort":
+        raise BackendError(reason.status_code or 500, reason.message if reason.message is not None else "the request was aborted")
+    return GenResult(out.text, list(out.output_ids), sglang_meta_info(out.meta))

@@ -154,7 +154,7 @@ class RequestGroup:
 def _log_finished(out: StepOutput) -> None:
     """--log-requests: one info line per finished sequence."""
     m = out.meta
-    reason = (m.finish_reason or {}).get("type")
+    reason = m.finish_reason.kind if m.finish_reason is not None else None
     logger.info("request finished rid=%s prompt_tokens=%d completion_tokens=%d cached_tokens=%d finish_reason=%s "
                 "e2e_latency=%.3fs", out.rid, m.prompt_tokens, m.completion_tokens, m.cached_tokens, reason, m.e2e_latency)
 

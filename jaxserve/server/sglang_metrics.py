@@ -196,8 +196,7 @@ class RequestMetrics:
         if meta.cached_tokens:
             m["sglang:cached_tokens_total"].labels(*self._base, "total").inc(meta.cached_tokens)
         m["sglang:e2e_request_latency_seconds"].labels(*labels).observe(meta.e2e_latency)
-        reason = (meta.finish_reason or {}).get("type")
-        if reason == "abort":
+        if meta.finish_reason is not None and meta.finish_reason.kind == "abort":
             m["sglang:num_aborted_requests_total"].labels(*self._base).inc()
         elif meta.ttft is not None and meta.completion_tokens > 1:
             per_token = (meta.e2e_latency - meta.ttft) / (meta.completion_tokens - 1)

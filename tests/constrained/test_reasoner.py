@@ -104,7 +104,7 @@ def test_engine_reasons_freely_then_follows_the_grammar(tiny_model_dir):
     assert deferred.output_ids[:4] == plain[:4]  # the reasoning was not constrained
     answer = engine.tokenizer.decode(deferred.output_ids[4:])
     assert re.fullmatch("[0-9]{3}", answer), answer
-    assert deferred.meta.finish_reason["type"] == "stop"
+    assert deferred.meta.finish_reason.kind == "stop"
     from_start = run(constrained)
     assert re.fullmatch("[0-9]{3}", engine.tokenizer.decode(from_start.output_ids)), from_start.output_ids
     engine.cache.check_integrity([])

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.request import SamplingParams, finish_abort, finish_length, finish_stop
 from jaxserve.model.tokenizer import load_tokenizer
 
 FFFD = "\ufffd"
@@ -67,7 +67,7 @@ def test_stop_string_spanning_tokens_is_trimmed(tok):
     ids = tok.encode("The answer is 42, and more", add_special_tokens=False)
     assert not any("is 42" in tok.decode([i]) for i in ids)
     deltas, detok = stream(tok, ids, stop=("is 42",))
-    assert detok.finish_reason == {"type": "stop", "matched": "is 42"}
+    assert detok.finish_reason == finish_stop("is 42")
     assert detok.text == "".join(deltas) == "The answer "
     assert detok.num_tokens == 6  # the token that completes the stop string: "2"
 
@@ -75,14 +75,14 @@ def test_stop_string_spanning_tokens_is_trimmed(tok):
 def test_stop_string_kept_with_no_stop_trim(tok):
     ids = tok.encode("The answer is 42, and more", add_special_tokens=False)
     deltas, detok = stream(tok, ids, stop=("is 42",), no_stop_trim=True)
-    assert detok.finish_reason == {"type": "stop", "matched": "is 42"}
+    assert detok.finish_reason == finish_stop("is 42")
     assert detok.text == "".join(deltas) == "The answer is 42"
 
 
 def test_earliest_of_several_stop_strings_wins(tok):
     ids = tok.encode("one two three", add_special_tokens=False)
     deltas, detok = stream(tok, ids, stop=("three", "wo t"))
-    assert detok.finish_reason == {"type": "stop", "matched": "wo t"}
+    assert detok.finish_reason == finish_stop("wo t")
     assert detok.text == "".join(deltas) == "one t"
 
 
@@ -101,14 +101,14 @@ def test_possible_stop_prefix_is_held_back_then_released(tok):
 def test_held_back_text_is_released_at_max_new_tokens(tok):
     ids = tok.encode("hello world", add_special_tokens=False)
     deltas, detok = stream(tok, ids, stop=("world peace",), max_new_tokens=len(ids))
-    assert detok.finish_reason == {"type": "length", "length": len(ids)}
+    assert detok.finish_reason == finish_length(len(ids))
     assert deltas[-1].endswith("world") and "".join(deltas) == "hello world"
 
 
 def test_eos_finishes_and_its_text_is_dropped(tok):
     ids = tok.encode("Hello there", add_special_tokens=False) + [2] + tok.encode(" more", add_special_tokens=False)
     deltas, detok = stream(tok, ids, skip_special_tokens=False)
-    assert detok.finish_reason == {"type": "stop", "matched": 2}
+    assert detok.finish_reason == finish_stop(2)
     assert detok.text == "".join(deltas) == "Hello there"
     assert detok.num_tokens == 3
 
@@ -116,14 +116,14 @@ def test_eos_finishes_and_its_text_is_dropped(tok):
     assert kept.text == "Hello there<|im_end|>"
 
     _, ignored = stream(tok, ids, ignore_eos=True, max_new_tokens=len(ids))
-    assert ignored.finish_reason == {"type": "length", "length": len(ids)}
+    assert ignored.finish_reason == finish_length(len(ids))
     assert ignored.text == "Hello there more"
 
 
 def test_stop_token_ids_finish_the_request(tok):
     ids = tok.encode("one two three", add_special_tokens=False)
     deltas, detok = stream(tok, ids, stop_token_ids=(ids[1],))
-    assert detok.finish_reason == {"type": "stop", "matched": ids[1]}
+    assert detok.finish_reason == finish_stop(ids[1])
     assert detok.text == "".join(deltas) == "one"
 
 
@@ -131,22 +131,22 @@ def test_min_new_tokens_delays_stop_tokens_and_stop_strings(tok):
     ids = tok.encode("ab", add_special_tokens=False) + [2] + tok.encode(" cd ab ef", add_special_tokens=False)
     _, detok = stream(tok, ids, min_new_tokens=4, stop=("ab",))
     # EOS (token 3) and the first "ab" (tokens 1-2) come before min_new_tokens; the second "ab" stops.
-    assert detok.finish_reason == {"type": "stop", "matched": "ab"}
+    assert detok.finish_reason == finish_stop("ab")
     assert detok.text == "ab cd "
 
 
 def test_max_new_tokens_zero_and_one(tok):
     params = SamplingParams(max_new_tokens=0)
-    assert IncrementalDetokenizer.finish_without_tokens(params) == ("", True, {"type": "length", "length": 0})
+    assert IncrementalDetokenizer.finish_without_tokens(params) == ("", True, finish_length(0))
     assert IncrementalDetokenizer.finish_without_tokens(SamplingParams()) is None
     detok = IncrementalDetokenizer(tok, [1, 2], params, [2])
-    assert detok.finished and detok.finish_reason == {"type": "length", "length": 0} and detok.text == ""
+    assert detok.finished and detok.finish_reason == finish_length(0) and detok.text == ""
     with pytest.raises(RuntimeError):
         detok.append(5)
 
     ids = tok.encode("😀", add_special_tokens=False)  # the first token holds half of the emoji
     deltas, one = stream(tok, ids, max_new_tokens=1)
-    assert one.finish_reason == {"type": "length", "length": 1}
+    assert one.finish_reason == finish_length(1)
     assert deltas == [full_decode(tok, ids[:1])]  # flushed at finish, U+FFFD and all
 
 
@@ -154,7 +154,7 @@ def test_finish_flushes_held_text(tok):
     detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=("world peace",)), [2])
     for token in tok.encode("hello world", add_special_tokens=False):
         detok.append(token)
-    result = detok.finish({"type": "abort", "message": "client left"})
+    result = detok.finish(finish_abort("client left"))
     assert result.finished and result.text_delta == "world"
     assert detok.text == "hello world"
 
@@ -188,7 +188,7 @@ token_ids = st.one_of(
 def test_deltas_concatenate_to_the_full_decode(tok, ids, skip_special_tokens):
     detok = IncrementalDetokenizer(tok, tok.encode(PROMPT), SamplingParams(max_new_tokens=1000, skip_special_tokens=skip_special_tokens), [])
     deltas = [detok.append(t).text_delta for t in ids]
-    deltas.append(detok.finish({"type": "abort", "message": ""}).text_delta)
+    deltas.append(detok.finish(finish_abort("")).text_delta)
     full = full_decode(tok, ids, skip_special_tokens)
     assert "".join(deltas) == detok.text == full
     if FFFD not in full:
@@ -208,12 +208,12 @@ def test_stop_strings_on_random_text(tok, text, stop, no_stop_trim):
     ids = tok.encode(text, add_special_tokens=False)
     deltas, detok = stream(tok, ids, eos=(), stop=(stop,), no_stop_trim=no_stop_trim, max_new_tokens=1000)
     if not detok.finished:
-        deltas.append(detok.finish({"type": "abort", "message": ""}).text_delta)
+        deltas.append(detok.finish(finish_abort("")).text_delta)
     assert "".join(deltas) == detok.text
     assert not any(FFFD in d for d in deltas)
     consumed = full_decode(tok, ids[: detok.num_tokens])
-    if detok.finish_reason["type"] == "stop":
-        assert detok.finish_reason["matched"] == stop
+    if detok.finish_reason.kind == "stop":
+        assert detok.finish_reason.matched == stop
         assert stop in consumed
         assert detok.text == (consumed if no_stop_trim else consumed[: consumed.find(stop)])
     else:
@@ -252,7 +252,7 @@ def test_stop_regex_matches_a_brute_force_reference(tok, text, pattern):
     if stop_at is None:
         assert not detok.finished
     else:
-        assert detok.finish_reason == {"type": "stop", "matched": pattern}
+        assert detok.finish_reason == finish_stop(pattern)
         assert detok.num_tokens == stop_at
 
 
@@ -260,7 +260,7 @@ def test_stop_regex_partial_match_is_held_back_then_released(tok):
     ids = tok.encode("id 12 34 done", add_special_tokens=False)
     deltas, detok = stream(tok, ids, stop_regex=(r"\d\d x",), max_new_tokens=len(ids))
     # "12" and "34" could each start a match; each is held until the next token rules it out
-    assert detok.finish_reason == {"type": "length", "length": len(ids)}
+    assert detok.finish_reason == finish_length(len(ids))
     assert "".join(deltas) == detok.text == "id 12 34 done"
     held_at = [i for i, d in enumerate(deltas) if d == ""]
     assert held_at, deltas
@@ -269,14 +269,14 @@ def test_stop_regex_partial_match_is_held_back_then_released(tok):
 def test_stop_regex_with_no_stop_trim_keeps_the_match(tok):
     ids = tok.encode("value: 7 apples", add_special_tokens=False)
     _, detok = stream(tok, ids, stop_regex=(r"\d",), no_stop_trim=True, max_new_tokens=len(ids))
-    assert detok.finish_reason["matched"] == r"\d"
+    assert detok.finish_reason.matched == r"\d"
     assert detok.text.endswith("7") and "apples" not in detok.text
 
 
 def test_stop_regex_and_stop_string_earliest_wins(tok):
     ids = tok.encode("one two three four", add_special_tokens=False)
     _, detok = stream(tok, ids, stop=("four",), stop_regex=(r"t[hw]",), max_new_tokens=len(ids))
-    assert detok.text == "one " and detok.finish_reason == {"type": "stop", "matched": r"t[hw]"}
+    assert detok.text == "one " and detok.finish_reason == finish_stop(r"t[hw]")
 
 
 def test_spaces_between_special_tokens_reaches_the_tokenizer():
@@ -307,7 +307,7 @@ def test_stop_regex_on_random_text(tok, text, pattern, no_stop_trim):
     deltas, detok = stream(tok, ids, stop_regex=(pattern,), no_stop_trim=no_stop_trim, max_new_tokens=len(ids) + 1)
     if stop_at is None:
         assert not detok.finished
-        deltas.append(detok.finish({"type": "abort"}).text_delta)  # releases text held for a partial match
+        deltas.append(detok.finish(finish_abort("")).text_delta)  # releases text held for a partial match
         assert "".join(deltas) == detok.text == full_decode(tok, ids)
     else:
         assert "".join(deltas) == detok.text

@@ -181,7 +181,7 @@ def test_abort_frees_pages(engine):
     engine.step()
     assert engine.abort(rids[0])
     outs = engine.step()
-    assert any(o.rid == rids[0] and o.meta.finish_reason["type"] == "abort" for o in outs)
+    assert any(o.rid == rids[0] and o.meta.finish_reason.kind == "abort" for o in outs)
     while engine.has_unfinished():
         engine.step()
     engine.cache.check_integrity([])

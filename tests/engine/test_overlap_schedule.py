@@ -137,7 +137,7 @@ def test_abort_and_arrival_while_a_step_is_in_flight(engines):
     while on.has_unfinished():
         for o in on.step():
             done[o.rid] = o
-    assert done[rids[1]].meta.finish_reason["type"] == "abort"
+    assert done[rids[1]].meta.finish_reason.kind == "abort"
     assert [done[r].output_ids for r in (rids[0], rids[2])] == [ref[0][0], ref[2][0]]
     assert done[late].output_ids == late_ref[0][0]
     assert_no_leak(on)
@@ -178,7 +178,7 @@ def test_every_request_aborted_while_a_step_is_in_flight(engines):
     steps_before = on.stats.num_steps
     assert all(on.abort(r) for r in rids)
     outs = on.step()
-    assert sorted(o.rid for o in outs) == sorted(rids) and all(o.meta.finish_reason["type"] == "abort" for o in outs)
+    assert sorted(o.rid for o in outs) == sorted(rids) and all(o.meta.finish_reason.kind == "abort" for o in outs)
     assert not on.step_in_flight and not on.has_unfinished() and on.stats.num_steps == steps_before
     on.flush_cache()
     assert on.allocator.num_free == on.allocator.num_usable

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.engine import RequestError
+from jaxserve.engine.request import finish_length
 from tests.engine.test_engine import make_engine
 
 WATCHED = [0, 7, 512, 40000, 49151]
@@ -66,7 +67,7 @@ def test_max_new_tokens_zero_still_returns_prompt_logprobs(engine):
     prompt = list(range(300, 320))
     ref = run(engine, prompt, {"max_new_tokens": 1, "temperature": 0}, return_logprob=True, logprob_start_len=3)
     zero = run(engine, prompt, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=3)
-    assert zero.output_ids == [] and zero.meta.finish_reason == {"type": "length", "length": 0}
+    assert zero.output_ids == [] and zero.meta.finish_reason == finish_length(0)
     assert [t for _, t in zero.meta.input_token_logprobs] == prompt[3:]
     np.testing.assert_allclose([lp for lp, _ in zero.meta.input_token_logprobs[1:]],
                                [lp for lp, _ in ref.meta.input_token_logprobs[1:]], atol=1e-5)

@@ -24,6 +24,7 @@ from starlette.testclient import TestClient
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.engine.outputs import RequestMeta, StepOutput
+from jaxserve.engine.request import finish_stop
 from jaxserve.server.app import create_app
 from jaxserve.server.openai.chat_template import load_chat_template
 from jaxserve.server.openai.reasoning import REASONING_PARSERS, ReasoningSplitter, reasoning_format, split_reasoning
@@ -62,7 +63,7 @@ class ScriptedEngine(FakeEngine):
         req = self.reqs[rid]
         num = len(req["out"])
         if finished and num == len(self.pieces):
-            reason = {"type": "stop", "matched": 2}  # the script ends as a model's reply ends: EOS
+            reason = finish_stop(2)  # the script ends as a model's reply ends: EOS
         meta = RequestMeta(rid, req["prompt"], num, 0, reason, 0.0)
         if finished:
             del self.reqs[rid]

@@ -55,7 +55,7 @@ def test_n_sequences_and_group_abort(engine_loop):
     assert engine_loop.abort("grp")
     assert got.done.wait(5)
     assert sorted(o.rid for o in got.finals()) == rids
-    assert all(o.meta.finish_reason["type"] == "abort" for o in got.finals())
+    assert all(o.meta.finish_reason.kind == "abort" for o in got.finals())
     assert not engine_loop.abort("grp")
     assert "grp" not in engine_loop._groups  # a group is dropped with its last sequence
 
@@ -112,8 +112,8 @@ def test_a_failed_step_fails_pending_requests_and_the_loop_dies(engine_loop):
     engine_loop.engine.fail_next_step = True
     assert got.done.wait(5)
     for out in got.finals():
-        assert out.meta.finish_reason["type"] == "abort" and out.meta.finish_reason["status_code"] == 500
-        assert "boom" in out.meta.finish_reason["message"]
+        assert out.meta.finish_reason.kind == "abort" and out.meta.finish_reason.status_code == 500
+        assert "boom" in out.meta.finish_reason.message
     engine_loop._thread.join(5)
     assert deaths == ["RuntimeError: boom"] and engine_loop.error == "RuntimeError: boom"
     assert not engine_loop.is_running
@@ -174,6 +174,6 @@ def test_shutdown_fails_pending_requests():
     time.sleep(0.03)
     loop.shutdown()
     assert got.done.is_set()
-    assert got.finals()[0].meta.finish_reason["status_code"] == 503
+    assert got.finals()[0].meta.finish_reason.status_code == 503
     with pytest.raises(RuntimeError):
         loop.submit("a", {}, on_output=got)

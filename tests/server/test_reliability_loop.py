@@ -12,7 +12,7 @@ import pytest
 from jaxserve.engine.engine_loop import (
     FAULT_FILE_ENV, EngineLoop, EngineUnavailableError, default_max_queued_requests,
 )
-from jaxserve.engine.request import finish_length
+from jaxserve.engine.request import finish_abort, finish_length
 from tests.server.fakes import FakeEngine
 
 
@@ -88,7 +88,7 @@ def test_a_request_waiting_past_the_queue_timeout_ends_with_503():
         wait_for(lambda: len(finals.outputs) == 2)
         assert finals.outputs[first].meta.finish_reason == finish_length(30)
         reason = finals.outputs[second].meta.finish_reason
-        assert reason["type"] == "abort" and reason["status_code"] == 503 and "--queue-timeout" in reason["message"]
+        assert reason.kind == "abort" and reason.status_code == 503 and "--queue-timeout" in reason.message
         assert loop.load().num_queue_timeouts == 1
         wait_for(lambda: not loop.engine.reqs)  # the aborted request left the engine
     finally:
@@ -104,7 +104,7 @@ def test_abort_all_cuts_every_request_short_with_the_message():
         assert loop.abort_all("shutting down now").result(5) == 3
         assert set(finals.outputs) == set(rids)
         for out in finals.outputs.values():
-            assert out.meta.finish_reason == {"type": "abort", "message": "shutting down now"}
+            assert out.meta.finish_reason == finish_abort("shutting down now")
         wait_for(lambda: not loop.engine.reqs and loop.num_pending == 0)
         assert loop.is_running  # aborting is not dying
     finally:
@@ -123,7 +123,7 @@ def test_the_fault_file_kills_the_loop(tmp_path, monkeypatch):
         fault.touch()
         wait_for(lambda: rid in finals.outputs)
         reason = finals.outputs[rid].meta.finish_reason
-        assert reason["status_code"] == 500 and "InjectedFault" in reason["message"]
+        assert reason.status_code == 500 and "InjectedFault" in reason.message
         assert loop.error.startswith("InjectedFault") and not loop.is_running
     finally:
         loop.shutdown()

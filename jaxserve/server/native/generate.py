@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
+from jaxserve.engine.outputs import sglang_finish_reason
 from jaxserve.engine.request import MAX_N, SamplingParamsError
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
@@ -246,7 +247,7 @@ def to_output(
         prompt_tokens=meta.prompt_tokens,
         completion_tokens=meta.completion_tokens,
         cached_tokens=meta.cached_tokens,
-        finish_reason=meta.finish_reason,
+        finish_reason=sglang_finish_reason(meta.finish_reason),
         e2e_latency=meta.e2e_latency,
     )
     if logprobs is not None:
@@ -279,9 +280,9 @@ def to_output(
 def failure_of(out: StepOutput) -> tuple[int, str] | None:
     """(HTTP status, message) when the engine failed the request (an abort with a status_code);
     None for success and for an abort the client asked for."""
-    reason = out.meta.finish_reason or {}
-    if reason.get("type") == "abort" and reason.get("status_code"):
-        return int(reason["status_code"]), str(reason.get("message", "the request failed"))
+    reason = out.meta.finish_reason
+    if reason is not None and reason.kind == "abort" and reason.status_code:
+        return reason.status_code, reason.message if reason.message is not None else "the request failed"
     return None
 
 

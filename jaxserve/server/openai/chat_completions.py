@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
-from jaxserve.engine.request import MAX_N, SamplingParamsError
+from jaxserve.engine.request import MAX_N, SamplingParamsError, finish_length
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.server.openai.chat_prompt import chat_prompt
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
@@ -171,7 +171,7 @@ def finish_reason_of(out: StepOutput) -> tuple[str | None, int | str | None]:
     reason = out.meta.finish_reason
     if not out.finished or reason is None:
         return None, None
-    return reason.get("type"), reason.get("matched")
+    return reason.kind, reason.matched
 
 
 def _usage(outputs: list[StepOutput], n: int) -> UsageInfo:
@@ -216,7 +216,7 @@ def _without_output(out: StepOutput) -> StepOutput:
     """`out` as if no token had been generated: `max_tokens: 0` with echo and logprobs runs one token
     (the engine computes prompt logprobs only for a request it runs) that the reply leaves out."""
     meta = dataclasses.replace(out.meta, completion_tokens=0, output_token_logprobs=[], output_top_logprobs=[],
-                               finish_reason={"type": "length", "length": 0} if out.finished else None)
+                               finish_reason=finish_length(0) if out.finished else None)
     return dataclasses.replace(out, new_token_ids=[], output_ids=[], text="", text_delta="", meta=meta)
 
 

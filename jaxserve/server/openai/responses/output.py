@@ -31,11 +31,11 @@ def new_id(prefix: str) -> str:
 
 def status_of(out: StepOutput) -> tuple[str, dict[str, str] | None, dict[str, str] | None]:
     """(status, incomplete_details, error) of a finished output."""
-    reason = out.meta.finish_reason or {}
-    if reason.get("type") == "length":
+    reason = out.meta.finish_reason
+    if reason is not None and reason.kind == "length":
         return "incomplete", {"reason": "max_output_tokens"}, None
-    if reason.get("type") == "abort":
-        return "failed", None, {"code": "server_error", "message": reason.get("message") or "the request was aborted"}
+    if reason is not None and reason.kind == "abort":
+        return "failed", None, {"code": "server_error", "message": reason.message or "the request was aborted"}
     return "completed", None, None
 
 
