@@ -338,7 +338,7 @@ def paired_overhead(name: str, flags: list[str], workload: str, seed: int, log_d
                         inproc.append(in_process(row))
 
         asyncio.run(run())
-        del engine
+        engine = None  # the model's memory goes before the next variant's server starts
     finally:
         proc.terminate()
         proc.wait(60)

@@ -96,7 +96,7 @@ class CompiledGrammar(Protocol):
 class GrammarMatcher(Protocol):
     """The grammar state of one request. Not thread-safe: one request, one thread at a time."""
 
-    def fill_bitmask(self, bitmask_row: Int32[np.ndarray, "W"]) -> None:
+    def fill_bitmask(self, bitmask_row: Int32[np.ndarray, " W"]) -> None:
         """Write the allowed next tokens into one bitmask row.
 
         Args:

@@ -80,6 +80,6 @@ def apply_bitmask_numpy(
     return np.where(allowed, logits, np.array(-np.inf, dtype=logits.dtype))
 
 
-def allowed_token_ids(bitmask_row: Int32[np.ndarray, "W"], vocab_size: int) -> Int32[np.ndarray, "N"]:
+def allowed_token_ids(bitmask_row: Int32[np.ndarray, " W"], vocab_size: int) -> Int32[np.ndarray, " N"]:
     """Sorted ids of the allowed tokens of one bitmask row (host side: tests, debugging)."""
     return np.flatnonzero(unpack_bitmask(bitmask_row[None, :], vocab_size)[0]).astype(np.int32)

@@ -74,7 +74,7 @@ class LLGuidanceMatcher:
     def ll_matcher(self) -> LLMatcher:
         return self._matcher
 
-    def fill_bitmask(self, bitmask_row: Int32[np.ndarray, "W"]) -> None:
+    def fill_bitmask(self, bitmask_row: Int32[np.ndarray, " W"]) -> None:
         _check_bitmask(bitmask_row, (self._num_words,))
         # In an error state llguidance writes a mask that allows only EOS, so the request ends.
         self._matcher.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)

@@ -47,7 +47,7 @@ class ReasonerMatcher:
         """The matcher that constrains the next token: None while reasoning, else the inner grammar."""
         return None if self.is_reasoning else self.inner
 
-    def fill_bitmask(self, bitmask_row: Int32[np.ndarray, "W"]) -> None:
+    def fill_bitmask(self, bitmask_row: Int32[np.ndarray, " W"]) -> None:
         if self.is_reasoning:
             bitmask_row.fill(-1)
         else:

@@ -118,11 +118,11 @@ def _attention_kernel(
     num_steps = jnp.minimum((kv_end + block_kv - 1) // block_kv, num_page_blocks)
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _MASK_VALUE, jnp.float32)
-    l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(0, num_steps, body, (acc, m, l))
+    row_sum = jnp.zeros((rows,), jnp.float32)
+    acc, m, row_sum = jax.lax.fori_loop(0, num_steps, body, (acc, m, row_sum))
     # Padding blocks (num_q == 0) run no step: write zeros rather than 0 / 0.
-    l = jnp.where(l == 0.0, 1.0, l)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)
+    o_ref[...] = (acc / row_sum[:, None]).astype(o_ref.dtype)
 
 
 def _check_shapes(q, k_pool, v_pool, meta: AttentionMetadata) -> None:
