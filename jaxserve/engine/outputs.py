@@ -7,19 +7,10 @@ import time
 from typing import Any
 
 from jaxserve.engine.request import FinishReason, Req
+from jaxserve.engine.validation.errors import ContextLengthError, RequestError
 
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (too long, empty, ...); `field` names the offending input."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-class ContextLengthError(RequestError):
-    """A request that does not fit: its prompt (or prompt + max_new_tokens) over the context length or
-    over the KV pool's bound on one request (`pool_limits.py`). The server's code `context_length_exceeded`."""
+__all__ = ["ContextLengthError", "EngineSnapshot", "EngineStats", "RequestError", "RequestMeta", "StepOutput",
+           "request_meta", "sglang_finish_reason", "sglang_meta_info"]
 
 
 @dataclasses.dataclass

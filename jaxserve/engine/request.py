@@ -13,7 +13,9 @@ import numpy as np
 import regex
 
 from jaxserve.constrained import GrammarSpec
+from jaxserve.engine.validation.errors import SamplingParamsError
 from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, first_type_error
+from jaxserve.engine.validation.seed import check_seed
 
 _INT_MAX = 2**31 - 1
 # the valid range of an integer field, said when a value is past int32 (the other checks below agree)
@@ -30,14 +32,6 @@ MAX_N = 128  # sequences per request (OpenAI's limit for `n`); each one is a req
 # SGLang's limits on stop_regex (MAX_STOP_REGEX_COUNT, MAX_STOP_REGEX_LEN in its sampling_params.py)
 MAX_STOP_REGEX_COUNT = 32
 MAX_STOP_REGEX_LEN = 256  # bytes of UTF-8
-
-
-class SamplingParamsError(ValueError):
-    """An invalid sampling parameter; `field` names it (the HTTP layer reports it as `param`)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +81,14 @@ class SamplingParams:
         d = dict(d or {})
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         if (problem := first_type_error(d)) is not None:  # the JSON types, as the HTTP routes word them
-            raise SamplingParamsError(*problem)
+            raise SamplingParamsError(*problem, code="invalid_type")
+        check_seed(d.get("sampling_seed"), "sampling_seed")  # named as given: validate sees it as seed
+        check_seed(d.get("seed"))
+        _check_logit_bias_keys(d.get("logit_bias"))
         alias = d.pop("sampling_seed", None)
         unknown = sorted(set(d) - names)
         if unknown:
-            raise SamplingParamsError(unknown[0], "unknown sampling parameter")
+            raise SamplingParamsError(unknown[0], "unknown sampling parameter", code="unknown_parameter")
         if alias is not None:
             if d.get("seed") is not None and d["seed"] != alias:
                 raise SamplingParamsError("sampling_seed", f"is another name of seed; both given and different ({alias} != {d['seed']})")
@@ -103,7 +100,7 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids", "choices", "stop_regex"):
             if key in kwargs:
                 if not isinstance(kwargs[key], (list, tuple)):
-                    raise SamplingParamsError(key, "must be a list")
+                    raise SamplingParamsError(key, "must be a list", code="invalid_type")
                 kwargs[key] = tuple(kwargs[key])
         if "logit_bias" in kwargs:
             kwargs["logit_bias"] = _logit_bias_pairs(kwargs["logit_bias"])
@@ -116,7 +113,7 @@ class SamplingParams:
         `engine/validation/field_types.py`, the same message as from_dict and the HTTP routes)."""
         values = {name: getattr(self, name) for name in SAMPLING_FIELD_TYPES if hasattr(self, name)}
         if (problem := first_type_error(values)) is not None:
-            raise SamplingParamsError(*problem)
+            raise SamplingParamsError(*problem, code="invalid_type")
         for name, value in values.items():
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT_MAX and name not in ("seed", "n"):
                 raise SamplingParamsError(name, f"must be {_INT_RANGES.get(name, f'between -{_INT_MAX} and {_INT_MAX}')}, got {value}")
@@ -149,7 +146,7 @@ class SamplingParams:
             raise SamplingParamsError("n", f"must be in [1, {MAX_N}], got {self.n}")
         for s in self.stop:
             if not isinstance(s, str):
-                raise SamplingParamsError("stop", "must be strings")
+                raise SamplingParamsError("stop", "must be strings", code="invalid_type")
             if s == "":
                 raise SamplingParamsError("stop", "stop strings must not be empty")
             _check_unicode("stop", s)
@@ -211,6 +208,22 @@ def _check_stop_regex(patterns: tuple[str, ...]) -> None:
             raise SamplingParamsError("stop_regex", f"invalid regex {p!r}: {e}") from None
         if compiled.search("") is not None:
             raise SamplingParamsError("stop_regex", f"{p!r} matches the empty string, so it would stop every request at once")
+def _check_logit_bias_keys(value: Any) -> None:
+    """Refuse a `logit_bias` object whose keys spell one token id twice ("028" and "28"): JSON keeps
+    both, and one bias would silently replace the other. Other mistakes pass (`_logit_bias_pairs`
+    names them)."""
+    if not isinstance(value, dict):
+        return
+    seen: dict[int, str] = {}
+    for key in value:
+        if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,10}", key):  # the keys read as ids
+            token = int(key)
+            if token in seen:
+                raise SamplingParamsError("logit_bias", f"the keys {seen[token]!r} and {key!r} are the same token id "
+                                          f"{token}; give each token once")
+            seen[token] = key
+
+
 def _logit_bias_pairs(value: Any) -> tuple[tuple[Any, Any], ...]:
     """OpenAI's {"token id": bias} (keys are strings in JSON; ints accepted) -> sorted (id, bias) pairs.
 

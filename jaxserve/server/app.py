@@ -66,7 +66,7 @@ from jaxserve.server.errors import (
     parse_json_body,
     unavailable_response,
 )
-from jaxserve.server.field_types import describe
+from jaxserve.engine.validation.field_types import describe
 from jaxserve.server.openai.tools import get_parser
 from jaxserve.server.metrics import mark_unlogged
 from jaxserve.server.openapi import openapi_document

@@ -18,10 +18,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.outputs import ContextLengthError, RequestError
 from jaxserve.engine.engine_loop import EngineUnavailableError
-from jaxserve.engine.validation.field_types import TYPE_ERROR_MARKERS
-from jaxserve.engine.request import SamplingParamsError
+from jaxserve.engine.validation.errors import RequestError, SamplingParamsError
 
 # Hints for the mistakes new users make most, keyed by (where, field): "sampling_params" for a key
 # inside /generate's sampling_params, "generate" for a top-level field of /generate. The unknown-field
@@ -38,9 +36,6 @@ FIELD_HINTS: dict[tuple[str, str], str] = {
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "stop", "seed", "n", "frequency_penalty",
                     "presence_penalty", "repetition_penalty", "ignore_eos", "regex", "json_schema")
 FIELD_HINTS.update({("generate", f): f"{f} goes inside sampling_params" for f in _SAMPLING_FIELDS})
-# substrings of SamplingParamsError messages that report a wrong type (docs/api.md: code invalid_type):
-# the type table's wording (engine/validation/field_types.py) and the value checks' own
-_TYPE_ERROR_MARKERS = (*TYPE_ERROR_MARKERS, "must be a list", "must be strings")
 
 
 def hint_for(where: str, field: str) -> str | None:
@@ -87,27 +82,23 @@ def error_response(message: str, status_code: int = 400, param: str | None = Non
     return ErrorJSONResponse(error_body(message, status_code, param, code), status_code=status_code)
 
 
-def from_engine_error(e: SamplingParamsError | RequestError, rename: Mapping[str, str] | None = None) -> APIError:
-    """A 400 for an engine validation error; `rename` maps engine field names to the API's
-    (max_new_tokens -> max_tokens for OpenAI requests, for instance), in `param` and, for names with
-    an underscore (identifiers, not words like "prompt"), in the message too."""
+def from_engine_error(e: RequestError, rename: Mapping[str, str] | None = None) -> APIError:
+    """The 400 of a request check's error (the one place a `RequestError` becomes a body; its code is
+    the error's own). `rename` maps engine field names to the API's (max_new_tokens -> max_tokens for
+    OpenAI requests, for instance), in `param` and, for names with an underscore (identifiers, not
+    words like "prompt"), in the message too."""
     field = (rename or {}).get(e.field, e.field)
     message = str(e)
-    code = "context_length_exceeded" if isinstance(e, ContextLengthError) else "invalid_value"
     if isinstance(e, SamplingParamsError):  # its message starts with the engine's field name
         message = f"{field}: {message.split(': ', 1)[-1]}"
-        if any(marker in message for marker in _TYPE_ERROR_MARKERS):
-            code = "invalid_type"
-        if "unknown sampling parameter" in message:
-            code = "unknown_parameter"
-            if (hint := hint_for("sampling_params", field)) is not None:
-                message += f"; {hint}"
+        if e.code == "unknown_parameter" and (hint := hint_for("sampling_params", field)) is not None:
+            message += f"; {hint}"
     elif message.startswith("must "):  # a bare predicate ("must be in [0, 20], got 25"): say whose
         message = f"{field}: {message}"
     for engine_name, api_name in (rename or {}).items():
         if "_" in engine_name:  # a field name, not a word: "must be <= max_new_tokens" -> "<= max_tokens"
             message = re.sub(rf"\b{engine_name}\b", api_name, message)
-    return APIError(message, 400, param=field, code=code)
+    return APIError(message, 400, param=field, code=e.code)
 
 
 def from_validation_error(e: pydantic.ValidationError) -> APIError:
@@ -244,8 +235,7 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 EXCEPTION_HANDLERS = {
     APIError: _api_error,
-    SamplingParamsError: _engine_error,
-    RequestError: _engine_error,
+    RequestError: _engine_error,  # SamplingParamsError and ContextLengthError too
     pydantic.ValidationError: _validation_error,
     HTTPException: _http_error,
     EngineUnavailableError: _unavailable_error,

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from jaxserve.server.request_checks import SEED_MAX, SEED_MIN
+from jaxserve.engine.validation.seed import SEED_MAX, SEED_MIN
 
 
 class _Request(BaseModel):
@@ -129,7 +129,7 @@ class OpenAISampling(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # the range is checked by request_checks.check_seed (a 400 naming seed); the schema says it
+    # the range is checked by the engine (validation/seed.py: a 400 naming seed); the schema says it
     seed: int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
     user: str | None = None
     logit_bias: dict[str, float | int] | None = None

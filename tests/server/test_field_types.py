@@ -1,6 +1,6 @@
 """One type table for the sampling fields (jaxserve/engine/validation/field_types.py): the in-process engine
 (`SamplingParams.from_dict` and a directly built `SamplingParams`) and the HTTP routes
-(`server/field_types.check_field_types`) refuse a wrong JSON type with the same message. Before, the
+(`check_field_types`, in the same module) refuse a wrong JSON type with the same message. Before, the
 engine said "must be a number, got True" or "has the wrong type str" where the routes said
 "must be an integer, got true (a boolean)"."""
 
@@ -10,11 +10,11 @@ import dataclasses
 
 import pytest
 
-from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, FieldType
+from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, FieldType, check_field_types
+from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES as ROUTE_FIELD_TYPES
+from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES as NATIVE_FIELD_TYPES
 from jaxserve.engine.request import SamplingParams, SamplingParamsError
-from jaxserve.server.errors import APIError, from_engine_error
-from jaxserve.server.field_types import NATIVE_FIELD_TYPES, check_field_types
-from jaxserve.server.field_types import SAMPLING_FIELD_TYPES as ROUTE_FIELD_TYPES
+from jaxserve.server.errors import from_engine_error
 
 WRONG = {FieldType.INTEGER: [True, "7", 1.5], FieldType.NUMBER: ["0.5", False, [1]], FieldType.BOOLEAN: [1, "yes"],
          FieldType.STRING: [5, ["x"], {"type": "object"}], FieldType.STRING_OR_STRINGS: [5, ["a", 1]],
@@ -25,17 +25,18 @@ DATACLASS_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 @pytest.mark.parametrize("name, value", CASES, ids=[f"{n}={v!r}" for n, v in CASES])
 def test_engine_and_routes_word_a_wrong_type_alike(name, value):
-    with pytest.raises(APIError) as route:
+    with pytest.raises(SamplingParamsError) as checked:
         check_field_types({name: value}, NATIVE_FIELD_TYPES)  # /generate's sampling_params
+    route = from_engine_error(checked.value)  # its 400
     with pytest.raises(SamplingParamsError) as engine:
         SamplingParams.from_dict({name: value})
-    assert str(engine.value) == route.value.message and engine.value.field == name == route.value.param
-    assert route.value.message.startswith(f"{name}: must be {SAMPLING_FIELD_TYPES[name].value}, got ")
-    assert from_engine_error(engine.value).code == route.value.code == "invalid_type"
+    assert str(engine.value) == route.message and engine.value.field == name == route.param
+    assert route.message.startswith(f"{name}: must be {SAMPLING_FIELD_TYPES[name].value}, got ")
+    assert from_engine_error(engine.value).code == route.code == "invalid_type"
     if name in DATACLASS_FIELDS:  # not sampling_seed (from_dict's alias of seed) nor structural_tag (refused by name)
         with pytest.raises(SamplingParamsError) as built:
             SamplingParams(**{name: value}).validate()
-        assert str(built.value) == route.value.message
+        assert str(built.value) == route.message
 
 
 def test_openai_names_share_the_native_types():

@@ -1,11 +1,14 @@
 """The JSON types of the sampling fields, with one wording for a wrong one: the one table that both
-`SamplingParams` (its `from_dict` and `validate`) and the HTTP routes (`server/field_types.py`, which
-adds the OpenAI names) check types with, so a wrong type reads the same wherever it is found:
+`SamplingParams` (its `from_dict` and `validate`) and the HTTP routes check types with, so a wrong type
+reads the same wherever it is found:
 
     seed: must be an integer, got true (a boolean)
 
-Names are SGLang's `SamplingParams` names. A None passes (it means the default). Ranges and values
-(empty strings, vocabulary ids) stay with `SamplingParams.validate`.
+Names are SGLang's `SamplingParams` names (`SAMPLING_FIELD_TYPES`, /generate's `sampling_params`);
+`OPENAI_FIELD_TYPES` adds the OpenAI routes' names of them (`max_tokens` for `max_new_tokens`, ...).
+The routes check a body with `check_field_types` before their request models (whose pydantic wording,
+"Input should be a valid integer", would differ). A None passes (it means the default). Ranges and
+values (empty strings, vocabulary ids) stay with `SamplingParams.validate`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import enum
 import json
 from typing import Any, Mapping
+
+from jaxserve.engine.validation.errors import SamplingParamsError
 
 
 class FieldType(enum.Enum):
@@ -63,6 +68,17 @@ def _matches(value: Any, expected: FieldType) -> bool:
     return isinstance(value, (list, tuple)) and all(_is_int(t) for t in value)
 
 
+# the OpenAI routes' names of native fields (openai.chat_completions.sampling_params_of maps them)
+OPENAI_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+
+# the OpenAI routes take json_schema as JSON text or as an object (their request model types it), so
+# it is not in their table; /generate's is SGLang's string
+OPENAI_FIELD_TYPES: dict[str, FieldType] = {
+    **{name: t for name, t in SAMPLING_FIELD_TYPES.items() if name != "json_schema"},
+    **{name: SAMPLING_FIELD_TYPES[native] for name, native in OPENAI_NAMES.items()},
+}
+
+
 _JSON_TYPE_NAMES = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
                     ((list, tuple), "a list"), (dict, "an object"))
 
@@ -88,4 +104,13 @@ def first_type_error(values: Mapping[str, Any], types: Mapping[str, FieldType] =
     return None
 
 
-TYPE_ERROR_MARKERS = tuple(f"must be {t.value}, got" for t in FieldType)  # how a type error's message reads
+def check_field_types(values: Mapping[str, Any], types: Mapping[str, FieldType]) -> None:
+    """Refuse the first field of `values` (a request body or a `sampling_params` object) whose value
+    has the wrong JSON type for `types`; fields not in `types`, and None, pass.
+
+    Raises:
+        SamplingParamsError: naming the field, code invalid_type ("seed: must be an integer, got true
+            (a boolean)").
+    """
+    if (problem := first_type_error(values, types)) is not None:
+        raise SamplingParamsError(*problem, code="invalid_type")

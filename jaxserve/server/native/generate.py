@@ -26,12 +26,11 @@ from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.outputs import sglang_finish_reason
 from jaxserve.engine.request import MAX_N, SamplingParamsError
 from jaxserve.engine.request_input import GenerateInput
+from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, check_field_types
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
-from jaxserve.server.field_types import NATIVE_FIELD_TYPES, check_field_types
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
 from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
-from jaxserve.server.request_checks import check_logit_bias_keys, check_seed
 from jaxserve.server.native.sglang_fields import SAMPLING_FIELD_NAMES, check_request, check_sampling_params
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
@@ -115,17 +114,17 @@ def _in_sampling_params(e: APIError, index: int | None) -> APIError:
 
 
 def _check_sampling(params: Any, index: int | None) -> Any:
-    """One `sampling_params` object through the field table, the JSON types and the seed range."""
+    """One `sampling_params` object through the field table and the JSON types (before the request
+    model, whose wording for a wrong type is pydantic's)."""
     if not isinstance(params, dict):
         return params  # the request model names a non-object
     try:
         params = check_sampling_params(params)
-        check_field_types(params, NATIVE_FIELD_TYPES)
-        for name in ("seed", "sampling_seed"):
-            check_seed(params.get(name), name)
-        check_logit_bias_keys(params.get("logit_bias"))
+        check_field_types(params, SAMPLING_FIELD_TYPES)
     except APIError as e:
         raise _in_sampling_params(e, index) from None
+    except SamplingParamsError as e:
+        raise _in_sampling_params(from_engine_error(e), index) from None
     return params
 
 

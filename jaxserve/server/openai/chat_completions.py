@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.request import MAX_N, SamplingParamsError, finish_length
 from jaxserve.engine.request_input import GenerateInput
+from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, check_field_types
 from jaxserve.server.openai.chat_prompt import chat_prompt
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
@@ -58,7 +59,6 @@ from jaxserve.server.protocol import (
     UsageInfo,
 )
 from jaxserve.server.metrics import mark_streaming
-from jaxserve.server.field_types import check_field_types
 from jaxserve.server.openai.checks import check_best_of, check_chat_messages, check_openai_request, check_tokenizer_needed
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
@@ -224,7 +224,7 @@ async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     engine_loop = request.app.state.engine_loop
     body = parse_json_body(await request.body())
-    check_field_types(body)  # the same wording as /generate's for a wrong type
+    check_field_types(body, OPENAI_FIELD_TYPES)  # the same wording as /generate's for a wrong type
     req = CompletionRequest.model_validate(body)
     check_openai_request(req)
     check_best_of(req)
@@ -474,7 +474,7 @@ async def chat_prompt_tokens(request: Request, req: ChatCompletionRequest) -> in
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     body = parse_json_body(await request.body())
-    check_field_types(body)  # the same wording as /generate's for a wrong type
+    check_field_types(body, OPENAI_FIELD_TYPES)  # the same wording as /generate's for a wrong type
     req = ChatCompletionRequest.model_validate(body)
     run = await submit_chat(request, req)
     group, rid, plan, reasoning = run.group, run.rid, run.plan, run.reasoning

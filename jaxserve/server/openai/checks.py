@@ -1,7 +1,7 @@
 """Request checks of the OpenAI routes (/v1/completions, /v1/chat/completions) made before a request is
-prepared: OpenAI's own rules (`stream_options`, `best_of`, message `content`), the seed's range and
-`logit_bias` keys (`request_checks`), and `--skip-tokenizer-init`. Each raises an `APIError` (400)
-naming the field.
+prepared: OpenAI's own rules (`stream_options`, `best_of`, message `content`) and `--skip-tokenizer-init`.
+Each raises an `APIError` (400) naming the field. The values of the sampling fields (ranges, the seed's,
+logit_bias keys) are the engine's checks (`SamplingParams`, engine/validation/).
 """
 
 from __future__ import annotations
@@ -10,18 +10,14 @@ from starlette.requests import Request
 
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
-from jaxserve.server.request_checks import check_logit_bias_keys, check_seed
 
 
 def check_openai_request(req: OpenAISampling) -> None:
-    """Checks made on both endpoints: `stream_options` only with `stream: true` (OpenAI's rule); a
-    `seed` in the signed 64-bit range (`request_checks.check_seed`); `logit_bias` naming each token once.
+    """Checks made on both endpoints: `stream_options` only with `stream: true` (OpenAI's rule).
 
     Raises:
         APIError: 400 naming the field.
     """
-    check_seed(req.seed)
-    check_logit_bias_keys(req.logit_bias)
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options",
                        code="invalid_value")

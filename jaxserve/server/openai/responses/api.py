@@ -50,7 +50,7 @@ from jaxserve.engine.engine import StepOutput
 from jaxserve.engine.outputs import RequestError
 from jaxserve.server.engine_client import abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_response, parse_json_body
-from jaxserve.server.field_types import check_field_types
+from jaxserve.engine.validation.field_types import check_field_types
 from jaxserve.server.metrics import mark_streaming
 from jaxserve.server.native.generate import failure_of
 from jaxserve.server.openai.chat_completions import ChatRun, chat_prompt_tokens, submit_chat

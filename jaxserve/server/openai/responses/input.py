@@ -13,7 +13,7 @@ from typing import Any
 import pydantic
 
 from jaxserve.server.errors import APIError, from_validation_error
-from jaxserve.server.field_types import SAMPLING_FIELD_TYPES, describe
+from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, describe
 from jaxserve.server.openai.chat_completions import MAX_TOP_LOGPROBS
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
@@ -30,8 +30,8 @@ from jaxserve.server.protocol import (
 FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format.schema",
                "rid": "request_id"}
 # the sampling fields' JSON types under this API's names (field_types: the same wording as the other routes)
-FIELD_TYPES = {name: t for name, t in SAMPLING_FIELD_TYPES.items()
-               if name in ResponsesRequest.model_fields and name != "input"} | {"max_output_tokens": SAMPLING_FIELD_TYPES["max_tokens"]}
+FIELD_TYPES = {name: t for name, t in OPENAI_FIELD_TYPES.items()
+               if name in ResponsesRequest.model_fields and name != "input"} | {"max_output_tokens": OPENAI_FIELD_TYPES["max_tokens"]}
 # chat fields a user of this API may send by mistake: refused with the name to use (others are ignored)
 CHAT_ONLY_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
                     "response_format": "text.format"}
