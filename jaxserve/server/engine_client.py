@@ -21,7 +21,7 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence, TypeVar
+from typing import AsyncIterator, Callable, Iterator, TypeVar
 
 from starlette.requests import Request
 
