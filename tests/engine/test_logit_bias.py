@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.request import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, SamplingParamsError
+from jaxserve.engine.request import SamplingParams, SamplingParamsError
+from jaxserve.engine.validation.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from jaxserve.runner.sampler import build_sampling_batch, sample
 
 V = 100

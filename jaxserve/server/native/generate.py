@@ -24,9 +24,10 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.outputs import sglang_finish_reason
-from jaxserve.engine.request import MAX_N, SamplingParamsError
+from jaxserve.engine.request import SamplingParamsError
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, check_field_types
+from jaxserve.engine.validation.sampling_params import MAX_N
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming, mark_unlogged

@@ -27,9 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import RequestError, StepOutput
-from jaxserve.engine.request import MAX_N, SamplingParamsError, finish_length
+from jaxserve.engine.request import SamplingParamsError, finish_length
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, check_field_types
+from jaxserve.engine.validation.sampling_params import MAX_N
 from jaxserve.server.openai.chat_prompt import chat_prompt
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
