@@ -19,7 +19,7 @@ from jaxserve.server.native.sglang_fields import (
     REQUEST_FIELDS, SAMPLING_FIELDS, Handling, check_request, check_sampling_params,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 
 
