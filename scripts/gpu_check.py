@@ -373,7 +373,8 @@ def print_table(rows, ceiling: float, setup: Setup) -> None:
 
 def run_tp_check(tp: int, report: Report) -> None:
     """The default model at tp 1 and tp `tp` (all visible GPUs): same greedy tokens, step times."""
-    from benchmarks.scale.bench_tp import compare_tp, print_table as print_tp_table
+    from benchmarks.scale.bench_tp import compare_tp
+    from benchmarks.scale.bench_tp import print_table as print_tp_table
 
     n = tp
     while n > 1 and 9 % n:  # the default model has 9 query heads: the largest tp that divides them

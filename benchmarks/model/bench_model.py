@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.cache.kv_pool import PoolShape
-from jaxserve.runner.buckets import MAX_LAYERS_PER_CALL
-from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 from jaxserve.model import llama
 from jaxserve.model.loader import load_model
 from jaxserve.model.tokenizer import DEFAULT_MODEL_GGUF, default_model_path
 from jaxserve.pallas.reference import ragged_paged_attention_xla
+from jaxserve.runner.buckets import MAX_LAYERS_PER_CALL
+from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 
 PAGE_SIZE = 16
 

@@ -50,7 +50,6 @@ def run_leader(args) -> dict:
 
     from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
-    from jaxserve.parallel import distributed
     from jaxserve.launch import server as launch
     server_args = ServerArgs.from_cli(["--model-path", args.model_path, *FLAGS, *_cluster_flags(args, 0)])
     server_args = dataclasses.replace(server_args, no_weights_cache=True)  # as launch.main does

@@ -41,13 +41,13 @@ def compare_tp(model_path: str, tp: int, *, prompt_len: int, batch_sizes, repeat
     import jax.numpy as jnp
     import numpy as np
 
+    from benchmarks.model.bench_model import PAGE_SIZE, timed_alternating
     from jaxserve import parallel
     from jaxserve.cache.kv_pool import PoolShape
-    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
     from jaxserve.model import llama
     from jaxserve.model.loader import load_model, replicate_kv_heads
     from jaxserve.pallas import get_attention_backend
-    from benchmarks.model.bench_model import PAGE_SIZE, timed_alternating
+    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 
     on_cpu = jax.default_backend() == "cpu"
     layer_loop = layer_loop or ("host" if on_cpu else "scan")

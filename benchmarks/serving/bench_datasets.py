@@ -15,7 +15,6 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-
 # Used to make prompts when no tokenizer can be loaded: common English words are one token each in
 # every BPE vocabulary we know, so a prompt of n words is close to n tokens.
 FALLBACK_WORDS = tuple(

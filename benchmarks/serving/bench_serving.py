@@ -32,17 +32,6 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.cases import with_case
-from benchmarks.serving.bench_datasets import (  # noqa: F401 -- re-exported: tests and other benchmarks read them here
-    DatasetRow,
-    PromptSampler,
-    Tokenizer,
-    estimate_num_tokens,
-    sample_copy_heavy_requests,
-    sample_generated_shared_prefix_requests,
-    sample_random_requests,
-    sample_sharegpt_requests,
-    token_counter,
-)
 from benchmarks.serving.bench_backends import (  # noqa: F401 -- re-exported as well
     BACKENDS,
     SSE_DONE,
@@ -53,6 +42,17 @@ from benchmarks.serving.bench_backends import (  # noqa: F401 -- re-exported as 
     RequestSettings,
     StreamChunk,
     parse_sse_line,
+)
+from benchmarks.serving.bench_datasets import (  # noqa: F401 -- re-exported: tests and other benchmarks read them here
+    DatasetRow,
+    PromptSampler,
+    Tokenizer,
+    estimate_num_tokens,
+    sample_copy_heavy_requests,
+    sample_generated_shared_prefix_requests,
+    sample_random_requests,
+    sample_sharegpt_requests,
+    token_counter,
 )
 
 NUM_ERRORS_SHOWN = 5

@@ -27,30 +27,36 @@ from jaxserve.config import ServerArgs
 from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_backend
 from jaxserve.constrained.reasoner import ReasonerMatcher
 from jaxserve.engine import overlap, prompt_logprobs
-from jaxserve.runner import sampler as sampler_lib
-from jaxserve.scheduler.cache_manager import CacheManager
 from jaxserve.engine.context_length import resolve_context_length
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.output_processor import LaunchedBatch, OutputProcessor, StepCounts
-from jaxserve.runner.buckets import EXTEND_BLOCK_Q
-from jaxserve.runner.model_runner import BatchEntry, ModelRunner
-from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.outputs import (
-    EngineSnapshot, EngineStats, RequestError, RequestMeta, StepOutput, request_meta, sglang_meta_info,
+    EngineSnapshot,
+    EngineStats,
+    RequestError,
+    RequestMeta,
+    StepOutput,
+    request_meta,
+    sglang_meta_info,
 )
-from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, finish_stop, grammar_spec, new_rid
+from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, grammar_spec, new_rid
 from jaxserve.engine.request_input import GenerateInput
-from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
 from jaxserve.engine.sampling_rows import grammar_bitmask, sampler_warmup_variants, sampling_rows
-from jaxserve.scheduler.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
-from jaxserve.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts
 from jaxserve.engine.stats_log import prefill_line, prefill_stats
+from jaxserve.engine.validation.pool_limits import PoolLimits
+from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
 from jaxserve.model import llama
 from jaxserve.model.loader import load_model, replicate_kv_heads
 from jaxserve.model.quant import quantize_params
-from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
 from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path
 from jaxserve.pallas import get_attention_backend
+from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
+from jaxserve.runner import sampler as sampler_lib
+from jaxserve.runner.buckets import EXTEND_BLOCK_Q
+from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+from jaxserve.scheduler.cache_manager import CacheManager
+from jaxserve.scheduler.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
+from jaxserve.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts
 
 logger = logging.getLogger(__name__)
 

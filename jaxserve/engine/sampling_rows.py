@@ -13,8 +13,8 @@ import numpy as np
 
 from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.constrained.reasoner import ReasonerMatcher
-from jaxserve.runner import sampler as sampler_lib
 from jaxserve.engine.request import Req, SamplingParams
+from jaxserve.runner import sampler as sampler_lib
 
 
 def top_logprobs_bucket(n: int) -> int:

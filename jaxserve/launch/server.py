@@ -326,9 +326,8 @@ def check_start_up_args(args: ServerArgs) -> None:
 def main(argv: list[str] | None = None) -> None:
     """scripts/serve.py and `python -m jaxserve.launch`: one server, or with `--dp-size N` N workers
     behind sglang-router (dp_launcher.py)."""
-    from jaxserve.server.openai.tools.parsers import PARSERS  # the one table of names; imports no jax
-
     from jaxserve.server.openai.reasoning import REASONING_PARSERS
+    from jaxserve.server.openai.tools.parsers import PARSERS  # the one table of names; imports no jax
 
     args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:],
                                choices={"tool_call_parser": tuple(PARSERS), "reasoning_parser": tuple(REASONING_PARSERS)})

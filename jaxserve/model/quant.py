@@ -24,9 +24,8 @@ no dot with a vector operand, so a single-token product is padded to two columns
 
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -11,13 +11,13 @@ from jaxserve.parallel.mesh import MESH_AXES, TensorParallelPlan, make_mesh, pla
 from jaxserve.parallel.rules import LOGICAL_AXIS_RULES, POOL_AXES, partition_spec
 from jaxserve.parallel.sharding import (
     num_shards,
+    param_shardings,
     per_device_nbytes,
-    pool_shards,
     pool_sharding,
+    pool_shards,
     replicated,
     shard_attention,
     shard_params,
-    param_shardings,
     vocab_sharding,
 )
 

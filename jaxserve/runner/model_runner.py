@@ -37,8 +37,10 @@ from jaxtyping import Array, Float
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
-
 from jaxserve.config import ModelConfig
+from jaxserve.model import llama
+from jaxserve.model.forward_batch import ForwardBatch
+from jaxserve.pallas.metadata import build_attention_metadata
 from jaxserve.runner import sampler as sampler_lib
 from jaxserve.runner.buckets import (
     EXTEND_BLOCK_Q,
@@ -50,9 +52,6 @@ from jaxserve.runner.buckets import (
     pow2_at_least,
     pow2_range,
 )
-from jaxserve.model import llama
-from jaxserve.model.forward_batch import ForwardBatch
-from jaxserve.pallas.metadata import build_attention_metadata
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from jaxserve.scheduler.cache_manager import CacheManager
 from jaxserve.engine.request import Req
+from jaxserve.scheduler.cache_manager import CacheManager
 
 
 class AddResult(enum.Enum):

@@ -21,11 +21,11 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from jaxserve.scheduler.cache_manager import CacheManager
+from jaxserve.engine.request import Req, ReqStatus
 from jaxserve.runner.model_runner import BatchEntry
+from jaxserve.scheduler.cache_manager import CacheManager
 from jaxserve.scheduler.prefill_adder import AddResult, PrefillAdder
 from jaxserve.scheduler.prefill_budget import PrefillBudget
-from jaxserve.engine.request import Req, ReqStatus
 from jaxserve.scheduler.schedule_policy import get_policy
 
 logger = logging.getLogger(__name__)

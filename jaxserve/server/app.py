@@ -50,13 +50,9 @@ from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_load import EngineLoad
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.engine.request_input import GenerateInput
+from jaxserve.engine.validation.field_types import describe
 from jaxserve.model.tokenizer import tokenizer_files_path
-from jaxserve.server.openai import models as models_api
-from jaxserve.server.native import generate as native_api
-from jaxserve.server.openai import chat_completions as openai_api
-from jaxserve.server.openai.responses import api as responses_api
 from jaxserve.server.auth import APIKeyMiddleware
-from jaxserve.server.openai.chat_template import load_chat_template
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
 from jaxserve.server.errors import (
     CLIENT_CLOSED_REQUEST,
@@ -66,11 +62,15 @@ from jaxserve.server.errors import (
     parse_json_body,
     unavailable_response,
 )
-from jaxserve.engine.validation.field_types import describe
-from jaxserve.server.openai.tools import get_parser
 from jaxserve.server.metrics import mark_unlogged
-from jaxserve.server.openapi import openapi_document
+from jaxserve.server.native import generate as native_api
+from jaxserve.server.openai import chat_completions as openai_api
+from jaxserve.server.openai import models as models_api
+from jaxserve.server.openai.chat_template import load_chat_template
 from jaxserve.server.openai.reasoning import reasoning_format
+from jaxserve.server.openai.responses import api as responses_api
+from jaxserve.server.openai.tools import get_parser
+from jaxserve.server.openapi import openapi_document
 
 access_logger = logging.getLogger("jaxserve.access")
 

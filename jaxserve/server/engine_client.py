@@ -30,7 +30,6 @@ from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.engine.queue_admission import QueueReservation
 from jaxserve.engine.request_input import GenerateInput
 
-
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 

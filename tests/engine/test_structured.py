@@ -17,10 +17,10 @@ import re
 import jsonschema
 import pytest
 
-from tests.constrained.random_walk import max_structural_whitespace_run
 from jaxserve.constrained import InvalidGrammarError
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import SamplingParams, SamplingParamsError
+from tests.constrained.random_walk import max_structural_whitespace_run
 
 pytestmark = pytest.mark.slow
 

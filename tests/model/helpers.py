@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.cache.kv_pool import PoolShape
-from jaxserve.runner.buckets import MAX_LAYERS_PER_CALL
-from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 from jaxserve.model import llama
 from jaxserve.pallas.reference import ragged_paged_attention_xla
+from jaxserve.runner.buckets import MAX_LAYERS_PER_CALL
+from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 
 
 class SingleSequence:

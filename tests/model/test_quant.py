@@ -128,8 +128,8 @@ def test_int8_logits_same_bits_in_every_step_shape(tiny_model_dir, model):
     """A token's int8 logits are the same bits decoded alone, beside another request, inside a
     speculative verification and inside a prefill (pallas/numerics.py): int8 rounding turns any
     last-bit difference into a different text, which made greedy speculation inexact."""
-    from jaxserve.runner.model_runner import BatchEntry
     from jaxserve.engine.engine import Engine
+    from jaxserve.runner.model_runner import BatchEntry
     from tests.speculative.test_spec_decode import make_engine
 
     if model == "default":  # SmolLM2-135M: where the break test found int8 speculation inexact

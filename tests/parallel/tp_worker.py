@@ -111,15 +111,14 @@ def lower_cuda(model_dir: str, tp: int) -> dict:
     Triton kernels and the all-reduces in the lowered module."""
     import functools
 
-    import jax
     import jax.numpy as jnp
 
     from jaxserve import parallel
     from jaxserve.cache.kv_pool import PoolShape
-    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
     from jaxserve.model import llama
     from jaxserve.model.loader import load_model, replicate_kv_heads
     from jaxserve.pallas.ragged_paged_attention import ragged_paged_attention
+    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 
     config, params = load_model(model_dir, "bfloat16", use_weights_cache=False)
     config, params = replicate_kv_heads(config, params, parallel.plan_tensor_parallel(config, tp).kv_replicas)

@@ -326,11 +326,11 @@ def test_enable_mixed_chunk_is_tri_state():
 
 def test_stall_fraction_flag_is_validated():
     """`--prefill-decode-stall-fraction` is a share in [0, 1): anything else is refused by name."""
+    import dataclasses
+
     import pytest
 
     from jaxserve.config import ServerArgs
-
-    import dataclasses
 
     args = ServerArgs.from_cli([])
     assert args.prefill_decode_stall_fraction == 0.01

@@ -10,10 +10,10 @@ import dataclasses
 
 import pytest
 
-from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, FieldType, check_field_types
-from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES as ROUTE_FIELD_TYPES
-from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES as NATIVE_FIELD_TYPES
 from jaxserve.engine.request import SamplingParams, SamplingParamsError
+from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES as ROUTE_FIELD_TYPES
+from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, FieldType, check_field_types
+from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES as NATIVE_FIELD_TYPES
 from jaxserve.server.errors import from_engine_error
 
 WRONG = {FieldType.INTEGER: [True, "7", 1.5], FieldType.NUMBER: ["0.5", False, [1]], FieldType.BOOLEAN: [1, "yes"],

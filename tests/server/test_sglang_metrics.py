@@ -13,7 +13,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.server.sglang_metrics import (
-    RADIX_CACHE_NAMES, REQUEST_METRICS, SCHEDULER_GAUGES, SCHEDULER_LABELS, TOKENIZER_LABELS,
+    RADIX_CACHE_NAMES,
+    REQUEST_METRICS,
+    SCHEDULER_GAUGES,
+    SCHEDULER_LABELS,
+    TOKENIZER_LABELS,
 )
 from tests.server.conftest import wait_idle
 

@@ -15,11 +15,11 @@ import functools
 from typing import Any, Sequence
 
 from jaxserve.constrained import InvalidGrammarError
-from jaxserve.engine.validation.logprob_start import check_logprob_start_len, is_checked
 from jaxserve.engine.outputs import ContextLengthError, RequestError
-from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.request import SamplingParams
 from jaxserve.engine.request_input import GenerateInput
+from jaxserve.engine.validation.logprob_start import check_logprob_start_len, is_checked
+from jaxserve.engine.validation.pool_limits import PoolLimits
 
 MAX_TOKEN_IDS_LOGPROB = 128  # a bound of ours: the sampler gathers a padded [S, L] block of logprobs
 MAX_TOP_LOGPROBS = 20

@@ -31,8 +31,8 @@ from jaxserve.engine.validation.sampling_params import MAX_N
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
-from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
 from jaxserve.server.native.sglang_fields import SAMPLING_FIELD_NAMES, check_request, check_sampling_params
+from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
 

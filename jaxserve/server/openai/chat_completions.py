@@ -31,14 +31,21 @@ from jaxserve.engine.request import SamplingParamsError, finish_length
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, check_field_types
 from jaxserve.engine.validation.sampling_params import MAX_N
-from jaxserve.server.openai.chat_prompt import chat_prompt
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
+from jaxserve.server.metrics import mark_streaming
+from jaxserve.server.native.generate import failure_of
+from jaxserve.server.openai.chat_prompt import chat_prompt
+from jaxserve.server.openai.checks import (
+    check_best_of,
+    check_chat_messages,
+    check_openai_request,
+    check_tokenizer_needed,
+)
+from jaxserve.server.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from jaxserve.server.openai.reasoning import ReasoningFormat, ReasoningSplitter, grammar_think_end_ids, split_reasoning
 from jaxserve.server.openai.tools.plan import ToolPlan, tool_calls_out, tool_plan
 from jaxserve.server.openai.tools.streaming import CallStart, Content, StreamEvent, ToolCallStreamer
-from jaxserve.server.openai.reasoning import ReasoningFormat, ReasoningSplitter, grammar_think_end_ids, split_reasoning
-from jaxserve.server.native.generate import failure_of
-from jaxserve.server.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from jaxserve.server.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -49,18 +56,16 @@ from jaxserve.server.protocol import (
     ChatMessageOut,
     ChatStreamChoice,
     CompletionChoice,
-    FunctionCall,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    FunctionCall,
     OpenAISampling,
     PromptTokensDetails,
     ToolCallDelta,
     UsageInfo,
 )
-from jaxserve.server.metrics import mark_streaming
-from jaxserve.server.openai.checks import check_best_of, check_chat_messages, check_openai_request, check_tokenizer_needed
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
 MAX_TOP_LOGPROBS = 20

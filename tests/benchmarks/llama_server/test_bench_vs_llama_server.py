@@ -3,7 +3,6 @@
 import pytest
 
 
-
 @pytest.fixture(scope="module")
 def bench():
     from benchmarks.llama_server import bench_vs_llama_server

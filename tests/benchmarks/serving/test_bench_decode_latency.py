@@ -4,7 +4,6 @@ per-request TPOTs from a bench_serving record, the served / in-process tables, a
 import pytest
 
 
-
 @pytest.fixture(scope="module")
 def bench():
     from benchmarks.serving import bench_decode_latency

@@ -14,10 +14,14 @@ import pytest
 
 from jaxserve.engine.request import SamplingParams
 from jaxserve.server.errors import APIError
-from jaxserve.server.protocol import GenerateRequest
 from jaxserve.server.native.sglang_fields import (
-    REQUEST_FIELDS, SAMPLING_FIELDS, Handling, check_request, check_sampling_params,
+    REQUEST_FIELDS,
+    SAMPLING_FIELDS,
+    Handling,
+    check_request,
+    check_sampling_params,
 )
+from jaxserve.server.protocol import GenerateRequest
 
 REPO = Path(__file__).resolve().parents[3]
 GREEDY = {"max_new_tokens": 6, "temperature": 0}

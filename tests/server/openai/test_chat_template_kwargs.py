@@ -7,8 +7,8 @@ import copy
 
 import pytest
 
-from jaxserve.server.openai.chat_prompt import chat_prompt
 from jaxserve.server.errors import APIError
+from jaxserve.server.openai.chat_prompt import chat_prompt
 from jaxserve.server.openai.tools import get_parser
 from jaxserve.server.protocol import ChatCompletionRequest
 

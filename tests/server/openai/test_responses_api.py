@@ -17,8 +17,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess, wait_idle
 from tests.launch.test_launch_flags import serve  # noqa: F401 (fixture)
+from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess, wait_idle
 from tests.server.openai.test_openai_api import client, model  # noqa: F401 (fixtures: the openai client of the shared server)
 
 QUESTION = "Name three colours."

@@ -48,13 +48,12 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.engine import StepOutput
 from jaxserve.engine.outputs import RequestError
+from jaxserve.engine.validation.field_types import check_field_types
 from jaxserve.server.engine_client import abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_response, parse_json_body
-from jaxserve.engine.validation.field_types import check_field_types
 from jaxserve.server.metrics import mark_streaming
 from jaxserve.server.native.generate import failure_of
 from jaxserve.server.openai.chat_completions import ChatRun, chat_prompt_tokens, submit_chat
-from jaxserve.server.protocol import ResponsesRequest
 from jaxserve.server.openai.responses.input import (
     FIELD_NAMES,
     FIELD_TYPES,
@@ -78,6 +77,7 @@ from jaxserve.server.openai.responses.output import (
     reply_message,
     status_of,
 )
+from jaxserve.server.protocol import ResponsesRequest
 from jaxserve.server.sse import SSEResponse, sse_event
 
 logger = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from typing import Any
 
 import pydantic
 
-from jaxserve.server.errors import APIError, from_validation_error
 from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, describe
+from jaxserve.server.errors import APIError, from_validation_error
 from jaxserve.server.openai.chat_completions import MAX_TOP_LOGPROBS
 from jaxserve.server.protocol import (
     ChatCompletionRequest,

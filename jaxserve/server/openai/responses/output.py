@@ -9,10 +9,11 @@ import uuid
 from typing import Any
 
 from jaxserve.engine.engine import StepOutput
-from jaxserve.server.openai.tools.streaming import CallArguments, CallStart, Content, ToolCallStreamer
 from jaxserve.server.openai.chat_completions import ChatRun
 from jaxserve.server.openai.logprobs import chat_token_logprobs
 from jaxserve.server.openai.reasoning import ReasoningSplitter
+from jaxserve.server.openai.responses.input import Message
+from jaxserve.server.openai.tools.streaming import CallArguments, CallStart, Content, ToolCallStreamer
 from jaxserve.server.protocol import (
     ResponseFunctionCallInput,
     ResponseFunctionCallOutput,
@@ -20,7 +21,6 @@ from jaxserve.server.protocol import (
     ResponseInputReasoning,
     ResponsesRequest,
 )
-from jaxserve.server.openai.responses.input import Message
 
 Event = tuple[str, dict[str, Any]]  # a stream event: (type, fields)
 
