@@ -28,7 +28,8 @@ drift between servers started minutes apart does not enter the comparison:
     python -m benchmarks.serving.bench_decode_latency --interleaved --rounds 6 \
         --variants "default=" "unbounded=--prefill-decode-itl-ratio 0" --workloads random:8:24 copy-heavy:8:16
 
-A workload is DATASET:CONCURRENCY:NUM_PROMPTS (random: 128 in / 64 out; copy-heavy: 6 sentences,
+A workload is DATASET:CONCURRENCY:NUM_PROMPTS (random: 128 in / 64 out; shared-prefix: groups of 8
+sharing a 512-token system prompt, 64-token questions, 32 out; copy-heavy: 6 sentences,
 128 out). Acceptance comes from the server's `jaxserve_spec_*_total` counters, before and after.
 """
 
@@ -56,7 +57,11 @@ SERVE = Path(__file__).resolve().parents[2] / "scripts" / "serve.py"
 DATASET_ARGS = {
     "random": ["--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "64"],
     "copy-heavy": ["--dataset-name", "copy-heavy", "--copy-num-sentences", "6", "--copy-output-len", "128"],
+    # NUM_PROMPTS in groups of SHARED_PREFIX_GROUP that share a 512-token system prompt
+    "shared-prefix": ["--dataset-name", "generated-shared-prefix", "--gsp-system-prompt-len", "512",
+                      "--gsp-question-len", "64", "--gsp-output-len", "32"],
 }
+SHARED_PREFIX_GROUP = 8
 SPEC_COUNTERS = ("verifications", "draft_tokens", "accepted_tokens")
 
 
@@ -116,8 +121,10 @@ def spec_counters(port: int) -> dict[str, float]:
 
 def workload_argv(workload: str, port: int, seed: int, backend: str = "jaxserve") -> list[str]:
     dataset, concurrency, num = workload.split(":")
+    groups = (["--gsp-num-groups", str(max(1, int(num) // SHARED_PREFIX_GROUP)), "--gsp-prompts-per-group",
+               str(SHARED_PREFIX_GROUP)] if dataset == "shared-prefix" else [])
     return [
-        "--backend", backend, "--port", str(port), *DATASET_ARGS[dataset], "--num-prompts", num,
+        "--backend", backend, "--port", str(port), *DATASET_ARGS[dataset], *groups, "--num-prompts", num,
         "--max-concurrency", concurrency, "--seed", str(seed), "--disable-tqdm",
     ]
 

