@@ -265,7 +265,7 @@ class EngineLoop:
         checked = check_submit(self.engine, GenerateInput.of(request, sampling_params, **fields))
         input_ids, params = checked.input_ids, checked.params
         base = checked.request.rid or new_rid()
-        if checked.request.rid is None:
+        if base != checked.request.rid:  # no rid, or "" (SGLang's client sends none): the engine gets this one
             checked = dataclasses.replace(checked, request=dataclasses.replace(checked.request, rid=base))
         rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
 

@@ -46,6 +46,18 @@ def test_outputs_reach_the_callback_on_the_loop_thread(engine_loop):
     assert engine_loop.engine.thread_ids == {engine_loop._thread.ident}
 
 
+@pytest.mark.parametrize("rid", [None, ""])
+def test_without_a_rid_the_request_gets_one_the_engine_uses(engine_loop, rid):
+    """An empty rid means none, as in the engine: the loop mints one and hands the engine that one (with
+    "" the engine minted a second rid, the loop failed the request with a 500 and the engine ran it,
+    unreachable by abort)."""
+    got = Collector()
+    rids = engine_loop.submit("hello", {"max_new_tokens": 2}, rid=rid, on_output=got)
+    assert got.done.wait(5)
+    assert len(rids) == 1 and rids[0] and [o.rid for o in got.finals()] == rids
+    assert got.finals()[0].meta.finish_reason == finish_length(2)
+
+
 def test_n_sequences_and_group_abort(engine_loop):
     got = Collector()
     got.num_expected = 2
