@@ -42,6 +42,7 @@ import uvicorn
 
 from jaxserve.config import ServerArgs
 from jaxserve.launch.model_path_check import model_path_problem
+from jaxserve.log_safe import LogSafeFormatter
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,11 @@ FOLLOWER_START_DELAY_ENV = "JAXSERVE_TEST_FOLLOWER_START_DELAY_S"
 
 
 def configure_logging(level: str) -> None:
-    """One format for jaxserve, uvicorn and the libraries; uvicorn's start-up chatter only at debug."""
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True
-    )
+    """One format for jaxserve, uvicorn and the libraries; uvicorn's start-up chatter only at debug.
+    Every value formatted into a message is escaped (jaxserve.log_safe): a client cannot forge lines."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(LogSafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     quiet = logging.DEBUG if level == "debug" else logging.WARNING
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "httpx", "urllib3", "absl", "jax._src.xla_bridge"):
         logging.getLogger(name).setLevel(quiet)
