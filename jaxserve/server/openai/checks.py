@@ -64,6 +64,6 @@ def check_chat_messages(req: ChatCompletionRequest) -> None:
                        400, param="best_of", code="unknown_parameter")
     for i, msg in enumerate(req.messages):
         if msg.content is None and not (msg.role == "assistant" and msg.tool_calls):
-            raise APIError(f"messages[{i}].content: field required for {'an' if msg.role[:1] in 'aeiou' else 'a'} {msg.role} message"
+            raise APIError(f"messages[{i}].content: field required for {'an' if msg.role == 'assistant' else 'a'} {msg.role} message"
                            + (" (an assistant message may leave it out only with tool_calls)" if msg.role == "assistant" else ""),
                            400, param=f"messages[{i}].content", code="missing_required_parameter")
