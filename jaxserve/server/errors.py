@@ -175,7 +175,45 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise APIError("the request body is nested too deeply", 400, code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}", 400, code="invalid_json")
+    if _MAYBE_SURROGATE.search(raw):
+        _refuse_lone_surrogates(body)
     return body
+
+
+# What a lone surrogate can come from: a \uD800-\uDFFF escape, a surrogate's UTF-8 bytes (json.loads
+# decodes bytes with "surrogatepass"), or a UTF-16/32 body (it has NUL bytes, UTF-8 JSON none). A
+# body without any of them (nearly every one) is not walked.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]|\x00")
+
+
+def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
+    """A 400 naming a string, or key, of the body that holds a lone UTF-16 surrogate (legal JSON as a
+    \\udcff escape, but no text). Checked here, before any route reads the body, because every string
+    a route echoes or stores (rid, metadata, names, ids, ...) is written out as UTF-8, which cannot
+    carry one: that was a 500, or a stream cut off mid-body after the request had started (its rid
+    left in use), or a stored response that no GET could render."""
+    stack: list[tuple[Any, tuple]] = [(body, ())]
+    while stack:
+        value, loc = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, loc, "the text")
+        elif isinstance(value, dict):
+            for key in value:
+                _check_text(key, (*loc, key), "the key")
+            stack.extend((item, (*loc, key)) for key, item in reversed(value.items()) if isinstance(item, (str, dict, list)))
+        elif isinstance(value, list):
+            stack.extend((item, (*loc, i)) for i, item in reversed(list(enumerate(value))) if isinstance(item, (str, dict, list)))
+
+
+def _check_text(text: str, loc: tuple, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if i else p for i, p in enumerate(loc))
+        shown = param if all(isinstance(p, int) or p.isidentifier() for p in loc) else json.dumps(param)
+        raise APIError(f"{shown}: {what} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character "
+                       f"{e.start} (a \\uD800-\\uDFFF escape must be half of a pair)", 400, param=param,
+                       code="invalid_value") from None
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:

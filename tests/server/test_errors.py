@@ -78,7 +78,7 @@ BAD_INPUTS = [
     ("/generate", _ascii_json({"text": "a\udcffb"}), "text", "surrogate"),
     ("/generate", _ascii_json({"text": ["ok", "a\ud800"]}), "text[1]", "surrogate"),
     (COMPLETIONS, _ascii_json({"prompt": "a\udcffb", "max_tokens": 2}), "prompt", "surrogate"),
-    (CHAT, _ascii_json({"messages": [{"role": "user", "content": "a\udcffb"}]}), "messages", "surrogate"),
+    (CHAT, _ascii_json({"messages": [{"role": "user", "content": "a\udcffb"}]}), "messages[0].content", "surrogate"),
     ("/abort_request", {}, "rid", "rid"),
     # logprob_start_len past the prompt was a 200 with empty prompt logprobs; SGLang's scheduler refuses it
     ("/generate", {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 4}, "logprob_start_len",
@@ -99,9 +99,9 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, "sampling_params.seed", "64-bit"),
     ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"sampling_seed": -(2**70)}]}, "sampling_params[1].sampling_seed", "64-bit"),
     # a lone surrogate in a stop string was a 200 (it can never match); ids past the vocabulary too
-    ("/generate", _ascii_json({"text": "hi", "sampling_params": {"stop": ["ok", "\ud800"]}}), "sampling_params.stop", "surrogate"),
+    ("/generate", _ascii_json({"text": "hi", "sampling_params": {"stop": ["ok", "\ud800"]}}), "sampling_params.stop[1]", "surrogate"),
     (COMPLETIONS, _ascii_json({"prompt": "hi", "stop": "a\udcff"}), "stop", "surrogate"),
-    (CHAT, _ascii_json({"messages": MSG, "stop": ["\ud800"]}), "stop", "surrogate"),
+    (CHAT, _ascii_json({"messages": MSG, "stop": ["\ud800"]}), "stop[0]", "surrogate"),
     ("/generate", _ascii_json({"text": "hi", "sampling_params": {"regex": "a\ud800"}}), "sampling_params.regex", "lone surrogate U+D800"),
     (COMPLETIONS, _ascii_json({"prompt": "hi", "max_tokens": 2, "regex": "(a|\udcff)"}), "regex", "lone surrogate U+DCFF"),
     # a grammar field of the wrong type was a 500 ("grammar source must be a string, got int")
@@ -139,15 +139,15 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10**23}}, "sampling_params.max_new_tokens",
      "must be between 0 and 2147483647, got 1" + "0" * 23),
     # break test of stop 37, each a 500 before: an integer of over 4300 digits (Python's int parsing
-    # limit), in any field; a lone surrogate quoted back in the message (not encodable as UTF-8); a
-    # key that is a lone surrogate (a pydantic error with no location); a key that is no identifier
+    # limit), in any field; a lone surrogate in a value or in a key (named by its path, quoted in
+    # the message as an ASCII escape); a key that is no identifier
     ("/generate", b'{"text": "hi", "sampling_params": {"max_new_tokens": 1' + b"0" * 5000 + b"}}", None, "over 4300 digits"),
     (CHAT, b'{"messages": [], "zzz": ' + b"9" * 5000 + b"}", None, "over 4300 digits"),
     ("/generate", _ascii_json({"text": "hi", "sampling_params": {"max_new_tokens": "\ud800"}}),
-     "sampling_params.max_new_tokens", 'must be an integer, got "\ud800"'),
+     "sampling_params.max_new_tokens", "lone surrogate U+D800"),
     (COMPLETIONS, _ascii_json({"prompt": "hi", "temperature": "\udcff"}), "temperature", "temperature"),
-    ("/generate", _ascii_json({"text": "hi", "sampling_params": {"\ud800": 1}}), "sampling_params.\ud800", "unknown"),
-    ("/generate", _ascii_json({"text": "hi", "\ud800": 1}), None, "string"),
+    ("/generate", _ascii_json({"text": "hi", "sampling_params": {"\ud800": 1}}), "sampling_params.\ud800", "the key is not valid"),
+    ("/generate", _ascii_json({"text": "hi", "\ud800": 1}), "\ud800", "the key is not valid"),
     ("/generate", {"text": "hi", "": 1}, "", '"": unknown field'),
     ("/generate", {"text": "hi", "a b": 1}, "a b", '"a b": unknown field'),
     ("/generate", {"text": "hi", "Text": 1}, "Text", "Text: unknown field"),
@@ -384,3 +384,70 @@ def test_seed_is_taken_mod_2_32_over_the_64_bit_range(http):
     assert tokens(COMPLETIONS, -1) == tokens(COMPLETIONS, 2**32 - 1)
     assert tokens(COMPLETIONS, 2**63 - 1) == tokens(COMPLETIONS, 2**32 - 1)  # 2**63 - 1 = 2**32 - 1 (mod 2**32)
     assert tokens(COMPLETIONS, -(2**63)) == tokens(COMPLETIONS, 0)
+
+
+# A lone surrogate in a field the server echoes or stores (rid, ids, names, metadata, user) was a 500,
+# or a stream cut off mid-body (no error event, no [DONE]) whose rid stayed "already in use", or a
+# stored response that every GET answered with a 500. (endpoint, body, param)
+S = "\ud800"
+ECHOED_FIELDS = [
+    ("/generate", {"text": "hi", "rid": S}, "rid"),
+    ("/generate", {"text": ["a", "b"], "rid": ["ok", "x" + S]}, "rid[1]"),
+    (COMPLETIONS, {"prompt": "hi", "rid": S}, "rid"),
+    (COMPLETIONS, {"prompt": "hi", "user": S}, "user"),
+    (CHAT, {"messages": MSG, "rid": S}, "rid"),
+    (CHAT, {"messages": MSG, "user": S}, "user"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "name": S}]}, "messages[0].name"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": S}}]}, "tools[0].function.name"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": S, "schema": {}}}},
+     "response_format.json_schema.name"),
+    ("/v1/responses", {"input": "hi", "request_id": S}, "request_id"),
+    ("/v1/responses", {"input": "hi", "metadata": {"k": S}}, "metadata.k"),
+    ("/v1/responses", {"input": "hi", "metadata": {S: "v"}}, "metadata." + S),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": S, "schema": {}}}},
+     "text.format.name"),
+    ("/v1/responses", {"input": "hi", "user": S}, "user"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": S}]}, "tools[0].name"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "hi", "id": S}]}, "input[0].id"),
+    ("/v1/responses", {"input": "hi", "background": True, "metadata": {"k": S}}, "metadata.k"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("path,body,param", ECHOED_FIELDS, ids=[f"{i}-{b[2]!a}" for i, b in enumerate(ECHOED_FIELDS)])
+def test_a_lone_surrogate_in_an_echoed_field_is_a_400_naming_it(http, path, body, param, stream):
+    if stream and body.get("background"):
+        pytest.skip("background responses are not streamed")
+    sampling = {"sampling_params": {"max_new_tokens": 2}} if path == "/generate" else \
+        {"max_output_tokens": 2} if path == "/v1/responses" else {"max_tokens": 2}
+    r = http.post(path, content=_ascii_json({**body, **sampling, "stream": stream}), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "invalid_value", err
+    assert "lone surrogate U+D800" in err["message"], err
+
+
+def test_a_request_refused_for_a_lone_surrogate_leaves_its_rid_free(http):
+    for path, body in (("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "stop": [S]}}),
+                       (CHAT, {"messages": MSG, "max_tokens": 2, "user": S}),
+                       (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "user": S})):
+        for stream in (True, False):
+            body = {**body, "rid": "surrogate-rid", "stream": stream}
+            r = http.post(path, content=_ascii_json(body), headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+    r = http.post("/v1/responses", content=_ascii_json({"input": "hi", "max_output_tokens": 2, "stream": True,
+                                                        "request_id": "surrogate-rid", "metadata": {"k": S}}),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2, "rid": "surrogate-rid"})
+    assert r.status_code == 200 and r.json()["id"], r.text
+    r = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "request_id": "surrogate-rid"})
+    assert r.status_code == 200, r.text
+    assert http.get(f"/v1/responses/{r.json()['id']}").status_code == 200
+
+
+def test_a_surrogate_pair_escape_is_text(http):
+    """A \\ud83d\\ude00 pair (how json.dumps writes an emoji by default) is one character, not refused."""
+    r = http.post("/generate", content=_ascii_json({"text": "hi", "rid": "pair-\U0001F600", "sampling_params": {"max_new_tokens": 1}}),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["meta_info"]["id"] == "pair-\U0001F600", r.text
