@@ -216,6 +216,10 @@ class ServerArgs:
     host: str = _flag("127.0.0.1", "HTTP host", group="http")
     port: int = _flag(30000, "HTTP port", group="http")
     api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' (scheme in any case) on every request except paths starting /health, /ready or /metrics, as SGLang (default: no key needed)", group="http")
+    max_request_body_bytes: int = _flag(
+        32 * 1024 * 1024, "largest request body in bytes; a larger one is a 413 before it is read whole or parsed "
+        "(Content-Length, or the bytes of a chunked body as they arrive); the default holds a 128K-token prompt at "
+        "256 bytes a token. SGLang and vLLM have no such bound (TGI's is --payload-limit)", group="http")
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"), group="model")
     quantization: str | None = _flag(None, "w8a8_int8: int8 projection weights (a scale per row) and int8 activations (a scale per token; per token and 64 features into the output and down projections), quantized at load from the float weights; the embedding, norms, attention and KV pool stay in --dtype; not with --tp-size > 1 (default: none, weights in --dtype)",
@@ -456,6 +460,8 @@ class ServerArgs:
             raise ValueError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:

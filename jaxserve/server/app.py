@@ -53,6 +53,7 @@ from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.field_types import describe
 from jaxserve.model.tokenizer import tokenizer_files_path
 from jaxserve.server.auth import APIKeyMiddleware
+from jaxserve.server.body_limit import BodySizeLimitMiddleware
 from jaxserve.server.engine_client import RequestGroup, preprocess_executor, start_access_record
 from jaxserve.server.errors import (
     CLIENT_CLOSED_REQUEST,
@@ -364,6 +365,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         metrics, endpoint = _metrics_endpoint(engine_loop, model_name)
         routes.append(Route("/metrics", endpoint, methods=["GET"]))
     middleware = [Middleware(APIKeyMiddleware, api_key=server_args.api_key)] if server_args.api_key else []
+    middleware.append(Middleware(BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(AvailabilityGate, engine_loop=engine_loop, state=app.state)
     app.add_middleware(AccessLog)  # outermost: it sees the gate's 503s and the API-key 401s too

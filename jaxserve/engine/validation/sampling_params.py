@@ -13,6 +13,7 @@ import regex
 
 from jaxserve.engine.validation.errors import SamplingParamsError
 from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, first_type_error
+from jaxserve.engine.validation.size_limits import check_stop_sizes
 
 if TYPE_CHECKING:
     from jaxserve.engine.request import SamplingParams
@@ -70,6 +71,7 @@ def validate_sampling_params(params: SamplingParams) -> None:
         raise SamplingParamsError("repetition_penalty", f"must be in (0, 2], got {params.repetition_penalty}")
     if not 1 <= params.n <= MAX_N:
         raise SamplingParamsError("n", f"must be in [1, {MAX_N}], got {params.n}")
+    check_stop_sizes(params.stop)  # how many and how long: size_limits.py
     for s in params.stop:
         if not isinstance(s, str):
             raise SamplingParamsError("stop", "must be strings", code="invalid_type")

@@ -28,6 +28,7 @@ from jaxserve.engine.request import SamplingParamsError
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, check_field_types
 from jaxserve.engine.validation.sampling_params import MAX_N
+from jaxserve.engine.validation.size_limits import check_request_id, check_stop_sizes
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
@@ -122,6 +123,7 @@ def _check_sampling(params: Any, index: int | None) -> Any:
     try:
         params = check_sampling_params(params)
         check_field_types(params, SAMPLING_FIELD_TYPES)
+        check_stop_sizes(params.get("stop"))
     except APIError as e:
         raise _in_sampling_params(e, index) from None
     except SamplingParamsError as e:
@@ -133,6 +135,7 @@ def _parse(body: dict[str, Any], skip_tokenizer_init: bool = False) -> GenerateR
     """Validate a /generate body: SGLang's fields through the field table, then the request model.
     With `--skip-tokenizer-init` a text prompt is a 400 naming `text` (SGLang refuses text then)."""
     body = check_request(body)
+    check_request_id(body.get("rid"))
     sp = body.get("sampling_params")
     if isinstance(sp, list):
         body["sampling_params"] = [_check_sampling(x, i) for i, x in enumerate(sp)]

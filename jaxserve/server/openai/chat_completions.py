@@ -31,6 +31,7 @@ from jaxserve.engine.request import SamplingParamsError, finish_length
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, check_field_types
 from jaxserve.engine.validation.sampling_params import MAX_N
+from jaxserve.engine.validation.size_limits import check_request_sizes
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming
@@ -231,6 +232,7 @@ async def completions(request: Request) -> Response:
     engine_loop = request.app.state.engine_loop
     body = parse_json_body(await request.body())
     check_field_types(body, OPENAI_FIELD_TYPES)  # the same wording as /generate's for a wrong type
+    check_request_sizes(body)
     req = CompletionRequest.model_validate(body)
     check_openai_request(req)
     check_best_of(req)
@@ -481,6 +483,7 @@ async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     body = parse_json_body(await request.body())
     check_field_types(body, OPENAI_FIELD_TYPES)  # the same wording as /generate's for a wrong type
+    check_request_sizes(body)
     req = ChatCompletionRequest.model_validate(body)
     run = await submit_chat(request, req)
     group, rid, plan, reasoning = run.group, run.rid, run.plan, run.reasoning

@@ -49,6 +49,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.engine.engine import StepOutput
 from jaxserve.engine.outputs import RequestError
 from jaxserve.engine.validation.field_types import check_field_types
+from jaxserve.engine.validation.size_limits import check_request_sizes
 from jaxserve.server.engine_client import abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_response, parse_json_body
 from jaxserve.server.metrics import mark_streaming
@@ -247,6 +248,7 @@ async def create_response(request: Request) -> Response:
     body = parse_json_body(await request.body())
     check_chat_only_fields(body)
     check_field_types(body, FIELD_TYPES)
+    check_request_sizes(body, "request_id")
     check_input_items(body)
     check_metadata(body.get("metadata"))
     req = ResponsesRequest.model_validate(body)

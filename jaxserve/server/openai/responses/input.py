@@ -13,6 +13,7 @@ from typing import Any
 import pydantic
 
 from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, describe
+from jaxserve.engine.validation.size_limits import METADATA_MAX_KEY_CHARS, METADATA_MAX_PAIRS, METADATA_MAX_VALUE_CHARS
 from jaxserve.server.errors import APIError, from_validation_error
 from jaxserve.server.openai.chat_completions import MAX_TOP_LOGPROBS
 from jaxserve.server.protocol import (
@@ -35,8 +36,6 @@ FIELD_TYPES = {name: t for name, t in OPENAI_FIELD_TYPES.items()
 # chat fields a user of this API may send by mistake: refused with the name to use (others are ignored)
 CHAT_ONLY_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
                     "response_format": "text.format"}
-# OpenAI's limits on metadata (the store keeps it)
-METADATA_MAX_PAIRS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
 # the one `include` value served: token logprobs of the reply's output_text parts
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # fields a chat request takes under the same name and meaning
