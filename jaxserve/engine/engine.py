@@ -34,9 +34,7 @@ from jaxserve.engine.outputs import (
     EngineSnapshot,
     EngineStats,
     RequestError,
-    RequestMeta,
     StepOutput,
-    request_meta,
     sglang_meta_info,
 )
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, grammar_spec, new_rid
@@ -364,7 +362,7 @@ class Engine:
         bitmask = grammar_bitmask(batch.reqs, self.grammar_backend, self.model_config.vocab_size)
         sampling, flags = self._sampling_rows([(r, ()) for r in batch.reqs], bitmask, logits.shape[0])
         sample = self.runner.sample_async if self._overlap_enabled else self.runner.sample
-        return LaunchedBatch(batch, drafts, list(range(len(batch.reqs))), sample(logits, sampling, flags), started)
+        return LaunchedBatch.plain(batch, sample(logits, sampling, flags), started)
 
     def _launch_verify(self, batch: ScheduleBatch, drafts: list[list[int]], started: float) -> LaunchedBatch:
         """A verification step: every request's last token and its draft in one forward, one sampled row
@@ -386,7 +384,7 @@ class Engine:
         (`overlap.can_follow`) and no request left the batch while it ran (the device's tokens are in the
         batch's rows). Call after `OutputProcessor.advance`."""
         if not (self._overlap_enabled and launched.batch.is_decode and not launched.is_verify
-                and launched.rows == list(range(len(launched.reqs))) and overlap.can_follow(launched.reqs)):
+                and launched.has_every_row and overlap.can_follow(launched.reqs)):
             return None
         if self.speculator is not None and self.speculator.should_speculate(launched.reqs, True):
             return None
@@ -401,7 +399,7 @@ class Engine:
         sampling, flags = self._sampling_rows([(r, (0,)) for r in batch.reqs], None, logits.shape[0])
         self.stats.num_overlapped_steps += 1
         sampled = self.runner.sample_async(logits, sampling, flags)
-        return LaunchedBatch(batch, [[] for _ in batch.reqs], list(range(len(batch.reqs))), sampled, started)
+        return LaunchedBatch.plain(batch, sampled, started)
 
     def _read(self, launched: LaunchedBatch) -> sampler_lib.SampleOutput:
         """Wait for `launched`'s sampled tokens and observe how long it took since it was launched or,
@@ -455,9 +453,6 @@ class Engine:
                 self._throughput_mark = (started, self.stats.generation_tokens)
             if self.stats.num_decode_steps % self.args.decode_log_interval == 0:
                 self._log_stats()
-
-    def meta(self, req: Req) -> RequestMeta:
-        return request_meta(req)
 
     def snapshot(self) -> EngineSnapshot:
         """Counters and gauges now. Safe to call from another thread (reads only)."""

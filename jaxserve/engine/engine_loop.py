@@ -56,8 +56,9 @@ import time
 from typing import Any, Callable, Sequence
 
 from jaxserve.cache.release_policy import RadixCacheStats
-from jaxserve.engine.engine import Engine, RequestError, RequestMeta, StepOutput
+from jaxserve.engine.engine import Engine
 from jaxserve.engine.engine_load import EngineLoad, snapshot_load
+from jaxserve.engine.outputs import RequestError, RequestMeta, StepOutput
 from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
 from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
 from jaxserve.engine.request_input import GenerateInput

@@ -21,7 +21,7 @@ import time
 from typing import Sequence
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.outputs import RequestMeta, StepOutput, request_meta
+from jaxserve.engine.outputs import StepOutput, request_meta
 from jaxserve.engine.request import Req, finish_abort, finish_length, finish_stop
 from jaxserve.runner.sampler import SampleOutput
 from jaxserve.scheduler.cache_manager import CacheManager
@@ -50,9 +50,20 @@ class LaunchedBatch:
     is_verify: bool = False
     produced: list[bool] | None = None
 
+    @classmethod
+    def plain(cls, batch: ScheduleBatch, sampled: SampleOutput, launched: float) -> LaunchedBatch:
+        """A step without drafts: one sampled row per request, in batch order."""
+        return cls(batch, [[] for _ in batch.reqs], list(range(len(batch.reqs))), sampled, launched)
+
     @property
     def reqs(self) -> list[Req]:
         return self.batch.reqs
+
+    @property
+    def has_every_row(self) -> bool:
+        """No request left the batch since its launch (`OutputProcessor.advance` drops finished ones):
+        `sampled` holds exactly the batch's rows, in order, as the overlap's followup step needs."""
+        return self.rows == list(range(len(self.batch.reqs))) and not self.is_verify
 
 
 @dataclasses.dataclass
@@ -158,10 +169,7 @@ class OutputProcessor:
         finished = req.is_finished
         if finished:
             del self.reqs[req.rid], self.detokenizers[req.rid]
-        return StepOutput(req.rid, new_ids, list(req.output_ids), detok.text, delta, finished, self.meta(req))
-
-    def meta(self, req: Req) -> RequestMeta:
-        return request_meta(req)
+        return StepOutput(req.rid, new_ids, list(req.output_ids), detok.text, delta, finished, request_meta(req))
 
     def _append_sampled(self, req: Req, token: int, sampled: SampleOutput, row: int, now: float,
                         counts: StepCounts) -> tuple[list[int], str]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import queue
 from typing import Any, Iterator, Sequence
 
-from jaxserve.engine.engine import Engine, RequestError, StepOutput
+from jaxserve.engine.engine import Engine
 from jaxserve.engine.engine_loop import EngineLoop
-from jaxserve.engine.outputs import sglang_meta_info
+from jaxserve.engine.outputs import RequestError, StepOutput, sglang_meta_info
 from jaxserve.engine.request import SamplingParamsError
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.lang.backend import SCORING_MAX_NEW_TOKENS, Backend, GenChunk, GenResult

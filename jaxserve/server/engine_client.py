@@ -25,8 +25,8 @@ from typing import AsyncIterator, Callable, Iterator, TypeVar
 
 from starlette.requests import Request
 
-from jaxserve.engine.engine import StepOutput
 from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.engine.outputs import StepOutput
 from jaxserve.engine.queue_admission import QueueReservation
 from jaxserve.engine.request_input import GenerateInput
 

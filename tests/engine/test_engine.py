@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.engine.engine import Engine, RequestError
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.outputs import RequestError
 from jaxserve.engine.request import SamplingParamsError
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}

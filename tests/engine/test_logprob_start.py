@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine.engine import RequestError
+from jaxserve.engine.outputs import RequestError
 from tests.engine.test_pool_limits import make_engine
 
 PROMPT = [5, 6, 7]

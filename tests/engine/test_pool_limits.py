@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine.engine import Engine, RequestError
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.outputs import RequestError
 
 POOL = 128  # tokens: 8 pages of 16
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.engine.engine import RequestError
+from jaxserve.engine.outputs import RequestError
 from jaxserve.engine.request import finish_length
 from tests.engine.test_engine import make_engine
 

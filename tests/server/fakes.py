@@ -7,7 +7,7 @@ import time
 from types import SimpleNamespace
 
 from jaxserve.config import ServerArgs
-from jaxserve.engine.engine import EngineStats, RequestError, RequestMeta, StepOutput
+from jaxserve.engine.outputs import EngineStats, RequestError, RequestMeta, StepOutput
 from jaxserve.engine.request import finish_abort, finish_length
 from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.validation.validator import CheckedInput

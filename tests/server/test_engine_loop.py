@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from jaxserve.engine.engine import RequestError, StepOutput
 from jaxserve.engine.engine_loop import EngineLoop, EngineUnavailableError
+from jaxserve.engine.outputs import RequestError, StepOutput
 from jaxserve.engine.request import SamplingParamsError, finish_length
 from tests.server.fakes import FakeEngine
 

@@ -22,8 +22,7 @@ from typing import Any, AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.engine import RequestError, StepOutput
-from jaxserve.engine.outputs import sglang_finish_reason
+from jaxserve.engine.outputs import RequestError, StepOutput, sglang_finish_reason
 from jaxserve.engine.request import SamplingParamsError
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, check_field_types

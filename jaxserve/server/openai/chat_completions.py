@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.engine import RequestError, StepOutput
+from jaxserve.engine.outputs import RequestError, StepOutput
 from jaxserve.engine.request import SamplingParamsError, finish_length
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, check_field_types

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.engine.engine import StepOutput
+from jaxserve.engine.outputs import StepOutput
 from jaxserve.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 

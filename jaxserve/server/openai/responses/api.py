@@ -46,8 +46,7 @@ from typing import Any, AsyncIterator, NamedTuple
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.engine import StepOutput
-from jaxserve.engine.outputs import RequestError
+from jaxserve.engine.outputs import RequestError, StepOutput
 from jaxserve.engine.validation.field_types import check_field_types
 from jaxserve.engine.validation.size_limits import check_request_sizes
 from jaxserve.server.engine_client import abort_on_disconnect, preprocess

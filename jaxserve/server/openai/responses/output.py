@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from jaxserve.engine.engine import StepOutput
+from jaxserve.engine.outputs import StepOutput
 from jaxserve.server.openai.chat_completions import ChatRun
 from jaxserve.server.openai.logprobs import chat_token_logprobs
 from jaxserve.server.openai.reasoning import ReasoningSplitter
