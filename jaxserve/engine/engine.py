@@ -267,7 +267,7 @@ class Engine:
         if spec is not None:
             self.grammar_backend.compile(spec)
 
-    # the checks of a request against the model (request_validation.py); thread-safe, read-only
+    # the checks of a request against the model (validation/validator.py); thread-safe, read-only
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a text or of a list (`RequestValidator.tokenize`; RequestError "prompt")."""
         return self.validator.tokenize(prompt)

@@ -327,7 +327,7 @@ def check_start_up_args(args: ServerArgs) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """scripts/serve.py and `python -m jaxserve.launch`: one server, or with `--dp-size N` N workers
-    behind sglang-router (dp_launcher.py)."""
+    behind sglang-router (data_parallel.py)."""
     from jaxserve.server.openai.reasoning import REASONING_PARSERS
     from jaxserve.server.openai.tools.parsers import PARSERS  # the one table of names; imports no jax
 

@@ -1,14 +1,14 @@
 """The Starlette app: routes, operational endpoints and `create_app(engine_loop, server_args)`.
 
 Routes:
-    POST /generate                 SGLang's native API (native_api.py)
-    POST /v1/completions           OpenAI (openai_api.py)
+    POST /generate                 SGLang's native API (native/generate.py)
+    POST /v1/completions           OpenAI (openai/chat_completions.py)
     POST /v1/chat/completions
-    POST /v1/responses             OpenAI's Responses API (responses_api.py)
+    POST /v1/responses             OpenAI's Responses API (openai/responses/api.py)
     GET  /v1/responses/{id}        a stored response (DELETE forgets it)
     POST /v1/responses/{id}/cancel stops a background response
     GET  /v1/responses/{id}/input_items  the input items of a stored response
-    GET  /v1/models                the served model (models_api.py)
+    GET  /v1/models                the served model (openai/models.py)
     GET  /v1/models/{model}        its card; 404 for another name
     GET  /metrics                  Prometheus metrics (metrics.py), unless --disable-metrics
     GET  /health                   200 while the engine loop runs
@@ -64,12 +64,11 @@ from jaxserve.server.errors import (
     unavailable_response,
 )
 from jaxserve.server.metrics import mark_unlogged
-from jaxserve.server.native import generate as native_api
-from jaxserve.server.openai import chat_completions as openai_api
-from jaxserve.server.openai import models as models_api
+from jaxserve.server.native import generate
+from jaxserve.server.openai import chat_completions, models
 from jaxserve.server.openai.chat_template import load_chat_template
 from jaxserve.server.openai.reasoning import reasoning_format
-from jaxserve.server.openai.responses import api as responses_api
+from jaxserve.server.openai.responses import api as responses
 from jaxserve.server.openai.tools import get_parser
 from jaxserve.server.openapi import openapi_document
 
@@ -177,7 +176,7 @@ async def health_generate(request: Request) -> Response:
     except asyncio.TimeoutError:
         group.abort()
         return error_response(f"no token generated within {HEALTH_GENERATE_TIMEOUT_S:.0f} s", 503, code="unavailable")
-    if (failure := native_api.failure_of(outputs[0])) is not None:
+    if (failure := generate.failure_of(outputs[0])) is not None:
         return error_response(failure[1], 503, code="unavailable")
     return JSONResponse({"status": "ok"})
 
@@ -333,18 +332,18 @@ register_url_convertor("stored_response_id", _StoredResponseId())
 def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     """The ASGI app over a started `EngineLoop`. `server_args.api_key` turns on bearer-token auth."""
     routes = [
-        Route("/generate", native_api.generate, methods=["POST"]),
-        Route("/v1/completions", openai_api.completions, methods=["POST"]),
-        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
-        Route("/v1/responses", responses_api.create_response, methods=["POST"]),
+        Route("/generate", generate.generate, methods=["POST"]),
+        Route("/v1/completions", chat_completions.completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions.chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses.create_response, methods=["POST"]),
         # an id may contain slashes (a request_id is the client's): the route matches the rest of the path,
         # except a sub-route's suffix, so that DELETE .../input_items is that route's 405, not an id's 404
-        Route("/v1/responses/{response_id:path}/cancel", responses_api.cancel_response, methods=["POST"]),
-        Route("/v1/responses/{response_id:path}/input_items", responses_api.list_input_items, methods=["GET"]),
-        Route("/v1/responses/{response_id:stored_response_id}", responses_api.stored_response,
+        Route("/v1/responses/{response_id:path}/cancel", responses.cancel_response, methods=["POST"]),
+        Route("/v1/responses/{response_id:path}/input_items", responses.list_input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id:stored_response_id}", responses.stored_response,
               methods=["GET", "DELETE"]),
-        Route("/v1/models", models_api.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", models_api.retrieve_model, methods=["GET"]),
+        Route("/v1/models", models.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", models.retrieve_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/get_model_info", get_model_info, methods=["GET"]),
@@ -376,8 +375,8 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     app.state.model_name = model_name
     app.state.chat_template = chat_template
     app.state.reasoning_format = reasoning
-    app.state.response_store = responses_api.ResponseStore()
-    app.state.background_responses = responses_api.BackgroundResponses(app.state.response_store)
+    app.state.response_store = responses.ResponseStore()
+    app.state.background_responses = responses.BackgroundResponses(app.state.response_store)
     app.state.serving_metrics = metrics
     app.state.openapi = openapi_document()
     return app

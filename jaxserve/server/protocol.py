@@ -1,5 +1,5 @@
 """Request and response schemas of the HTTP API (pydantic): SGLang's native /generate and OpenAI's
-/v1/completions, /v1/chat/completions, /v1/responses (its request; responses_api.py builds the reply)
+/v1/completions, /v1/chat/completions, /v1/responses (its request; openai/responses/api.py builds the reply)
 and /v1/models.
 
 Requests validate in strict mode: a string where a number belongs is a 400 naming the field, not a
@@ -154,7 +154,7 @@ class CompletionRequest(OpenAISampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None  # accepted only equal to n (`openai_checks.check_best_of`)
+    best_of: int | None = None  # accepted only equal to n (`openai/checks.check_best_of`)
 
 
 class ContentPart(_Request):
@@ -180,7 +180,7 @@ class ToolCallIn(_Request):
 
 class ChatMessage(_Request):
     # /openapi.json: content is required except on an assistant message with tool_calls (what
-    # openai_api checks, naming messages[i].content); a null content is not documented
+    # openai/checks.py checks, naming messages[i].content); a null content is not documented
     model_config = ConfigDict(json_schema_extra={"anyOf": [
         {"required": ["content"]},
         {"required": ["tool_calls"],

@@ -1,4 +1,4 @@
-"""OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions (GET /v1/models: models_api.py).
+"""OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions (GET /v1/models: models.py).
 
 Sampling fields map onto the engine's `SamplingParams` as SGLang's OpenAI layer maps them
 (max_tokens / max_completion_tokens -> max_new_tokens, min_tokens -> min_new_tokens,
@@ -11,7 +11,7 @@ Streams send `data: {chunk}` events and end with `data: [DONE]`; with
 Completions with `echo` and `logprobs` take the prompt's logprobs from the engine's prompt-logprob path
 (`logprob_start_len=0`); `max_tokens: 0` then runs one token and drops it. Chat tool calling: the
 tools go into the prompt (chat_prompt.py), the reply is parsed by the `--tool-call-parser` format
-(function_call/), and tool_choice "required" or a named function constrains decoding to that format's
+(tools/), and tool_choice "required" or a named function constrains decoding to that format's
 grammar, so the call always parses and its arguments validate against the function's schema.
 """
 

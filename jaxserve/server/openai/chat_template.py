@@ -2,7 +2,7 @@
 
 SGLang 0.5.23 (sglang/srt/parser/template_manager.py) takes a built-in template name, a `.jinja` file,
 or another file read as its JSON conversation-template format. jaxserve serves the Jinja case: the
-file's text becomes the template that transformers' `apply_chat_template` renders (chat_prompt.py), with
+file's text becomes the template that transformers' `apply_chat_template` renders (openai/chat_prompt.py), with
 a literal backslash-n in the file read as a line break, as SGLang reads it. Any existing file whose name
 does not end in `.json` counts as Jinja. SGLang's built-in names (Python conversation templates) and
 its `.json` format are refused with a start-up error that says what is accepted. A template that

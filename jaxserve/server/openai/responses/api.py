@@ -2,7 +2,7 @@
 /v1/responses/{response_id}/cancel, GET /v1/responses/{response_id}/input_items.
 
 A request is a chat: `instructions` (a system message), the conversation that `previous_response_id`
-ended with, then `input`, run through the chat path (`openai_api.submit_chat`), so the chat template,
+ended with, then `input`, run through the chat path (`chat_completions.submit_chat`), so the chat template,
 sampling, JSON output (`text.format`), function tools (`--tool-call-parser`), --reasoning-parser and
 the 400s are the chat's (a 400 names the Responses field: `input`, `max_output_tokens`, `text.format`,
 `tools[i].name`). Input items map onto chat messages: messages as they are (text parts joined),
@@ -94,7 +94,7 @@ MAX_STORED_BYTES = 256 * 2**20
 class StoredResponse(NamedTuple):
     """A stored response, the conversation it ended (chat messages: the input, then the reply as an
     assistant message with its tool calls; instructions left out) and its request's input items
-    (`responses_output.input_items`)."""
+    (`output.input_items`)."""
 
     response: dict[str, Any]
     conversation: list[Message]
@@ -367,7 +367,7 @@ async def stored_response(request: Request) -> Response:
 
 async def list_input_items(request: Request) -> Response:
     """GET /v1/responses/{response_id}/input_items: the input items of a stored response's request
-    (`responses_output.input_items`), a page of OpenAI's cursor list: `order` "desc" (the default,
+    (`output.input_items`), a page of OpenAI's cursor list: `order` "desc" (the default,
     last item first) or "asc", `limit` 1-100 (default 20), `after` an item id (the page starts past it).
     `include` is accepted and changes nothing (no input item served here has a field it adds).
 

@@ -1,6 +1,6 @@
 """/v1/responses' request as a chat: the checks made before it is one (each a 400 naming the field in
 this API's names), its input items as chat messages, and the `ChatCompletionRequest` that
-`openai_api.submit_chat` runs (responses_api.py). Item mapping: messages as they are (text parts
+`chat_completions.submit_chat` runs (responses/api.py). Item mapping: messages as they are (text parts
 joined), function_call items onto an assistant message's `tool_calls` (consecutive calls: one
 message), function_call_output items onto `tool` messages, reasoning items left out (as chat
 templates leave out earlier reasoning).
