@@ -57,6 +57,7 @@ class LaunchedBatch:
 
     @property
     def reqs(self) -> list[Req]:
+        """The batch's requests, in row order."""
         return self.batch.reqs
 
     @property

@@ -17,6 +17,7 @@ CODE = "request_too_large"
 
 
 def too_large(limit: int, size: int | None = None) -> APIError:
+    """The 413 of a body over `limit` bytes (`size`: its Content-Length, when it gave one)."""
     got = f" (Content-Length {size})" if size is not None else ""
     return APIError(f"the request body is over {limit} bytes{got}; the server's --max-request-body-bytes bounds it",
                     413, code=CODE)
