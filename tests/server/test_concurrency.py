@@ -111,24 +111,26 @@ def test_abort_request_and_flush_cache_while_running(http, base_url):
 def test_abort_all_ends_every_request(http, base_url):
     """SGLang's `{"abort_all": true}` (its AbortReq field) was a 400 asking for a rid."""
     wait_idle(http)
-    finals: dict[str, dict] = {}
-    streaming = threading.Barrier(3)
+    finals: dict[int, dict] = {}
+    streaming = threading.Event()
 
-    def consume(rid: str):
+    def consume():
+        # both prompts in one batch: admitted in one step, so neither can run its 200 tokens to the
+        # end while the other is still waiting for its first (two separate streams raced so under load)
+        body = _long_stream_body(text=["Tell me a very long story", "Tell me another long story"], rid=["all-0", "all-1"])
         with httpx.Client(base_url=base_url, timeout=60) as client:
-            with client.stream("POST", "/generate", json=_long_stream_body(rid=rid)) as r:
-                first = True
+            with client.stream("POST", "/generate", json=body) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
-                        finals[rid] = json.loads(line[len("data: "):])
-                        if first:
-                            first = False
-                            streaming.wait(60)
+                        event = json.loads(line[len("data: "):])
+                        finals[event["index"]] = event
+                        if len(finals) == 2:
+                            streaming.set()
 
-    threads = [threading.Thread(target=consume, args=(f"all-{i}",)) for i in range(2)]
+    threads = [threading.Thread(target=consume)]
     for t in threads:
         t.start()
-    streaming.wait(60)
+    assert streaming.wait(60)
     r = http.post("/abort_request", json={"abort_all": True})
     assert r.status_code == 200 and r.json() == {"success": True, "num_aborted": 2}, r.text
     for t in threads:
