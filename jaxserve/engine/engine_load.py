@@ -32,6 +32,9 @@ class EngineLoad:
     num_step_failures: int = 0
     last_step_time: float | None = None  # time.time() of the last step that ran a batch
     num_rejected_queue_full: int = 0  # submits refused because the waiting queue was full
+    # running slots the next schedule can fill: max running - running, or 0 when this schedule left a
+    # request waiting (slots or KV blocked it, and a newcomer would wait behind it)
+    num_free_slots: int = 0
     num_queue_timeouts: int = 0  # requests ended after waiting longer than the queue timeout
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
     snapshot: EngineSnapshot | None = None  # the engine's own counters and gauges (for /metrics); None before the first
@@ -46,15 +49,18 @@ def _chunked_rest(req: Req | None) -> int:
 def snapshot_load(engine: Engine, **loop_fields: Any) -> EngineLoad:
     """The engine's EngineLoad now; `loop_fields` are the loop's own counts (num_pending_reqs,
     num_step_failures, ...). Call on the engine's thread."""
+    scheduler = engine.scheduler
+    free_slots = 0 if scheduler.waiting else max(0, scheduler.config.max_running_requests - scheduler.num_running)
     return EngineLoad(
-        num_running_reqs=engine.scheduler.num_running,
-        num_waiting_reqs=len(engine.scheduler.waiting),
+        num_running_reqs=scheduler.num_running,
+        num_waiting_reqs=len(scheduler.waiting),
+        num_free_slots=free_slots,
         kv_total_tokens=engine.pool_shape.num_tokens,
         kv_used_tokens=engine.cache.used_tokens(),
         kv_cached_tokens=engine.tree.total_size(),
         kv_locked_tokens=engine.tree.protected_size(),
-        num_waiting_tokens=sum(r.fill_len for r in engine.scheduler.waiting),
-        num_chunked_rest_tokens=_chunked_rest(engine.scheduler.chunked_req),
+        num_waiting_tokens=sum(r.fill_len for r in scheduler.waiting),
+        num_chunked_rest_tokens=_chunked_rest(scheduler.chunked_req),
         stats=dataclasses.replace(engine.stats),
         snapshot=engine.snapshot(),
         **loop_fields,

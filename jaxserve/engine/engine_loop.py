@@ -32,8 +32,8 @@ says what happened, `is_running` turns False (the server's /health answers 503) 
 observer is called (the server exits non-zero, so a supervisor restarts it). `submit` then raises
 `EngineUnavailableError`.
 
-Admission: at most `max_queued_requests` sequences wait (submitted, not yet running); one more raises
-`EngineUnavailableError` (the server's 503 with Retry-After), as SGLang's scheduler aborts a request
+Admission: at most `max_queued_requests` sequences wait (submitted, and not running once the next
+schedule has filled the free running slots); one more raises `EngineUnavailableError` (the server's 503 with Retry-After), as SGLang's scheduler aborts a request
 beyond `--max-queued-requests`. With `queue_timeout_s`, a request still in the scheduler's waiting
 queue that long without a first output ends with an abort carrying `status_code` 503. A batch is
 admitted whole or not at all (`reserve`, queue_admission.py); one larger than the bound is a `RequestError`.
@@ -120,7 +120,7 @@ class EngineLoop:
         self._fault_file = os.environ.get(FAULT_FILE_ENV) or None
         self._error: str | None = None
         self._death_observers: list[Callable[[str], None]] = []
-        self._admission = QueueAdmission(self.max_queued_requests)
+        self._admission = QueueAdmission(self.max_queued_requests, engine.scheduler.config.max_running_requests)
         self._num_queue_timeouts = 0
         self._cond = threading.Condition()
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
@@ -190,7 +190,7 @@ class EngineLoop:
         snapshots, and a long step would otherwise show a full queue as empty to a router)."""
         load = self._load
         with self._cond:  # held only briefly by the loop thread, never across a step
-            waiting = max(load.num_waiting_reqs, self._num_waiting() + self._admission.num_reserved)
+            waiting = max(load.num_waiting_reqs, self._num_not_running() + self._admission.num_reserved)
         if load.num_rejected_queue_full != self._admission.num_rejected or waiting != load.num_waiting_reqs:
             load = dataclasses.replace(load, num_rejected_queue_full=self._admission.num_rejected, num_waiting_reqs=waiting)
         return load
@@ -286,7 +286,7 @@ class EngineLoop:
             taken = [r for r in [base, *rids] if r in self._pending or r in self._groups]
             if taken:
                 raise RequestError("rid", f"request id {taken[0]!r} is already in use")
-            if not self._admission.take(self._num_waiting(), len(rids), reservation):
+            if not self._admission.take(self._num_not_running(), len(rids), reservation, self._load.num_free_slots):
                 raise self._queue_full()
             for r in rids:
                 self._pending[r] = _Pending(on_output, len(input_ids))
@@ -301,17 +301,18 @@ class EngineLoop:
         of it is submitted; pass the result to each `submit`, then `release` it (also on failure).
 
         Raises:
-            RequestError: `field` (the batch's prompt field): the batch alone is larger than
-                `max_queued_requests`, so retrying cannot help.
+            RequestError: `field` (the batch's prompt field): the batch alone is larger than the
+                running slots plus `max_queued_requests`, so retrying cannot help.
             EngineUnavailableError: the queue has no room for the batch now (retry later).
         """
         if not self._admission.can_ever_fit(num_sequences):
             raise RequestError(
-                field, f"the batch has {num_sequences} sequences (prompts x n), more than --max-queued-requests "
-                f"{self.max_queued_requests} can ever hold; split it",
+                field, f"the batch has {num_sequences} sequences (prompts x n), more than --max-running-requests "
+                f"{self._admission.max_running_requests} plus --max-queued-requests {self.max_queued_requests} "
+                "can ever hold; split it",
             )
         with self._cond:
-            reservation = self._admission.reserve(self._num_waiting(), num_sequences)
+            reservation = self._admission.reserve(self._num_not_running(), num_sequences, self._load.num_free_slots)
             if reservation is None:
                 raise self._queue_full(num_sequences)
         return reservation
@@ -321,12 +322,12 @@ class EngineLoop:
         with self._cond:
             self._admission.release(reservation)
 
-    def _num_waiting(self) -> int:
+    def _num_not_running(self) -> int:
         """Sequences submitted and not running (holding `_cond`)."""
         return len(self._pending) - self._load.num_running_reqs
 
     def _queue_full(self, num_sequences: int = 1) -> EngineUnavailableError:
-        waiting = self._num_waiting() + self._admission.num_reserved
+        waiting = self._admission.num_waiting_after(self._num_not_running(), self._load.num_free_slots)
         if num_sequences == 1 or waiting >= self.max_queued_requests:
             what = f"the request queue is full ({waiting} waiting"
         else:  # a batch: the queue has places, only not as many as the batch

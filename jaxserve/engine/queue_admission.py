@@ -33,32 +33,41 @@ class QueueReservation:
 
 
 class QueueAdmission:
-    """Counts the room of the waiting queue: `max_queued_requests` sequences, of which `num_reserved`
-    are held for batches being submitted. Not thread-safe: the engine loop calls it under its lock."""
+    """Counts the room of the waiting queue: `max_queued_requests` sequences beyond the running slots
+    (`max_running_requests`) the next schedule fills, of which `num_reserved` are held for batches
+    being submitted. Not thread-safe: the engine loop calls it under its lock."""
 
-    def __init__(self, max_queued_requests: int):
+    def __init__(self, max_queued_requests: int, max_running_requests: int):
         self.max_queued_requests = max_queued_requests
+        self.max_running_requests = max_running_requests
         self.num_reserved = 0
         self.num_rejected = 0  # sequences' requests refused because the queue was full
 
     def can_ever_fit(self, num_sequences: int) -> bool:
-        return num_sequences <= self.max_queued_requests
+        """Whether a batch fits an idle engine: its running slots plus the waiting queue."""
+        return num_sequences <= self.max_queued_requests + self.max_running_requests
 
-    def take(self, num_waiting: int, num_sequences: int, reservation: QueueReservation | None = None) -> bool:
-        """Take room for `num_sequences` beside `num_waiting` waiting ones, from `reservation` when it
-        holds that many. False (a rejection, counted) when the queue has no room."""
+    def take(self, num_waiting: int, num_sequences: int, reservation: QueueReservation | None = None,
+             num_free_slots: int = 0) -> bool:
+        """Take room for `num_sequences` beside `num_waiting` sequences not running, from `reservation`
+        when it holds that many. The bound counts what will still wait after the next schedule has
+        filled `num_free_slots` running slots. False (a rejection, counted) when there is no room."""
         if reservation is not None and reservation.num_left >= num_sequences:
             reservation.num_left -= num_sequences
             self.num_reserved -= num_sequences
             return True
-        if num_waiting + self.num_reserved + num_sequences > self.max_queued_requests:
+        if self.num_waiting_after(num_waiting + num_sequences, num_free_slots) > self.max_queued_requests:
             self.num_rejected += 1
             return False
         return True
 
-    def reserve(self, num_waiting: int, num_sequences: int) -> QueueReservation | None:
+    def num_waiting_after(self, num_waiting: int, num_free_slots: int) -> int:
+        """Sequences left waiting once `num_free_slots` of `num_waiting` (plus those reserved) run."""
+        return max(0, num_waiting + self.num_reserved - num_free_slots)
+
+    def reserve(self, num_waiting: int, num_sequences: int, num_free_slots: int = 0) -> QueueReservation | None:
         """Hold room for a batch of `num_sequences`; None (a rejection, counted) when there is none."""
-        if not self.take(num_waiting, num_sequences):
+        if not self.take(num_waiting, num_sequences, num_free_slots=num_free_slots):
             return None
         self.num_reserved += num_sequences
         return QueueReservation(num_sequences)

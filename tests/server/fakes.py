@@ -24,7 +24,8 @@ class FakeEngine:
         self.num_steps = 0
         self.fail_next_step = False
         self.stats = EngineStats()
-        self.scheduler = SimpleNamespace(num_running=0, waiting=[], chunked_req=None)
+        self.scheduler = SimpleNamespace(
+            num_running=0, waiting=[], chunked_req=None, config=SimpleNamespace(max_running_requests=64))
         self.cache = SimpleNamespace(used_tokens=lambda: 16 * len(self.reqs))
         self.tree = SimpleNamespace(total_size=lambda: 0, protected_size=lambda: 0)
         self.pool_shape = SimpleNamespace(num_tokens=1024)

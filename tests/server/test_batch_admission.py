@@ -27,6 +27,7 @@ class RecordingEngine(FakeEngine):
         super().__init__(step_time=0.01)
         self.prompts: list[list[int]] = []
         self.order: list[str] = []
+        self.scheduler.config.max_running_requests = 1
 
     def add_request(self, checked):
         self.prompts.append(list(checked.input_ids))
@@ -61,20 +62,21 @@ def _wait(predicate, timeout=5.0):
 
 
 def test_a_batch_that_can_never_fit_is_a_400_and_queues_nothing(setup):
+    """More sequences than the one running slot plus QUEUE waiting places can never fit."""
     engine, loop, client = setup
-    r = client.post("/generate", json={"text": ["hi"] * (QUEUE + 1), "sampling_params": {"max_new_tokens": 1}})
+    r = client.post("/generate", json={"text": ["hi"] * (QUEUE + 2), "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "text" and "--max-queued-requests" in err["message"]
-    r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1, "n": QUEUE + 1}})
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1, "n": QUEUE + 2}})
     assert r.status_code == 400
     r = client.post("/v1/completions", json={"model": "m", "prompt": ["hi"] * 3, "n": 2, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": QUEUE + 1, "max_tokens": 1})
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": QUEUE + 2, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     time.sleep(0.05)
     assert engine.prompts == [] and loop.num_pending == 0
-    assert client.post("/generate", json={"text": ["hi"] * QUEUE, "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    assert client.post("/generate", json={"text": ["hi"] * (QUEUE + 1), "sampling_params": {"max_new_tokens": 1}}).status_code == 200
 
 
 def test_a_batch_without_room_now_is_a_503_and_queues_nothing(setup):
@@ -99,13 +101,13 @@ def test_reservation_is_spent_by_submits_and_released(setup):
     engine, loop, _ = setup
     res = loop.reserve(3)
     with pytest.raises(EngineUnavailableError):
-        loop.reserve(2)  # 3 held + 2 > 4
+        loop.reserve(3)  # 3 held + 3 > 1 free running slot + 4 queued
     loop.submit("a", {"max_new_tokens": 1}, on_output=lambda o: None, reservation=res)
     assert res.num_left == 2
     loop.release(res)
     assert loop.reserve(QUEUE - 1).num_left == QUEUE - 1
     with pytest.raises(RequestError, match="max-queued-requests"):
-        loop.reserve(QUEUE + 1, "text")
+        loop.reserve(QUEUE + 2, "text")
 
 
 def test_load_counts_waiting_and_reserved_requests_between_snapshots():

@@ -42,6 +42,7 @@ def test_waiting_and_chunked_tokens_are_load_and_pending():
         num_running=2,
         waiting=[SimpleNamespace(fill_len=100), SimpleNamespace(fill_len=23)],
         chunked_req=SimpleNamespace(fill_len=500, kv_len=192),
+        config=SimpleNamespace(max_running_requests=8),
     )
     loop = EngineLoop(engine, max_queued_requests=8)
     loop._publish_load()  # the snapshot the loop thread takes after each step

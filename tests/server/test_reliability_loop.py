@@ -25,6 +25,7 @@ class QueueingEngine(FakeEngine):
     def __init__(self, max_running: int, step_time: float = 0.005):
         super().__init__(step_time)
         self.max_running = max_running
+        self.scheduler.config.max_running_requests = max_running
         self.order: list[str] = []
 
     def add_request(self, checked):
@@ -40,7 +41,7 @@ class QueueingEngine(FakeEngine):
         finally:
             self.reqs.update(waiting)
         self.scheduler.num_running = len(running)
-        self.scheduler.waiting = [SimpleNamespace(rid=r) for r in waiting]
+        self.scheduler.waiting = [SimpleNamespace(rid=r, fill_len=1) for r in waiting]
         return outs
 
 
@@ -80,6 +81,47 @@ def test_the_waiting_queue_is_bounded():
         assert loop.submit("d", {"max_new_tokens": 1}, on_output=finals)  # room again
     finally:
         loop.shutdown()
+
+
+def test_a_burst_on_an_idle_loop_fills_the_free_slots_and_the_queue():
+    """12 concurrent requests at --max-running-requests 2 --max-queued-requests 2: 4 fit (2 run, 2 wait).
+    Before: requests submitted between two schedules all counted as waiting, so 2 fit and 10 were
+    refused while both running slots were free."""
+    loop = EngineLoop(QueueingEngine(max_running=2, step_time=0.05), max_queued_requests=2).start()
+    try:
+        finals, barrier = Finals(), threading.Barrier(12)
+        accepted, refused = [], []
+
+        def client(i):
+            barrier.wait()
+            try:
+                accepted.append(loop.submit(f"p{i}", {"max_new_tokens": 3}, on_output=finals)[0])
+            except EngineUnavailableError:
+                refused.append(i)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(accepted) == 4 and len(refused) == 8, (accepted, refused)
+        wait_for(lambda: len(finals.outputs) == 4)
+        assert all(finals.outputs[r].meta.finish_reason == finish_length(3) for r in accepted)
+    finally:
+        loop.shutdown()
+
+
+def test_slots_left_free_by_a_blocked_schedule_do_not_widen_the_queue():
+    """When the last schedule left a request waiting (KV or slots blocked it), no free slot is
+    counted: a newcomer would wait behind it."""
+    engine = QueueingEngine(max_running=4, step_time=0.01)
+    loop = EngineLoop(engine, max_queued_requests=1)
+    engine.scheduler.waiting = [SimpleNamespace(fill_len=1)]  # as a schedule that could not admit a request leaves it
+    loop._publish_load()
+    assert loop.load().num_free_slots == 0
+    loop.submit("a", {"max_new_tokens": 1}, on_output=lambda o: None)
+    with pytest.raises(EngineUnavailableError, match="queue is full"):
+        loop.submit("b", {"max_new_tokens": 1}, on_output=lambda o: None)
 
 
 def test_a_request_waiting_past_the_queue_timeout_ends_with_503():
