@@ -202,3 +202,41 @@ def test_models_retrieve_the_served_name_and_404_otherwise(client, model, http):
     assert err.value.body == {"message": "The model 'no-such-model' does not exist", "type": "invalid_request_error",
                               "param": "model", "code": "model_not_found"}
     assert http.get("/v1/models/org/no-such-model").status_code == 404  # a slash in the name is the name's
+
+
+def _reference_token_bytes(token_id: int) -> bytes:
+    """A byte-level BPE token's raw bytes from its vocabulary string (GPT-2's byte-to-unicode table,
+    as transformers defines it): independent of the server's llguidance-based decoder."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from jaxserve.model.tokenizer import load_tokenizer
+
+    unicode_to_byte = {u: b for b, u in bytes_to_unicode().items()}
+    return bytes(unicode_to_byte[c] for c in load_tokenizer("default").convert_ids_to_tokens(token_id))
+
+
+# 23274 and 115 are the two tokens of "日" (bytes e6 97 | a5) in SmolLM2's vocabulary
+PARTIAL_TOKEN = 23274
+
+
+def test_logprob_bytes_are_the_tokens_raw_bytes(client, model):
+    """Before: a token holding part of a UTF-8 character came back as token "\ufffd" with bytes
+    [239, 191, 189] (U+FFFD's), so a client could not rebuild the character."""
+    assert _reference_token_bytes(PARTIAL_TOKEN) == "日".encode()[:2]
+    resp = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=2, temperature=0, logprobs=True, top_logprobs=2,
+        logit_bias={str(PARTIAL_TOKEN): 100}, extra_body={"ignore_eos": True})
+    for entry in resp.choices[0].logprobs.content:
+        assert entry.bytes == list(_reference_token_bytes(PARTIAL_TOKEN)), entry
+        assert entry.token == "bytes:\\xe6\\x97"  # OpenAI's string for a token that is not whole UTF-8
+        assert all(t.bytes != [239, 191, 189] for t in entry.top_logprobs)
+    legacy = client.completions.create(model=model, prompt="The sky is", max_tokens=2, temperature=0, logprobs=1,
+                                       logit_bias={str(PARTIAL_TOKEN): 100}, extra_body={"ignore_eos": True})
+    assert legacy.choices[0].logprobs.tokens == ["bytes:\\xe6\\x97"] * 2
+    assert legacy.choices[0].logprobs.text_offset[1] == legacy.choices[0].logprobs.text_offset[0] + 1
+
+
+def test_logprob_bytes_rebuild_the_text(client, model):
+    resp = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True)
+    content = resp.choices[0].logprobs.content
+    assert bytes(b for t in content for b in t.bytes).decode() == resp.choices[0].message.content
