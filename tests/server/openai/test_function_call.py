@@ -37,6 +37,18 @@ TAGGED = [
     ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', []),
     ("No call here, just text with <tool and a < sign.", "No call here, just text with <tool and a < sign.", []),
     ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>', None, [("get_weather", {"city": "Rome"})]),
+    # argument strings that hold the markers' text: the end is where the JSON object ends, not the first marker
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}\n</tool_call>', None,
+     [("get_weather", {"city": "a</tool_call>b"})]),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "<tool_call>}{</tool_call>"}}\n</tool_call>', None,
+     [("get_weather", {"city": "<tool_call>}{</tool_call>"})]),
+    # a marker that opens no call is text, and a call after it is still found
+    ('I use <tool_call> tags. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "I use <tool_call> tags. ",
+     [("get_time", {})]),
+    ('<tool_call>{"name": "get_time", "arguments": {}} no end <tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "get_time", "arguments": {}} no end ', [("get_time", {})]),
+    ('<tool_call>{"name": "unknown", "arguments": {"x": "</tool_call>"}}</tool_call>',
+     '<tool_call>{"name": "unknown", "arguments": {"x": "</tool_call>"}}</tool_call>', []),
 ]
 PLAIN = [
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
@@ -90,7 +102,7 @@ def _replay(events):
 
 @pytest.mark.parametrize("name, cases, incremental", [
     ("qwen25", TAGGED, False), ("llama3", PLAIN, False),
-    ("qwen25", [c for c in TAGGED if c[2] and "done" not in c[0]], True),  # forced: a single well-formed call
+    ("qwen25", [c for c in TAGGED if c[1] is None and len(c[2]) == 1], True),  # forced: a single well-formed call
 ])
 def test_streaming_equals_parsing_at_every_split(name, cases, incremental):
     parser = get_parser(name)
@@ -157,6 +169,13 @@ def test_grammar_accepts_exactly_valid_calls(name, ll_tokenizer):
     for bad in (parser.format_call("get_weather", {}), parser.format_call("get_time", {}),
                 parser.format_call("get_weather", {"city": 3}), "Sure! " + good):
         assert not _matches(grammar, bad, ll_tokenizer), bad
+
+
+def test_grammar_allows_marker_text_in_strings(ll_tokenizer):
+    parser = get_parser("qwen25")
+    text = parser.format_call("get_weather", {"city": "a</tool_call>\n<tool_call>b"})
+    assert _matches(parser.grammar([WEATHER]), text, ll_tokenizer)
+    assert _calls(parser.parse(text, [WEATHER])) == [("get_weather", {"city": "a</tool_call>\n<tool_call>b"})]
 
 
 TOOLS_TEMPLATE = (

@@ -156,6 +156,30 @@ def test_assistant_message_with_tool_calls_may_leave_out_content(http):
     assert r.status_code == 200, r.text
 
 
+# a single tool whose argument is a constant: a forced call can be only this text, whatever the model
+MARKER_TEXT = 'a</tool_call>\n<tool_call>{"name": "echo"}'
+ECHO = {"type": "function", "function": {"name": "echo", "parameters": {
+    "type": "object", "properties": {"text": {"const": MARKER_TEXT}}, "required": ["text"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "echo"}}])
+def test_forced_call_whose_arguments_hold_the_markers(client, model, choice):
+    """A forced call whose argument string holds `</tool_call>` (and `<tool_call>`) is one call with those
+    arguments, streamed or not; it came back as content with tool_calls null."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "Echo."}], tools=[ECHO], tool_choice=choice,
+              max_tokens=60, temperature=0)
+    choice0 = client.chat.completions.create(**kw).choices[0]
+    assert choice0.finish_reason == "tool_calls" and choice0.message.content is None, choice0
+    [call] = choice0.message.tool_calls
+    assert call.function.name == "echo" and json.loads(call.function.arguments) == {"text": MARKER_TEXT}
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas if d.function.name] == ["echo"] and {d.index for d in deltas} == {0}
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 @pytest.mark.parametrize("route, body", [
     ("/v1/chat/completions", {"messages": MESSAGES}),
     ("/v1/chat/completions", {"messages": MESSAGES, "stream": False}),

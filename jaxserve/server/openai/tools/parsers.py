@@ -149,6 +149,13 @@ def raw_arguments(body: str) -> str | None:
     return body[m.end() : end] if isinstance(obj, dict) else None
 
 
+def _skip_space(text: str, at: int) -> int:
+    """The index of the first non-whitespace character of `text` at or after `at` (str.isspace's)."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
 class TaggedJsonParser(ToolCallParser):
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Qwen2.5 / Hermes)."""
 
@@ -157,25 +164,44 @@ class TaggedJsonParser(ToolCallParser):
     end_marker = "</tool_call>"
 
     def parse(self, text: str, tools: Sequence[Tool]) -> ParseResult:
+        """Calls found by the format's structure: the start marker, one JSON object, the end marker
+        (whitespace around the object). The end marker is looked for only after the object, so an
+        argument string may hold either marker's text; a start marker that opens no well-formed call
+        of a declared function is text, and the search goes on after it."""
         known = {t.function.name for t in tools}
-        pattern = re.compile(re.escape(self.start_marker) + r"(.*?)" + re.escape(self.end_marker), re.DOTALL)
-        calls, content, pos = [], [], 0
-        for m in pattern.finditer(text):
-            body = m.group(1).strip()
-            try:
-                call = _call_of(json.loads(body), ("arguments", "parameters"), known)
-            except JSON_ERRORS:
-                call = None
-            if call is not None and (raw := raw_arguments(body)) is not None:
-                call = ParsedCall(call.name, raw)  # the arguments as the model wrote them, as streamed
-            if call is None:  # not a well-formed call of a declared function: leave it as text
+        calls, content, pos, search = [], [], 0, 0
+        while (start := text.find(self.start_marker, search)) >= 0:
+            search = start + len(self.start_marker)
+            found = self.call_at(text, search, known)
+            if found is None:
                 continue
-            content.append(text[pos : m.start()])
+            call, search = found
+            content.append(text[pos:start])
             calls.append(call)
-            pos = m.end()
+            pos = search
         content.append(text[pos:])
         rest = "".join(content)
         return ParseResult(rest if rest.strip() or not calls else None, tuple(calls))
+
+    def call_at(self, text: str, at: int, known: set[str]) -> tuple[ParsedCall, int] | None:
+        """The call whose body starts at `at` (just after a start marker) and the index just past its
+        end marker, or None if none is there."""
+        begin = _skip_space(text, at)
+        if not text.startswith("{", begin):
+            return None
+        try:
+            obj, end = json.JSONDecoder().raw_decode(text, begin)
+        except JSON_ERRORS:
+            return None
+        close = _skip_space(text, end)
+        if not text.startswith(self.end_marker, close):
+            return None
+        call = _call_of(obj, ("arguments", "parameters"), known)
+        if call is None:
+            return None
+        if (raw := raw_arguments(text[begin:end])) is not None:
+            call = ParsedCall(call.name, raw)  # the arguments as the model wrote them, as streamed
+        return call, close + len(self.end_marker)
 
     def format_call(self, name: str, arguments: dict[str, Any]) -> str:
         body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)

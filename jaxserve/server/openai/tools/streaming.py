@@ -8,7 +8,10 @@ and its argument text follows (`CallArguments`):
   object's text as it is decoded, up to its closing brace;
 - otherwise (tool_choice "auto", where a started call may still turn out malformed and then is
   content): the whole call once its closing marker arrives.
-Either way the concatenated argument text equals the non-streamed `arguments`.
+Either way the concatenated argument text equals the non-streamed `arguments`. A call's end is found
+by its structure, as `TaggedJsonParser.parse` finds it: the end marker counts only after the call's
+JSON object has closed, so argument strings may hold the markers' text. (A call whose braces never
+balance is held until the reply ends, then parsed whole.)
 """
 
 from __future__ import annotations
@@ -70,6 +73,48 @@ class _ObjectScanner:
         return None
 
 
+class _CallScanner:
+    """Reads a tagged call after its start marker by the format's structure, as
+    `TaggedJsonParser.parse` does: whitespace, one JSON object (braces inside its strings do not
+    count), whitespace, the end marker. Fed piece by piece."""
+
+    def __init__(self, end_marker: str):
+        self._end_marker = end_marker
+        self._object = _ObjectScanner()
+        self._opened = False
+        self._fed = 0
+        self._tail = ""  # what came after the object
+        self.object_end: int | None = None  # offset (in the text fed) just past the object
+
+    def feed(self, text: str) -> int | None:
+        """The offset (in all the text fed) just past the end marker; None while undecided;
+        NOT_A_CALL once the text cannot be a call's."""
+        base, self._fed = self._fed, self._fed + len(text)
+        at = 0
+        if not self._opened:
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if at == len(text):
+                return None
+            if text[at] != "{":
+                return NOT_A_CALL
+            self._opened = True
+        if self.object_end is None:
+            closed = self._object.feed(text[at:])
+            if closed is None:
+                return None
+            at += closed
+            self.object_end = base + at
+        self._tail += text[at:]
+        rest = self._tail.lstrip()
+        if rest.startswith(self._end_marker):
+            return self.object_end + len(self._tail) - len(rest) + len(self._end_marker)
+        return None if self._end_marker.startswith(rest) else NOT_A_CALL
+
+
+NOT_A_CALL = -1
+
+
 class ToolCallStreamer:
     """Feed text deltas with `feed`; call `finish` once the reply has ended. Both return events in order."""
 
@@ -79,7 +124,8 @@ class ToolCallStreamer:
         self._known = {t.function.name for t in tools}
         self._incremental = incremental and isinstance(parser, TaggedJsonParser)
         self._buffer = ""
-        self._in_call = False
+        self._call: _CallScanner | None = None  # the call the buffer starts with (its start marker)
+        self._call_fed = 0  # how much of the buffer the call scanner has read
         self._whole_reply: bool | None = None  # PlainJsonParser: does the reply look like JSON?
         # incremental call state: where its arguments start in the buffer, how far they were sent
         self._args_at: int | None = None
@@ -104,7 +150,7 @@ class ToolCallStreamer:
     def _feed_tagged(self, parser: TaggedJsonParser) -> list[StreamEvent]:
         events: list[StreamEvent] = []
         while True:
-            if not self._in_call:
+            if self._call is None:
                 start = self._buffer.find(parser.start_marker)
                 if start < 0:
                     cut = len(self._buffer) - _partial_marker_len(self._buffer, parser.start_marker)
@@ -113,19 +159,28 @@ class ToolCallStreamer:
                     return events
                 _add_content(events, self._buffer[:start])
                 self._buffer = self._buffer[start:]
-                self._in_call = True
+                self._call, self._call_fed = _CallScanner(parser.end_marker), len(parser.start_marker)
             if self._incremental:
                 events += self._stream_arguments(parser)
-            end = self._buffer.find(parser.end_marker)
-            if end < 0:
+            end = self._call.feed(self._buffer[self._call_fed :])
+            self._call_fed = len(self._buffer)
+            if end is None:
                 return events
-            end += len(parser.end_marker)
-            call_text, self._buffer = self._buffer[:end], self._buffer[end:]
-            self._in_call = False
-            if self._args_at is not None:  # already streamed
+            marker_len = len(parser.start_marker)
+            if self._args_at is not None:  # announced already: the call ends with its object, or its end marker
+                self._buffer = self._buffer[marker_len + (self._call.object_end if end == NOT_A_CALL else end) :]
                 self._args_at, self._sent, self._args_done, self._scanner = None, 0, False, _ObjectScanner()
+                self._call = None
                 continue
-            events += _events_of(parser.parse(call_text, self._tools))
+            parsed = None if end == NOT_A_CALL else parser.parse(self._buffer[: marker_len + end], self._tools)
+            if parsed is None or not parsed.calls:
+                # no call here: the marker is text, and the search goes on after it (as `parse` does)
+                _add_content(events, self._buffer[:marker_len])
+                self._buffer = self._buffer[marker_len:]
+            else:
+                events += _events_of(parsed)
+                self._buffer = self._buffer[marker_len + end :]
+            self._call = None
 
     def _stream_arguments(self, parser: TaggedJsonParser) -> list[StreamEvent]:
         events: list[StreamEvent] = []
