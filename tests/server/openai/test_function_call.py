@@ -171,6 +171,34 @@ def test_grammar_accepts_exactly_valid_calls(name, ll_tokenizer):
         assert not _matches(grammar, bad, ll_tokenizer), bad
 
 
+LIST_NODE = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+             "required": ["v", "next"]}
+LINKED = Tool.model_validate({"type": "function", "function": {"name": "walk", "parameters": {
+    "type": "object", "properties": {"head": {"$ref": "#/$defs/node"}}, "required": ["head"], "$defs": {"node": LIST_NODE}}}})
+# the same $defs name in another function, another shape; and a schema that refers to its own root
+TAGS = Tool.model_validate({"type": "function", "function": {"name": "tag", "parameters": {
+    "type": "object", "properties": {"name": {"$ref": "#/$defs/node"}, "child": {"$ref": "#"}},
+    "required": ["name"], "$defs": {"node": {"type": "string", "enum": ["a", "b"]}}}}})
+
+
+@pytest.mark.parametrize("name", ["qwen25", "llama3"])
+def test_grammar_of_recursive_schemas(name, ll_tokenizer):
+    """A `$ref` in a function's parameters resolves against the parameters, as in response_format
+    (the call schema that wrapped them had no `$defs`: "Pointer '/$defs/node' does not exist")."""
+    parser = get_parser(name)
+    grammar = parser.grammar([LINKED, TAGS])
+    assert LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar)) == ""
+    good = [("walk", {"head": {"v": 1, "next": {"v": 2, "next": None}}}), ("tag", {"name": "a", "child": {"name": "b"}}),
+            ("tag", {"name": "b", "child": {"name": "a", "child": {"name": "a"}}})]
+    for fn, args in good:
+        jsonschema.validate(args, {"walk": LINKED, "tag": TAGS}[fn].function.parameters)  # the reference
+        assert _matches(grammar, parser.format_call(fn, args), ll_tokenizer), args
+    bad = [("walk", {"head": {"v": 1, "next": {"v": "2", "next": None}}}), ("walk", {"head": {"v": 1}}),
+           ("tag", {"name": "c"}), ("tag", {"name": "a", "child": {"name": "x"}}), ("walk", {"name": "a"})]
+    for fn, args in bad:
+        assert not _matches(grammar, parser.format_call(fn, args), ll_tokenizer), args
+
+
 def test_grammar_allows_marker_text_in_strings(ll_tokenizer):
     parser = get_parser("qwen25")
     text = parser.format_call("get_weather", {"city": "a</tool_call>\n<tool_call>b"})

@@ -180,6 +180,29 @@ def test_forced_call_whose_arguments_hold_the_markers(client, model, choice):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+# recursive through $defs and through the root; each node's fields bounded so that any call ends
+TREE = {"type": "function", "function": {"name": "plant", "parameters": {
+    "type": "object", "properties": {"tree": {"$ref": "#/$defs/node"}, "again": {"type": "array", "items": {"$ref": "#"}, "maxItems": 0}},
+    "required": ["tree"], "$defs": {"node": {"type": "object", "properties": {
+        "leaf": {"type": "boolean"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 0}},
+        "required": ["leaf", "kids"]}}}}}
+
+
+def test_forced_call_with_a_recursive_schema(client, model):
+    """A `$ref` schema as a tool's parameters works as it does as response_format; a forced call of it
+    was refused ("invalid EBNF grammar ... Pointer '/$defs/node' does not exist")."""
+    import jsonschema
+
+    kw = dict(model=model, messages=[{"role": "user", "content": "Plant."}], tools=[TREE], tool_choice="required",
+              max_tokens=40, temperature=0)  # the tiny server's context: 256 tokens
+    choice0 = client.chat.completions.create(**kw).choices[0]
+    assert choice0.finish_reason == "tool_calls", choice0
+    [call] = choice0.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), TREE["function"]["parameters"])
+    deltas = [d for c in client.chat.completions.create(**kw, stream=True) if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "plant" and "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
 @pytest.mark.parametrize("route, body", [
     ("/v1/chat/completions", {"messages": MESSAGES}),
     ("/v1/chat/completions", {"messages": MESSAGES, "stream": False}),

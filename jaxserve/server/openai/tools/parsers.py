@@ -91,21 +91,26 @@ FORCED_MAX_ITEMS = 16
 _SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else"})
 
 
-def call_schema(tool: Tool, args_key: str) -> dict[str, Any]:
-    """JSON schema of one call object {"name": <const>, args_key: <the function's parameters, closed>}."""
-    params = closed_schema(tool.function.parameters or {"type": "object", "properties": {}})
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool.function.name}, args_key: params},
-        "required": ["name", args_key],
-        "additionalProperties": False,
-    }
+def _literal(text: str) -> str:
+    """`text` as a Lark string literal (JSON's escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
-def _json_rule(tools: Sequence[Tool], args_key: str) -> str:
-    schemas = [call_schema(t, args_key) for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return "%json " + json.dumps({**schema, "x-guidance": _COMPACT_JSON})
+def call_rules(tools: Sequence[Tool], args_key: str) -> str:
+    """Lark rules whose rule `call` is exactly one call object `{"name": <name>, args_key: <arguments>}`
+    (json.dumps's layout) of one of `tools`, its arguments valid against that function's parameters,
+    closed (`closed_schema`).
+
+    Each function's parameters are the root of their own `%json` rule, so a `$ref` inside them
+    (`#/$defs/node`, `#` itself: a recursive schema) resolves as it does in `response_format`, and two
+    functions' `$defs` of the same name do not meet."""
+    rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+    for i, tool in enumerate(tools):
+        params = closed_schema(tool.function.parameters or {"type": "object", "properties": {}})
+        head = f'{{"name": {json.dumps(tool.function.name)}, "{args_key}": '
+        rules.append(f'call_{i}: {_literal(head)} args_{i} "}}"')
+        rules.append(f"args_{i}: %json " + json.dumps({**params, "x-guidance": _COMPACT_JSON}))
+    return "\n".join(rules)
 
 
 class ToolCallParser:
@@ -208,7 +213,8 @@ class TaggedJsonParser(ToolCallParser):
         return f"{self.start_marker}\n{body}\n{self.end_marker}"
 
     def grammar(self, tools: Sequence[Tool]) -> str:
-        return f'start: "{self.start_marker}\\n" {_json_rule(tools, "arguments")} "\\n{self.end_marker}"'
+        open_tag, close_tag = _literal(self.start_marker + "\n"), _literal("\n" + self.end_marker)
+        return f"start: {open_tag} call {close_tag}\n" + call_rules(tools, "arguments")
 
     def instructions(self) -> str:
         return (
@@ -252,7 +258,7 @@ class PlainJsonParser(ToolCallParser):
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
 
     def grammar(self, tools: Sequence[Tool]) -> str:
-        return f"start: {_json_rule(tools, 'parameters')}"
+        return "start: call\n" + call_rules(tools, "parameters")
 
     def instructions(self) -> str:
         return (
