@@ -42,6 +42,7 @@ from jaxserve.server.openai.checks import (
     check_chat_messages,
     check_openai_request,
     check_tokenizer_needed,
+    check_tool_messages,
 )
 from jaxserve.server.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from jaxserve.server.openai.reasoning import ReasoningFormat, ReasoningSplitter, grammar_think_end_ids, split_reasoning
@@ -485,6 +486,8 @@ async def chat_completions(request: Request) -> Response:
     check_field_types(body, OPENAI_FIELD_TYPES)  # the same wording as /generate's for a wrong type
     check_request_sizes(body)
     req = ChatCompletionRequest.model_validate(body)
+    # here, not in submit_chat: /v1/responses checks its function_call_output items by their own names
+    check_tool_messages(req)
     run = await submit_chat(request, req)
     group, rid, plan, reasoning = run.group, run.rid, run.plan, run.reasoning
     tokenizer = request.app.state.engine_loop.tokenizer

@@ -1,6 +1,6 @@
 """Request checks of the OpenAI routes (/v1/completions, /v1/chat/completions) made before a request is
-prepared: OpenAI's own rules (`stream_options`, `best_of`, message `content`) and `--skip-tokenizer-init`.
-Each raises an `APIError` (400) naming the field. The values of the sampling fields (ranges, the seed's,
+prepared: OpenAI's own rules (`stream_options`, `best_of`, message `content`, `tool` messages) and
+`--skip-tokenizer-init`. Each raises an `APIError` (400) naming the field. The values of the sampling fields (ranges, the seed's,
 logit_bias keys) are the engine's checks (`SamplingParams`, engine/validation/).
 """
 
@@ -67,3 +67,27 @@ def check_chat_messages(req: ChatCompletionRequest) -> None:
             raise APIError(f"messages[{i}].content: field required for {'an' if msg.role == 'assistant' else 'a'} {msg.role} message"
                            + (" (an assistant message may leave it out only with tool_calls)" if msg.role == "assistant" else ""),
                            400, param=f"messages[{i}].content", code="missing_required_parameter")
+
+
+def check_tool_messages(req: ChatCompletionRequest) -> None:
+    """Each `tool` message answers a call of the assistant message before it (OpenAI's rule: tool
+    messages follow an assistant message with `tool_calls`, other tool messages between them), and
+    its `tool_call_id`, when both sides carry ids, is one of that message's calls'.
+
+    Raises:
+        APIError: 400 naming `messages[i].role` (no call to answer) or `messages[i].tool_call_id`.
+    """
+    calls = None  # the tool_calls of the assistant message the tool messages so far answer
+    for i, msg in enumerate(req.messages):
+        if msg.role != "tool":
+            calls = msg.tool_calls if msg.role == "assistant" else None
+            continue
+        if not calls:
+            raise APIError(f"messages[{i}]: a message with role 'tool' must answer a preceding assistant message "
+                           "with 'tool_calls' (only other tool messages may come between them)", 400,
+                           param=f"messages[{i}].role", code="invalid_value")
+        ids = [c.id for c in calls]
+        if msg.tool_call_id is not None and None not in ids and msg.tool_call_id not in ids:
+            raise APIError(f"messages[{i}].tool_call_id {msg.tool_call_id!r} is not the id of a tool call of the "
+                           f"assistant message before it ({', '.join(map(repr, ids))})", 400,
+                           param=f"messages[{i}].tool_call_id", code="invalid_value")
