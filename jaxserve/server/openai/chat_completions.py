@@ -77,7 +77,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # ---- request -> engine ----------------------------------------------------------------------------
 def sampling_params_of(req: OpenAISampling, max_new_tokens: int, ebnf: str | None = None) -> dict[str, Any]:
     """The engine's sampling-params dict for an OpenAI request (absent fields keep their defaults);
-    `ebnf` is a grammar the API layer imposes (a forced tool call) in place of the request's."""
+    `ebnf` is a grammar the API layer imposes (a forced tool call) in place of the request's. The whole
+    reply is then the call, and its grammar ends it: `stop` and `stop_token_ids` are left out, as they
+    could only cut the call short, leaving no call."""
+    forced = ebnf is not None
     d = {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": req.min_tokens,
@@ -89,8 +92,8 @@ def sampling_params_of(req: OpenAISampling, max_new_tokens: int, ebnf: str | Non
         "presence_penalty": req.presence_penalty,
         "repetition_penalty": req.repetition_penalty,
         "n": req.n,
-        "stop": req.stop,
-        "stop_token_ids": req.stop_token_ids,
+        "stop": None if forced else req.stop,
+        "stop_token_ids": None if forced else req.stop_token_ids,
         "seed": req.seed,
         "ignore_eos": req.ignore_eos,
         "no_stop_trim": req.no_stop_trim,

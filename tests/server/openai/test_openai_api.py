@@ -180,6 +180,32 @@ def test_forced_call_whose_arguments_hold_the_markers(client, model, choice):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def _forced_reply(client, model, stream: bool, **kw) -> tuple[list[tuple[str, str]], str | None, str | None]:
+    """([(name, arguments)], content, finish_reason) of a forced call of ECHO, streamed or not."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "Echo."}], tools=[ECHO], tool_choice="required",
+              temperature=0, **kw)
+    if not stream:
+        choice = client.chat.completions.create(**kw).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return calls, choice.message.content, choice.finish_reason
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    calls: dict[int, list[str]] = {}
+    for d in (d for c in chunks for d in (c.choices[0].delta.tool_calls or [])):
+        calls.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments or ""
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    return [tuple(c) for c in calls.values()], content or None, chunks[-1].choices[0].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("cut", [{"stop": ["\n"]}, {"stop": ["</tool_call>", "echo"]}, {"extra_body": {"stop_token_ids": [198]}}])  # 198: "\n"
+def test_stop_does_not_cut_a_forced_call(client, model, stream, cut):
+    """A forced reply is the call, ended by its grammar: a stop string or stop token inside it left
+    `<tool_call>` as content and no call."""
+    whole = _forced_reply(client, model, stream, max_tokens=60)
+    assert whole[1:] == (None, "tool_calls") and whole[0][0][0] == "echo"
+    assert _forced_reply(client, model, stream, max_tokens=60, **cut) == whole
+
+
 # recursive through $defs and through the root; each node's fields bounded so that any call ends
 TREE = {"type": "function", "function": {"name": "plant", "parameters": {
     "type": "object", "properties": {"tree": {"$ref": "#/$defs/node"}, "again": {"type": "array", "items": {"$ref": "#"}, "maxItems": 0}},
