@@ -47,7 +47,7 @@ from jaxserve.server.openai.checks import (
 from jaxserve.server.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from jaxserve.server.openai.reasoning import ReasoningFormat, ReasoningSplitter, grammar_think_end_ids, split_reasoning
 from jaxserve.server.openai.tools.plan import ToolPlan, tool_calls_out, tool_plan
-from jaxserve.server.openai.tools.streaming import CallStart, Content, StreamEvent, ToolCallStreamer
+from jaxserve.server.openai.tools.streaming import CallStart, Content, StreamEvent, ToolCallStreamer, read_reply
 from jaxserve.server.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -513,7 +513,9 @@ async def chat_completions(request: Request) -> Response:
             text, reasoning_content = split.content, split.reasoning or None
         message = ChatMessageOut(content=text, reasoning_content=reasoning_content)
         if plan.tools:
-            parsed = plan.parser.parse(text, plan.tools)
+            # a forced call as its stream reads: one cut by max_tokens is still the call (finish_reason length)
+            parsed = (read_reply(plan.parser, plan.tools, text, True) if plan.grammar is not None
+                      else plan.parser.parse(text, plan.tools))
             if parsed.calls:
                 calls = parsed.calls if req.parallel_tool_calls else parsed.calls[:1]
                 message = ChatMessageOut(content=parsed.content, reasoning_content=reasoning_content,

@@ -206,6 +206,17 @@ def test_stop_does_not_cut_a_forced_call(client, model, stream, cut):
     assert _forced_reply(client, model, stream, max_tokens=60, **cut) == whole
 
 
+def test_a_forced_call_cut_by_max_tokens_reads_the_same_streamed_or_not(client, model):
+    """Cut by max_tokens, a forced call is the call so far (finish_reason length) streamed or not; the
+    non-streamed reply gave it as content with tool_calls null."""
+    [(name, arguments)], _, _ = _forced_reply(client, model, False, max_tokens=60)
+    cut = _forced_reply(client, model, False, max_tokens=24)
+    assert cut == _forced_reply(client, model, True, max_tokens=24)
+    [(cut_name, cut_arguments)], content, reason = cut
+    assert (cut_name, content, reason) == (name, None, "length")
+    assert arguments.startswith(cut_arguments) and 0 < len(cut_arguments) < len(arguments)
+
+
 # recursive through $defs and through the root; each node's fields bounded so that any call ends
 TREE = {"type": "function", "function": {"name": "plant", "parameters": {
     "type": "object", "properties": {"tree": {"$ref": "#/$defs/node"}, "again": {"type": "array", "items": {"$ref": "#"}, "maxItems": 0}},

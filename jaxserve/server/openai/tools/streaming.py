@@ -20,7 +20,14 @@ import dataclasses
 import json
 from typing import Sequence, Union
 
-from jaxserve.server.openai.tools.parsers import CALL_HEADER, PlainJsonParser, TaggedJsonParser, ToolCallParser
+from jaxserve.server.openai.tools.parsers import (
+    CALL_HEADER,
+    ParsedCall,
+    ParseResult,
+    PlainJsonParser,
+    TaggedJsonParser,
+    ToolCallParser,
+)
 from jaxserve.server.protocol import Tool
 
 
@@ -222,6 +229,22 @@ class ToolCallStreamer:
             return []  # parsed in `finish`
         out, self._buffer = self._buffer, ""
         return [Content(out)] if out else []
+
+
+def read_reply(parser: ToolCallParser, tools: Sequence[Tool], text: str, incremental: bool) -> ParseResult:
+    """A whole reply read as a stream of it reads it (`ToolCallStreamer` fed `text` in one piece, then
+    finished), so a reply reads the same streamed or not: with `incremental` (a forced call), a call
+    cut short (max_tokens) is a call with the argument text decoded so far."""
+    streamer = ToolCallStreamer(parser, tools, incremental)
+    content, calls = "", []
+    for event in streamer.feed(text) + streamer.finish():
+        if isinstance(event, Content):
+            content += event.text
+        elif isinstance(event, CallStart):
+            calls.append([event.name, ""])
+        else:
+            calls[-1][1] += event.text
+    return ParseResult(content if content.strip() or not calls else None, tuple(ParsedCall(*c) for c in calls))
 
 
 def _events_of(result) -> list[StreamEvent]:
