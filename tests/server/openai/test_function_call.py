@@ -47,6 +47,8 @@ TAGGED = [
      [("get_time", {})]),
     ('<tool_call>{"name": "get_time", "arguments": {}} no end <tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
      '<tool_call>{"name": "get_time", "arguments": {}} no end ', [("get_time", {})]),
+    ('<tool_call> \n{"name": "get_time", "arguments": {}}  \n \n</tool_call>', None, [("get_time", {})]),
+    ('<tool_call>{"name": "get_time", "arguments": {}}\n</tool_cal', '<tool_call>{"name": "get_time", "arguments": {}}\n</tool_cal', []),
     ('<tool_call>{"name": "unknown", "arguments": {"x": "</tool_call>"}}</tool_call>',
      '<tool_call>{"name": "unknown", "arguments": {"x": "</tool_call>"}}</tool_call>', []),
 ]

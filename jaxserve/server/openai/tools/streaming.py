@@ -80,6 +80,9 @@ class _ObjectScanner:
         return None
 
 
+NOT_A_CALL = -1  # what _CallScanner.feed returns for text that cannot be a call
+
+
 class _CallScanner:
     """Reads a tagged call after its start marker by the format's structure, as
     `TaggedJsonParser.parse` does: whitespace, one JSON object (braces inside its strings do not
@@ -90,7 +93,8 @@ class _CallScanner:
         self._object = _ObjectScanner()
         self._opened = False
         self._fed = 0
-        self._tail = ""  # what came after the object
+        self._space = 0  # whitespace after the object
+        self._tail = ""  # what came after that whitespace (at most the end marker's length)
         self.object_end: int | None = None  # offset (in the text fed) just past the object
 
     def feed(self, text: str) -> int | None:
@@ -112,14 +116,15 @@ class _CallScanner:
                 return None
             at += closed
             self.object_end = base + at
-        self._tail += text[at:]
-        rest = self._tail.lstrip()
+        rest = self._tail + text[at:]
+        if not self._tail:
+            stripped = rest.lstrip()
+            self._space += len(rest) - len(stripped)
+            rest = stripped
+        self._tail = rest
         if rest.startswith(self._end_marker):
-            return self.object_end + len(self._tail) - len(rest) + len(self._end_marker)
+            return self.object_end + self._space + len(self._end_marker)
         return None if self._end_marker.startswith(rest) else NOT_A_CALL
-
-
-NOT_A_CALL = -1
 
 
 class ToolCallStreamer:
