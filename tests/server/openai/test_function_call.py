@@ -149,6 +149,36 @@ def test_closed_schema_still_validates_what_it_accepts():
     assert closed_schema({"type": "object", "additionalProperties": True})["additionalProperties"] is True
 
 
+ALL_OF = {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                      {"properties": {"b": {"type": "boolean"}}, "required": ["b"]}]}
+NEEDS_KEYS = [{"type": "object", "minProperties": 1}, {"type": "object", "required": ["x"]},
+              {"type": "object", "properties": {"y": {"type": "integer"}}, "required": ["x"]}]
+
+
+@pytest.mark.parametrize("schema, doc", [(ALL_OF, {"a": 1, "b": True}), *((s, {"x": 1}) for s in NEEDS_KEYS)])
+def test_closed_schema_keeps_what_response_format_accepts_satisfiable(schema, doc):
+    """Closing each allOf part, or an object that needs keys it does not list, made the schema refuse
+    every object: a forced call of it was a 400 ("Unsatisfiable schema"), as response_format it ran."""
+    jsonschema.validate(doc, schema)
+    jsonschema.validate(doc, closed_schema(schema))
+    assert LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(closed_schema(schema))) == ""
+
+
+def test_closed_schema_leaves_not_and_if_alone():
+    """Bounding what `not` or `if` match widens what the schema accepts: `not` a string of at most 128
+    characters accepts a longer string, which `not` a string refuses (and so does `then` once `if` no
+    longer matches it)."""
+    schema = {"type": "object", "properties": {"s": {"not": {"type": "string"}},
+                                               "t": {"if": {"type": "string"}, "then": {"maxLength": 150}}}}
+    closed = closed_schema(schema)
+    assert closed["properties"]["s"] == schema["properties"]["s"] and closed["properties"]["t"]["if"] == {"type": "string"}
+    for doc in ({"s": "x" * 200}, {"t": "x" * 200}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(doc, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(doc, closed)
+
+
 @pytest.fixture(scope="module")
 def ll_tokenizer(default_tokenizer):
     return llguidance.hf.from_tokenizer(default_tokenizer)  # seconds for a 49k vocabulary: once

@@ -217,6 +217,11 @@ def test_a_forced_call_cut_by_max_tokens_reads_the_same_streamed_or_not(client, 
     assert arguments.startswith(cut_arguments) and 0 < len(cut_arguments) < len(arguments)
 
 
+# as response_format it runs; forced, closing each part made every object invalid (a 400 "Unsatisfiable schema")
+PAIR = {"type": "function", "function": {"name": "pair", "parameters": {"type": "object", "allOf": [
+    {"properties": {"a": {"type": "boolean"}}, "required": ["a"]}, {"properties": {"b": {"type": "boolean"}}, "required": ["b"]}]}}}
+
+
 # recursive through $defs and through the root; each node's fields bounded so that any call ends
 TREE = {"type": "function", "function": {"name": "plant", "parameters": {
     "type": "object", "properties": {"tree": {"$ref": "#/$defs/node"}, "again": {"type": "array", "items": {"$ref": "#"}, "maxItems": 0}},
@@ -225,19 +230,21 @@ TREE = {"type": "function", "function": {"name": "plant", "parameters": {
         "required": ["leaf", "kids"]}}}}}
 
 
-def test_forced_call_with_a_recursive_schema(client, model):
+@pytest.mark.parametrize("tool", [TREE, PAIR])
+def test_forced_call_with_a_schema_response_format_takes(client, model, tool):
     """A `$ref` schema as a tool's parameters works as it does as response_format; a forced call of it
-    was refused ("invalid EBNF grammar ... Pointer '/$defs/node' does not exist")."""
+    was refused ("invalid EBNF grammar ... Pointer '/$defs/node' does not exist"), and so was an allOf
+    ("Unsatisfiable schema")."""
     import jsonschema
 
-    kw = dict(model=model, messages=[{"role": "user", "content": "Plant."}], tools=[TREE], tool_choice="required",
+    kw = dict(model=model, messages=[{"role": "user", "content": "Go."}], tools=[tool], tool_choice="required",
               max_tokens=40, temperature=0)  # the tiny server's context: 256 tokens
     choice0 = client.chat.completions.create(**kw).choices[0]
     assert choice0.finish_reason == "tool_calls", choice0
     [call] = choice0.message.tool_calls
-    jsonschema.validate(json.loads(call.function.arguments), TREE["function"]["parameters"])
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
     deltas = [d for c in client.chat.completions.create(**kw, stream=True) if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert deltas[0].function.name == "plant" and "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert deltas[0].function.name == tool["function"]["name"] and "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
 
 @pytest.mark.parametrize("route, body", [

@@ -61,23 +61,32 @@ def _call_of(obj: Any, args_keys: Sequence[str], known: set[str]) -> ParsedCall 
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def closed_schema(schema: Any) -> Any:
+def closed_schema(schema: Any, close_object: bool = True) -> Any:
     """`schema` bounded for forced decoding: `additionalProperties: false` on every object schema that
     does not say (as OpenAI's strict mode), at most FORCED_MAX_STRING_CHARS characters in a string and
     FORCED_MAX_ITEMS items in an array that set no bound. What it accepts still validates against
     `schema`; the bounds stop a small model from inventing keys or repeating itself inside a string
-    until max_tokens, so a forced call always closes."""
+    until max_tokens, so a forced call always closes.
+
+    Left open, so that what response_format accepts stays satisfiable: an object that needs keys it
+    does not list (`minProperties` above the number of `properties`, a `required` name not among them)
+    and, as `json_schema_strict.close_unnamed` leaves them, the parts of an `allOf` and the schema
+    holding one (closing each part would make their intersection refuse the other parts' keys).
+    `not` and `if` are not touched: bounding what they match would change what the schema accepts."""
     if isinstance(schema, list):
         return [closed_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {k: closed_schema(v) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    if isinstance(schema.get("allOf"), list):
+        out["allOf"] = [closed_schema(s, close_object=False) for s in schema["allOf"]]
     for key in ("properties", "patternProperties", "$defs", "definitions"):
         if isinstance(schema.get(key), dict):
             out[key] = {name: closed_schema(s) for name, s in schema[key].items()}
     types = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
     unbounded = "enum" not in schema and "const" not in schema
-    if ("object" in types or "properties" in schema) and "additionalProperties" not in schema:
+    if ("object" in types or "properties" in schema) and close_object and "allOf" not in schema and not (
+            "additionalProperties" in schema or "unevaluatedProperties" in schema or _needs_unlisted_keys(schema)):
         out["additionalProperties"] = False
     if "string" in types and unbounded and "maxLength" not in schema:
         out["maxLength"] = max(FORCED_MAX_STRING_CHARS, schema.get("minLength", 0))
@@ -86,9 +95,20 @@ def closed_schema(schema: Any) -> Any:
     return out
 
 
+def _needs_unlisted_keys(schema: dict[str, Any]) -> bool:
+    """Whether an object schema needs a key its `properties` do not list (so closing it would refuse every
+    object); with `patternProperties` the pattern may allow it, and it counts as listed."""
+    listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    if "patternProperties" in schema:
+        return False
+    min_properties = schema.get("minProperties", 0)
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    return (isinstance(min_properties, int) and min_properties > len(listed)) or any(r not in listed for r in required)
+
+
 FORCED_MAX_STRING_CHARS = 128
 FORCED_MAX_ITEMS = 16
-_SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else"})
+_SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "oneOf", "then", "else"})
 
 
 def _literal(text: str) -> str:
