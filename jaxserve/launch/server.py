@@ -194,10 +194,18 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled gracefully
         pass
     finally:
-        engine_loop.shutdown()
+        lost = cluster is not None and cluster.lost is not None
+        # a lost rank can leave the loop thread inside a collective that waits for it (gloo's own
+        # timeout, none on NCCL): its requests were answered, so wait neither for the thread nor in
+        # JAX's exit handlers, which wait for the lost rank too (close tells the followers why first)
+        engine_loop.shutdown(timeout=0 if lost else 30)
         if cluster is not None:
             cluster.close()  # the followers exit
         logger.info("jaxserve stopped")
+        if lost:
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(1)
     if server.engine_died:
         raise SystemExit(1)
 

@@ -28,7 +28,9 @@ Faults (nothing hangs):
 - a rank that dies while serving: its collective fails on the other ranks (gloo: connection reset)
   and its heartbeat counter in the store (`jaxserve/alive/<rank>`, bumped every 0.5 s by a follower
   thread) stands still; rank 0 then raises `RankLostError` naming the rank, which the server treats
-  as engine death (500s, exit 1). An idle rank 0 notices through its watchdog within `--dist-timeout`.
+  as engine death (500s, exit 1). An idle rank 0 notices through its watchdog within
+  `HEARTBEAT_TIMEOUT_S` (10 s; `--dist-timeout` when shorter), as does a busy one whose step waits for
+  the lost rank without failing (a collective with no timeout of its own).
   A surviving follower whose own collective failed writes `jaxserve/failed/<rank>` and exits with one
   line (`report_failure`); rank 0 then names only the rank that stopped on its own, not the followers
   that exited because of it. The loss is reported once: by the failed step or, when none ran, by the
@@ -36,8 +38,11 @@ Faults (nothing hangs):
   (`get_live_nodes` is no probe: it blocks until every live task calls it.) JAX's
   `jax_enable_recoverability` is turned on so that the coordination service does not terminate every
   other process when one dies;
-- rank 0 stops: on SIGTERM it sends `shutdown` and the followers exit 0; if it dies, JAX's client
-  terminates the followers when their coordinator goes away.
+- rank 0 stops: on SIGTERM it sends `shutdown` and the followers exit 0; after a lost rank it writes
+  `jaxserve/failed/0`, which each follower's heartbeat thread reads (its main thread may be blocked in
+  a collective with the lost rank) and exits 1 with one line; if rank 0 dies, a follower exits when its
+  heartbeat finds the coordinator gone (a closed connection), or JAX's client ends it when the
+  coordinator stops answering its own heartbeats for `JAX_HEARTBEAT_TIMEOUT_S` (a halted host).
 """
 
 from __future__ import annotations
@@ -65,11 +70,21 @@ DEFAULT_DIST_TIMEOUT_S = 300
 KEY_PREFIX = "jaxserve/"
 # How long a follower's read of the next message blocks before it polls again (an idle server sends none).
 FOLLOWER_POLL_MS = 2000
-# Followers bump a counter in the store this often; rank 0 counts a rank lost when its counter stands
-# still for --dist-timeout (2 s right after a failed collective, to name the rank that caused it).
+# Every rank bumps a counter in the store this often (`Cluster.start_heartbeat`).
 HEARTBEAT_S = 0.5
+# Once serving, rank 0 counts a rank lost when its counter stood still this long (--dist-timeout when
+# shorter; 2 s right after a failed collective, to name the rank that caused it): 20 missed beats. The
+# beat is a Python thread that runs while steps and compiles release the GIL, so 10 s of silence is a
+# stopped process, not a slow one. It bounds how long an idle rank 0, which runs no step that could
+# fail, serves on with a dead follower. Start-up waits keep --dist-timeout (a load may hold the GIL).
+HEARTBEAT_TIMEOUT_S = 10.0
+# JAX's own heartbeat (C++ threads, every rank to the coordination service): a follower whose coordinator
+# stopped answering without closing the connection (its host halted) is ended by JAX's client after this
+# (JAX's default: 100 s); a coordinator that exits closes the connection, and the follower exits at once.
+JAX_HEARTBEAT_TIMEOUT_S = 30
 START_POLL_MS = 500  # a start-up wait looks at the awaited rank's heartbeat this often
 FAILED_STEP_STALE_S = 2.0
+STOP_NOTICE_S = 3 * HEARTBEAT_S  # rank 0's wait, after a lost rank, for the followers to read why it stops
 LOSS_REPORT_WAIT_S = 3.0
 
 
@@ -93,6 +108,12 @@ class Topology:
     @property
     def is_leader(self) -> bool:
         return self.node_rank == 0
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        """Seconds a joined rank's heartbeat may stand still, once serving, before it counts as lost:
+        `HEARTBEAT_TIMEOUT_S`, or `--dist-timeout` when shorter."""
+        return min(float(self.timeout_s), HEARTBEAT_TIMEOUT_S)
 
     @property
     def bind_address(self) -> str | None:
@@ -188,7 +209,8 @@ def initialize(topology: Topology) -> "Cluster":
     try:
         jax.distributed.initialize(
             t.coordinator, t.nnodes, t.node_rank,
-            initialization_timeout=t.timeout_s + 5, heartbeat_timeout_seconds=t.timeout_s,
+            initialization_timeout=t.timeout_s + 5,
+            heartbeat_timeout_seconds=min(t.timeout_s, JAX_HEARTBEAT_TIMEOUT_S),
             shutdown_timeout_seconds=min(t.timeout_s, 10), coordinator_bind_address=t.bind_address,
         )
     finally:
@@ -293,8 +315,9 @@ class Cluster:
             return None
 
     def report_failure(self, reason: str) -> None:
-        """A follower: say why it stops (before it exits), so that rank 0 neither names it as the rank
-        that was lost nor reports ready while it is gone. Best effort: the coordinator may be gone."""
+        """Say why this rank stops (before it exits). A follower's note keeps rank 0 from naming it as
+        the rank that was lost or reporting ready while it is gone; rank 0's ends the followers
+        (`start_heartbeat`). Best effort: the coordinator may be gone."""
         with contextlib.suppress(Exception):
             self.client.key_value_set(_key("failed", self.topology.node_rank), reason)
 
@@ -334,19 +357,25 @@ class Cluster:
 
     def start_heartbeat(self) -> None:
         """Bump `jaxserve/alive/<rank>` every `HEARTBEAT_S` from a daemon thread, from the join on (every
-        rank: a start-up wait counts the awaited rank's silence); a follower exits (status 1) when the
-        coordinator no longer answers."""
-        key = _key("alive", self.topology.node_rank)
+        rank: a start-up wait counts the awaited rank's silence). A follower's thread exits the process
+        (status 1, one line) when the coordinator no longer answers or rank 0 wrote why it stops (`close`
+        after a lost rank): its main thread may be blocked in a collective that waits for the lost rank."""
+        t = self.topology
+        key = _key("alive", t.node_rank)
 
         def run() -> None:
             while not self._closed.wait(HEARTBEAT_S):
                 try:
                     self.client.key_value_increment(key, 1)
                 except Exception as e:  # noqa: BLE001 - the coordination service is gone
-                    if self.topology.is_leader:  # its own service is shutting down with the process
+                    if t.is_leader:  # its own service is shutting down with the process
                         return
-                    print(f"jaxserve: rank {self.topology.node_rank}: rank 0 (the coordinator) went away "
+                    print(f"jaxserve: rank {t.node_rank}: rank 0 (the coordinator) went away "
                           f"({short_cause(e)}): exiting", flush=True)
+                    os._exit(1)
+                if not t.is_leader and (reason := self._try_get(_key("failed", 0))) is not None:
+                    print(f"jaxserve: rank {t.node_rank} of --nnodes {t.nnodes}: rank 0 stopped ({reason}): "
+                          "exiting with status 1", flush=True)
                     os._exit(1)
 
         self.client.key_value_increment(key, 1)
@@ -372,7 +401,7 @@ class Cluster:
     def lost_error(self, cause: BaseException | None = None, wait_s: float = 0.0,
                    stale_s: float | None = None) -> RankLostError | None:
         """A `RankLostError` naming the lost ranks (heartbeats still for `stale_s`, default
-        `--dist-timeout`), polling up to `wait_s` seconds; None if none is. A follower that reported
+        `Topology.heartbeat_timeout_s`), polling up to `wait_s` seconds; None if none is. A follower that reported
         its own failed step (`report_failure`) is named only when no other rank stopped."""
         return self._find_lost(cause, wait_s, stale_s)[0]
 
@@ -381,7 +410,7 @@ class Cluster:
         """(`lost_error`'s result, whether this call is the one that found the loss)."""
         if self._lost is not None:
             return self._lost, False
-        stale_s = self.topology.timeout_s if stale_s is None else stale_s
+        stale_s = self.topology.heartbeat_timeout_s if stale_s is None else stale_s
         deadline = time.monotonic() + wait_s
         while True:
             stale = self.lost_ranks(stale_s)
@@ -418,11 +447,19 @@ class Cluster:
         self._watchdog.start()
 
     def close(self) -> None:
-        """Rank 0: tell the followers to exit (when they are still there); stop the watchdog."""
+        """Rank 0: tell the followers to exit; stop the watchdog. After a lost rank the `shutdown`
+        message might never be read (a follower may be blocked in a collective that waits for the
+        lost rank): rank 0 writes the loss as its own failure instead, which each follower's heartbeat
+        thread reads within `HEARTBEAT_S`, and waits `STOP_NOTICE_S` for them to read it."""
         self._closed.set()
-        if self.channel is not None and self._lost is None:
+        if self.channel is None:
+            return
+        if self._lost is None:
             with contextlib.suppress(Exception):
                 self.channel.publish("shutdown")
+            return
+        self.report_failure(str(self._lost))
+        time.sleep(STOP_NOTICE_S)
 
 
 class StepChannel:

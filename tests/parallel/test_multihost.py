@@ -2,8 +2,9 @@
 jax.distributed give rank 0's HTTP server the greedy outputs of a single tp-1 process, at tp 2 over
 two processes of one CPU device and at tp 4 over two of two, with the host tier (soft release,
 recall) and copy-on-write in play; a follower killed mid-run (of three ranks) makes rank 0 fail the
-request with a 500 naming the rank, once, and exit 1, and the other follower exit 1 with one line; a
-follower with another --page-size, or one that never joins, is refused at start with the numbers.
+request with a 500 naming the rank, once, and exit 1, and the other follower exit 1 with one line; so
+does one killed while idle, found by its heartbeat (not after --dist-timeout); a follower with another
+--page-size, or one that never joins, is refused at start with the numbers.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import pytest
 
+from jaxserve.parallel.distributed import DEFAULT_DIST_TIMEOUT_S, HEARTBEAT_TIMEOUT_S, STOP_NOTICE_S
 from tests.conftest import TINY_LLAMA, make_hf_checkpoint
 from tests.parallel.multihost_cluster import LoopbackCluster
 from tests.parallel.tp_worker import prompts
@@ -152,17 +156,60 @@ def test_follower_killed_mid_run_ends_rank0_naming_it(tiny3_model_dir, tmp_path)
         cluster.stop()
 
 
+def _generate_in_background(url: str) -> tuple[threading.Thread, list]:
+    answers: list = []
+
+    def run() -> None:
+        body = {"input_ids": [5, 6, 7], "sampling_params": GREEDY}
+        resp = httpx.post(url + "/generate", json=body, timeout=STARTUP_S)
+        answers.append((resp.status_code, resp.json()))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, answers
+
+
+def _first_health_not_200(url: str, timeout: float) -> int | str | None:
+    """The first /health status other than 200 (or the connection error's name) within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status = httpx.get(url + "/health", timeout=2).status_code
+        except httpx.HTTPError as e:
+            return type(e).__name__
+        if status != 200:
+            return status
+        time.sleep(0.2)
+    return None
+
+
 @pytest.mark.slow
-def test_follower_killed_while_idle_ends_rank0_within_dist_timeout(tiny_model_dir, tmp_path):
-    cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "idle_kill",
-                              dist_timeout=4)
+def test_follower_killed_while_idle_is_found_by_its_heartbeat(tiny3_model_dir, tmp_path):
+    """--dist-timeout 300 (the default): rank 2 of 3 killed -9 while idle. Requests sent then wait for
+    it (their first step's collective), until rank 0's watchdog finds its heartbeat silent for
+    HEARTBEAT_TIMEOUT_S: /health turns 503, both requests end with a 500 naming rank 2, rank 0 exits
+    1, and rank 1, blocked in that collective, exits 1 with one line: no process is left."""
+    cluster = LoopbackCluster(3, 1, ["--model-path", tiny3_model_dir, *FLAGS, "--tp-size", "3"], tmp_path,
+                              "idle_kill", dist_timeout=DEFAULT_DIST_TIMEOUT_S)
     try:
         cluster.wait_healthy(STARTUP_S)
-        cluster.ranks[1].proc.kill()  # no step runs: only rank 0's watchdog can notice
-        assert cluster.wait_exit(0, 4 + 3 + 10) == 1  # --dist-timeout, the death path's 3 s, slack
-        log = cluster.ranks[0].log()
-        assert "RankLostError: rank 1 of --nnodes 2 stopped: the model cannot run without it (no heartbeat for 4 s)" in log
-        assert log.count("rank 1 of --nnodes 2 stopped") == 1 and "Traceback" not in log, log[-3000:]  # logged once
+        cluster.ranks[2].proc.kill()
+        cluster.ranks[2].proc.wait()
+        requests = [_generate_in_background(cluster.url) for _ in range(2)]
+        assert _first_health_not_200(cluster.url, HEARTBEAT_TIMEOUT_S + 10) == 503
+        lost = "rank 2 of --nnodes 3 stopped"
+        for thread, answers in requests:
+            thread.join(30)
+            ((status, body),) = answers
+            assert status == 500 and body["error"]["message"].startswith(f"engine error: RankLostError: {lost}"), body
+        # the engine-death path's 3 s, then rank 0 leaves its reason for the followers and waits for them
+        assert cluster.wait_exit(0, 3 + STOP_NOTICE_S + 10) == 1
+        assert cluster.wait_exit(1, 10) == 1
+        log0, log1 = cluster.ranks[0].log(), cluster.ranks[1].log()
+        assert f"RankLostError: {lost}: the model cannot run without it (no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s)" in log0
+        assert log0.count(lost) == 1 and "Traceback" not in log0, log0[-3000:]  # logged once
+        (exit_line,) = [line for line in log1.splitlines() if line.startswith("jaxserve: rank 1 of --nnodes 3:")]
+        assert f"rank 0 stopped ({lost}" in exit_line and exit_line.endswith("exiting with status 1"), exit_line
     finally:
         cluster.stop()
 

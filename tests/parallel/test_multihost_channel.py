@@ -271,6 +271,40 @@ def test_the_watchdog_reports_only_a_loss_no_step_reported(monkeypatch):
     idle.close()
 
 
+def test_an_idle_rank0_finds_a_silent_rank_by_the_heartbeat_timeout_not_dist_timeout(monkeypatch):
+    """--dist-timeout 300 (the default) bounds start-up only: an idle rank 0's watchdog names a follower
+    whose heartbeat stood still for HEARTBEAT_TIMEOUT_S (here 0.3 s), and a shorter --dist-timeout
+    shortens it."""
+    monkeypatch.setattr(distributed, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(distributed, "HEARTBEAT_TIMEOUT_S", 0.3)
+    assert Topology(2, 0, "127.0.0.1:1", 300).heartbeat_timeout_s == 0.3
+    assert Topology(2, 0, "127.0.0.1:1", 4).heartbeat_timeout_s == min(4, distributed.HEARTBEAT_TIMEOUT_S)
+    leader = _cluster(FakeClient(), 0, nnodes=3, timeout_s=300)
+    leader.client.key_value_increment("jaxserve/alive/1", 1)
+    leader.client.key_value_increment("jaxserve/alive/2", 1)
+    reports = []
+    leader.watch(on_lost=reports.append)
+    deadline = time.monotonic() + 10  # far below --dist-timeout
+    while not reports and time.monotonic() < deadline:
+        leader.client.key_value_increment("jaxserve/alive/1", 1)  # rank 1 beats, rank 2 is silent
+        time.sleep(0.05)
+    leader.close()
+    assert [str(e) for e in reports] == [
+        "rank 2 of --nnodes 3 stopped: the model cannot run without it (no heartbeat for 0.3 s)"]
+
+
+def test_after_a_lost_rank_rank0_tells_the_followers_why_it_stops(monkeypatch):
+    """The followers may be blocked in a collective that waits for the lost rank, so not reading the
+    step channel: rank 0 leaves its reason where their heartbeat threads look."""
+    monkeypatch.setattr(distributed, "STOP_NOTICE_S", 0)
+    client = FakeClient()
+    leader = _cluster(client, 0, nnodes=3)
+    assert leader.lost_error(wait_s=5, stale_s=0) is not None  # no follower ever beat: both lost
+    leader.close()
+    assert "jaxserve/op/0" not in client.store  # no shutdown message: nobody might read it
+    assert client.store["jaxserve/failed/0"].startswith("rank 1, 2 of --nnodes 3 stopped")
+
+
 def test_rank0_refuses_to_start_when_a_follower_gave_up_waiting_for_it():
     """Rank 0 loaded for longer than --dist-timeout: the follower had given up (and exited) but rank 0
     read its configuration from the store and printed its ready line."""
