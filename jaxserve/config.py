@@ -335,8 +335,9 @@ class ServerArgs:
         None, "HOST:PORT of rank 0's jax.distributed coordinator, the same on every rank (default: none; needed with --nnodes > 1)",
         group="parallelism", aliases=("--nccl-init-addr",))
     dist_timeout: int | None = _flag(
-        None, "seconds to wait for every rank to join, and after which a silent rank counts as lost (rank 0 "
-        "then fails its requests with a 500 and exits 1) (default: 300, JAX's own initialization timeout)",
+        None, "seconds to wait for every rank to join at start-up; once serving, a rank silent (no heartbeat) for "
+        "10 s, or this when shorter, counts as lost (rank 0 then fails its requests with a 500 and exits 1) "
+        "(default: 300, JAX's own initialization timeout)",
         group="parallelism")
     # SGLang launch flags that copied SGLang command lines carry (values: DEVICE_PLATFORMS, KV_CACHE_DTYPES)
     enable_metrics: bool = _flag(False, "accepted for SGLang command lines; changes nothing: jaxserve's /metrics is on unless --disable-metrics", group="observability")
