@@ -31,6 +31,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from typing import IO
 import httpx
 
 from jaxserve.config import ServerArgs
+from jaxserve.launch.server import ready_line_flags
 
 WORKER_HOST = "127.0.0.1"
 # flags the launcher owns: a worker gets its own port and never starts a router of its own
@@ -150,6 +152,9 @@ def detect_platform() -> Platform:
     return Platform(name, int(count) if name != "cpu" else len(os.sched_getaffinity(0)))
 
 
+_ANSI_SGR = re.compile(r"\x1b\[[0-9;]*m")  # colour and style escapes (sglang-router's log lines carry them)
+
+
 class _Child:
     """One child process with its output copied, line by line and prefixed, to our stdout."""
 
@@ -170,7 +175,10 @@ class _Child:
         self._pump.start()
 
     def _copy(self, stream: IO[str]) -> None:
+        keep_colours = sys.stdout.isatty()  # the router colours its lines whatever NO_COLOR says
         for line in stream:
+            if not keep_colours:
+                line = _ANSI_SGR.sub("", line)
             sys.stdout.write(f"{self.name}| {line}")
             sys.stdout.flush()
 
@@ -263,8 +271,8 @@ class DataParallelLauncher:
         host = f"[{self.args.host}]" if ":" in self.args.host else self.args.host
         ports = worker_ports(self.args)
         return (f"jaxserve ready: serving {info['served_model_name']} at http://{host}:{self.args.port} "
-                f"(OpenAI API at /v1; sglang-router policy {self.args.router_policy} over {self.args.dp_size} "
-                f"workers on ports {ports[0]}-{ports[-1]})")
+                f"(OpenAI API at /v1{ready_line_flags(self.args)}; sglang-router policy {self.args.router_policy} "
+                f"over {self.args.dp_size} workers on ports {ports[0]}-{ports[-1]})")
 
     def _stop_all(self, status: int) -> int:
         for child in self.children:

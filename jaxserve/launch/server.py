@@ -133,6 +133,14 @@ class _Server(uvicorn.Server):
             threading.Timer(ENGINE_DEATH_EXIT_DELAY_S, lambda: setattr(self, "should_exit", True)).start()
 
 
+def ready_line_flags(args: ServerArgs) -> str:
+    """The flags that change what a client gets, for the ready line ("; --quantization w8a8_int8, ...";
+    "" when none is given)."""
+    flags = [f"--{name.replace('_', '-')} {value}" for name, value in
+             (("quantization", args.quantization), ("speculative_algorithm", args.speculative_algorithm)) if value]
+    return "; " + ", ".join(flags) if flags else ""
+
+
 def launch_server(server_args: ServerArgs, cluster=None) -> None:
     """Load the model and serve it over HTTP until interrupted (blocks). `cluster`: rank 0's
     `jaxserve.parallel.distributed.Cluster` when it runs over several processes (`join_cluster`).
@@ -178,7 +186,7 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
     shown_host = f"[{host}]" if ":" in host else host
     ready = (
         f"jaxserve ready: serving {served_model_name(server_args, engine.model_path)} at "
-        f"http://{shown_host}:{port} (OpenAI API at /v1)"
+        f"http://{shown_host}:{port} (OpenAI API at /v1{ready_line_flags(server_args)})"
     )
     config = uvicorn.Config(
         app,

@@ -88,3 +88,16 @@ def test_bad_dp_flags_are_refused():
         ServerArgs.from_cli(["--dp-size", "2", "--router-policy", "fastest"])
     with pytest.raises(ValueError, match="--dp-size"):
         ServerArgs(dp_size=4, port=65533).validate()
+
+
+def test_a_childs_colour_codes_stay_out_of_the_log(capsys):
+    """Before: sglang-router's log lines (it colours them whatever NO_COLOR says) reached log files
+    with their ANSI escapes ("\\x1b[2m2026-...\\x1b[0m")."""
+    import sys
+
+    from jaxserve.launch.data_parallel import _Child
+
+    child = _Child("router", [sys.executable, "-c", r"print('\x1b[2m12:00:00\x1b[0m \x1b[32m INFO\x1b[0m up')"])
+    assert child.proc.wait(30) == 0
+    child._pump.join(10)
+    assert capsys.readouterr().out == "router| 12:00:00  INFO up\n"

@@ -172,18 +172,30 @@ def test_internal_states_last_gen_throughput_is_the_gauge(http):
 
 
 @pytest.fixture(scope="module")
-def spec_http(tiny_model_dir, tmp_path_factory):
-    import httpx
-
+def spec_server(tiny_model_dir, tmp_path_factory):
     from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess
 
     proc = ServerProcess(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--speculative-algorithm", "NGRAM",
                           "--speculative-num-draft-tokens", "4", "--disable-speculative-adaptive"],
                          tmp_path_factory.mktemp("spec") / "server.log")
     proc.wait_healthy()
-    with httpx.Client(base_url=proc.url, timeout=120) as client:
-        yield client
+    yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_http(spec_server):
+    import httpx
+
+    with httpx.Client(base_url=spec_server.url, timeout=120) as client:
+        yield client
+
+
+def test_the_ready_line_names_the_speculative_algorithm(spec_server):
+    """Before: the ready line was the same with and without --speculative-algorithm (or --quantization)."""
+    ready = [line for line in spec_server.log().splitlines() if line.startswith("jaxserve ready:")]
+    assert ready == [f"jaxserve ready: serving tiny_llama0 at {spec_server.url} "
+                     "(OpenAI API at /v1; --speculative-algorithm NGRAM)"], ready
 
 
 def test_speculative_accept_length_and_rate_under_sglang_names(spec_http):
