@@ -385,20 +385,39 @@ def _to_numpy(w) -> np.ndarray:
 
 
 def _save(cache_dir: Path, config: ModelConfig, params: llama.Params) -> None:
+    import shutil
+
     import orbax.checkpoint as ocp
 
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir.with_name(cache_dir.name + ".tmp")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
+    # one temporary directory per process: the workers of --dp-size N convert the same checkpoint at the
+    # same time, and a shared one had each delete and overwrite the other's files mid-write
+    tmp = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
+    for stale in cache_dir.parent.glob(f"{cache_dir.name}.tmp*"):
+        if stale == tmp or not _pid_alive(stale.name.rpartition("-")[2]):
+            shutil.rmtree(stale, ignore_errors=True)
     # orbax keys are strings: layer i is saved as "i"; None leaves (absent params) are left out
     tree = _drop_none({**params, "layers": {str(i): p for i, p in params["layers"].items()}})
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(tmp.absolute() / "params", tree)
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
-    tmp.rename(cache_dir)
+    try:
+        tmp.rename(cache_dir)
+    except OSError:  # another process saved the same weights first: theirs stays
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: str) -> bool:
+    """Whether a process with this id (a decimal string; anything else: no) runs on this host."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _drop_none(tree: dict) -> dict:

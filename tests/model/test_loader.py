@@ -148,3 +148,29 @@ def test_weights_cache_roundtrip(tmp_path):
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert jax.tree.structure(p1) == jax.tree.structure(p2)
+
+
+def test_two_processes_write_the_weights_cache_at_once(tmp_path):
+    """The workers of --dp-size 2 convert the same checkpoint together. Before: both wrote into one
+    "<key>.tmp" directory, each deleting the other's files (orbax ERROR tracebacks in the log, a cache
+    that only one of them, if any, managed to write)."""
+    import subprocess
+    import sys
+
+    path = make_hf_checkpoint(tmp_path / "m", "LlamaForCausalLM", TINY)
+    cache = tmp_path / "cache"
+    code = ("import logging, sys; logging.basicConfig(level=logging.WARNING); "
+            "from jaxserve.model.loader import load_model; "
+            f"load_model({path!r}, 'float32', weights_cache_dir={str(cache)!r}); print('loaded')")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0 and "loaded" in out, out
+        assert "could not write weights cache" not in out and "Traceback" not in out, out
+    entries = sorted(e.name for e in cache.iterdir())
+    assert len(entries) == 1 and ".tmp" not in entries[0], entries  # one cache, no temporary left behind
+    _, cached = load_model(path, "float32", weights_cache_dir=str(cache))
+    _, fresh = load_model(path, "float32", use_weights_cache=False)
+    for a, b in zip(jax.tree.leaves(cached), jax.tree.leaves(fresh)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
