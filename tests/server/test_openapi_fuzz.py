@@ -117,3 +117,63 @@ def test_auto_parses_the_llama3_format(fuzz_server):
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"on": True, "level": 3, "mode": "high"}
+
+
+# Fields the server echoes back or stores, each with values it must refuse by name (issue: a lone
+# surrogate in one gave a 500 mid-stream, an oversize one was run and echoed).
+SURROGATE = "a\ud800b"
+HOSTILE_FIELDS = {
+    "/generate": [(("rid",), SURROGATE), (("rid",), "r" * 257)],
+    "/v1/completions": [(("rid",), SURROGATE), (("rid",), "r" * 257)],
+    "/v1/chat/completions": [(("rid",), SURROGATE), (("rid",), "r" * 257)],
+    "/v1/responses": [(("request_id",), SURROGATE), (("request_id",), "r" * 257),
+                      (("metadata",), {SURROGATE: "v"}), (("metadata",), {"k": SURROGATE}),
+                      (("metadata",), {f"k{i}": "v" for i in range(17)}), (("metadata",), {"k" * 65: "v"}),
+                      (("metadata",), {"k": "v" * 513}), (("text",), {"format": {"type": "json_schema", "name": SURROGATE,
+                                                                                   "schema": {"type": "object"}}})],
+}
+
+
+VALID_CORE = {
+    "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+    "/v1/completions": {"model": "m", "prompt": "hi", "max_tokens": 2, "n": 1},
+    "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 1},
+    "/v1/responses": {"model": "m", "input": "hi", "max_output_tokens": 2},
+}
+
+
+def test_fuzzed_bodies_with_a_hostile_echoed_field_are_400s_naming_it(fuzz_server):
+    """Schema-valid bodies from the fuzzer, each sent as it is and again with one echoed field made
+    hostile: where the clean body is a 200 the hostile one is a 400 naming that field; never a 5xx."""
+    ops = {op.path: op for op in _post_operations(fuzz_server.url) if op.path in HOSTILE_FIELDS}
+    assert set(ops) == set(HOSTILE_FIELDS)
+    failures: list[str] = []
+    refused_by_name = {path: 0 for path in HOSTILE_FIELDS}
+    with httpx.Client(base_url=fuzz_server.url, timeout=120) as http:
+        for path, op in ops.items():
+            @given(case=op.as_strategy(schemathesis.GenerationMode.POSITIVE),
+                   hostile=hypothesis.strategies.sampled_from(HOSTILE_FIELDS[path]))
+            @settings(max_examples=8, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck), phases=[hypothesis.Phase.generate])
+            def run(case, hostile):
+                body = case.body
+                if not isinstance(body, dict):
+                    return
+                # the fuzzed fields under a small valid core, so that many clean bodies are 200s; not
+                # streamed: the error is then the status of the whole answer
+                body = {**body, **VALID_CORE[path], "stream": False}
+                (field, *_), value = hostile
+                clean = http.post(path, json=body)
+                r = http.post(path, content=json.dumps({**body, field: value}), headers={"content-type": "application/json"})
+                if r.status_code >= 500 or r.status_code == 200:
+                    failures.append(f"{path} {field}={value!r:.60} -> {r.status_code} {r.text[:300]}")
+                elif clean.status_code == 200:
+                    param = (r.json().get("error") or {}).get("param") or ""
+                    if r.status_code != 400 or not param.startswith(field):
+                        failures.append(f"{path} {field}={value!r:.60} -> {r.status_code} param {param!r}: {r.text[:300]}")
+                    else:
+                        refused_by_name[path] += 1
+            run()
+        assert not failures, "\n".join(failures[:10])
+        assert all(n > 0 for n in refused_by_name.values()), refused_by_name  # some clean bodies were 200s
+        assert http.get("/health").status_code == 200
