@@ -3,6 +3,8 @@ strings, metadata, tools, logit_bias: a 400 naming the field); the server keeps 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,12 +22,12 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 RESPONSES_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
 
-def _limited_app(max_bytes: int) -> Starlette:
+def _limited_app(max_bytes: int, idle_timeout_s: float = 60.0) -> Starlette:
     async def echo(request: Request) -> JSONResponse:
         return JSONResponse({"bytes": len(await request.body())})
 
     app = Starlette(routes=[Route("/echo", echo, methods=["POST"])], exception_handlers=EXCEPTION_HANDLERS)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_bytes, idle_timeout_s=idle_timeout_s)
     return app
 
 
@@ -106,3 +108,52 @@ def test_fields_at_their_bounds_are_served_and_the_server_keeps_serving(http):
 
 def test_every_bound_names_its_source():
     assert SIZE_LIMITS and all(source in ("OpenAI", "SGLang", "ours") for _, source in SIZE_LIMITS.values())
+
+
+def _run_asgi(app, messages_in, hold_after: float | None = None) -> list[dict]:
+    """Drive `app` with one POST /echo whose receive returns `messages_in` and then waits (forever, or
+    `hold_after` seconds before an http.disconnect); returns what the app sent."""
+    import asyncio
+
+    async def main():
+        sent, pending = [], list(messages_in)
+
+        async def receive():
+            if pending:
+                return pending.pop(0)
+            if hold_after is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(hold_after)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/echo", "raw_path": b"/echo", "query_string": b"",
+                 "headers": [(b"content-length", b"10")], "http_version": "1.1", "scheme": "http",
+                 "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        return sent
+
+    return asyncio.run(main())
+
+
+def test_a_body_that_stops_arriving_is_a_408():
+    """Before: Content-Length 10 and 1 byte held the connection and its handler with no end."""
+    sent = _run_asgi(_limited_app(100, idle_timeout_s=0.2), [{"type": "http.request", "body": b"{", "more_body": True}])
+    assert sent[0]["status"] == 408
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert body["error"]["code"] == "request_timeout" and "stopped arriving" in body["error"]["message"]
+
+
+def test_after_the_whole_body_reads_wait_without_the_idle_timeout():
+    """A streamed response waits on receive() for the client's disconnect: no 408 there."""
+    async def wait_for_disconnect(request: Request) -> JSONResponse:
+        await request.body()
+        message = await request.receive()
+        return JSONResponse({"next": message["type"]})
+
+    app = Starlette(routes=[Route("/echo", wait_for_disconnect, methods=["POST"])], exception_handlers=EXCEPTION_HANDLERS)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=100, idle_timeout_s=0.1)
+    sent = _run_asgi(app, [{"type": "http.request", "body": b"0123456789", "more_body": False}], hold_after=0.4)
+    assert sent[0]["status"] == 200 and b"http.disconnect" in sent[1]["body"]
