@@ -270,7 +270,28 @@ class ServerArgs:
     merge_min_shared_ratio: float = _flag(0.6, "a private tail is kept only when at least this share of its path is shared with other requests", group="radix_cache")
     release_conservative_batch_size: int = _flag(8, "below this many running requests: no proactive soft release and no merging", group="radix_cache")
     release_aggressive_batch_size: int = _flag(16, "from this many running requests on: proactive soft release and merging", group="radix_cache")
-    enable_radix_cache_stats: bool = _flag(False, "log radix cache stats once per second ([RadixCache] Nodes, Shared, Frozen, SoftFreed, Merged)", group="radix_cache")
+    enable_radix_cache_stats: bool = _flag(False, "log radix cache stats once per second ([RadixCache] Nodes, Shared, Frozen, SoftFreed, Merged; with a storage tier also its hits, bytes read and written, prefetch waits and files evicted)", group="radix_cache")
+    # the storage tier below the host tier (jaxserve/cache/storage.py, storage_tier.py; SGLang's HiCache L3 names)
+    hicache_storage_backend: str | None = _flag(
+        None, "file: keep KV pages in files that survive a restart and are shared by every process using the "
+        "directory SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR (default /tmp/hicache); its size is bounded by "
+        "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE or the extra config's max_size (200G, 1Gi, bytes; least recently used "
+        "files are evicted down to SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, 0.9, of it). A directory that cannot "
+        "be written is an error at start-up (default: none)", choices=("file",), group="radix_cache")
+    hicache_storage_backend_extra_config: str | None = _flag(
+        None, "JSON object (or @file.json / @file.toml) as SGLang's: prefetch_threshold (tokens, 256), "
+        "prefetch_timeout_base (s, 1), prefetch_timeout_per_ki_token (s, 0.25), max_size, eviction_ratio, "
+        "hicache_storage_pass_prefix_keys (accepted, no effect); another key is an error (default: none)", group="radix_cache")
+    hicache_storage_prefetch_policy: str = _flag(
+        "timeout", "when a waiting request whose prefix is in storage is admitted: best_effort (at once, with the "
+        "pages read so far), wait_complete (when every page is read), timeout (when read, or after "
+        "prefetch_timeout_base + prefetch_timeout_per_ki_token per 1024 tokens)",
+        choices=("best_effort", "wait_complete", "timeout"), group="radix_cache")
+    hicache_write_policy: str = _flag(
+        "write_through", "which pages go to the storage tier: write_through (every page cached in the radix tree), "
+        "write_through_selective (a cached prefix when it is matched again), write_back (a node when it leaves "
+        "the device or host tier for good)",
+        choices=("write_through", "write_through_selective", "write_back"), group="radix_cache")
     # reliability: admission control, engine death, graceful shutdown
     max_queued_requests: int | None = _flag(
         None, "most requests waiting for a batch slot; beyond it a request gets 503 with Retry-After "
@@ -537,6 +558,21 @@ class ServerArgs:
             raise ValueError(f"--merge-max-suffix-tokens must be >= 0, got {self.merge_max_suffix_tokens}")
         if self.release_conservative_batch_size < 0 or self.release_aggressive_batch_size < 0:
             raise ValueError("--release-conservative-batch-size and --release-aggressive-batch-size must be >= 0")
+        self._validate_storage()
+
+    def _validate_storage(self) -> None:
+        """The storage flags' values (the directory itself is checked when the engine starts)."""
+        choices = {"hicache_storage_backend": (None, "file"),
+                   "hicache_storage_prefetch_policy": ("best_effort", "wait_complete", "timeout"),
+                   "hicache_write_policy": ("write_through", "write_through_selective", "write_back")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(a for a in allowed if a)}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.hicache_storage_backend_extra_config is not None:
+            from jaxserve.cache.storage import parse_extra_config  # no JAX: the parser is plain Python
+
+            parse_extra_config(self.hicache_storage_backend_extra_config)
 
     @staticmethod
     def add_cli_args(parser) -> None:
@@ -590,7 +626,8 @@ class ServerArgs:
 # release-policy flags that act on radix-cache nodes only (no effect with --disable-radix-cache)
 _RADIX_CACHE_ONLY_FLAGS = ("enable_hierarchical_cache", "hicache_ratio", "hicache_size", "radix_cache_soft_free_threshold",
                            "radix_cache_evict_threshold", "enable_auto_merge", "merge_max_suffix_tokens",
-                           "merge_min_shared_ratio", "enable_radix_cache_stats")
+                           "merge_min_shared_ratio", "enable_radix_cache_stats", "hicache_storage_backend",
+                           "hicache_storage_backend_extra_config", "hicache_storage_prefetch_policy", "hicache_write_policy")
 
 
 def _check_json_whitespace_pattern(pattern: str) -> None:
