@@ -42,7 +42,7 @@ from typing import Callable, Hashable, Iterator, NamedTuple, Sequence
 import numpy as np
 from jaxtyping import Int32
 
-__all__ = ["InsertResult", "MatchResult", "RadixCache", "TreeNode"]
+__all__ = ["InsertResult", "MatchResult", "RadixCache", "TreeNode", "path_pages", "path_tokens"]
 
 _EMPTY_PAGES = np.zeros((0,), dtype=np.int32)
 _node_ids = itertools.count()
@@ -847,3 +847,22 @@ class RadixCache:
                 node._in_heap = False
         heap[:] = kept  # in place: `evict` holds a reference to the list
         heapq.heapify(heap)
+
+
+def path_pages(node: TreeNode) -> Int32[np.ndarray, " P"]:
+    """Device page ids from the root down to `node` (a device node: its whole path is on the device), in
+    sequence order."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.pages)
+        node = node.parent
+    return np.concatenate(parts[::-1]).astype(np.int32) if parts else _EMPTY_PAGES
+
+
+def path_tokens(node: TreeNode) -> tuple[int, ...]:
+    """Token ids from the root down to and including `node`, in sequence order."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    return tuple(t for part in reversed(parts) for t in part)

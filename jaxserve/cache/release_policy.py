@@ -6,6 +6,8 @@ release policy").
     stage 3  coalescing      jaxserve/cache/coalescing.py    copy-on-write of partly matched pages, short
                                                              tails kept, path compression
     stage 4  adaptive        jaxserve/cache/adaptive.py      conservative / balanced / aggressive by batch size
+    storage                  jaxserve/cache/storage_tier.py  pages below the host tier, in files: prefetch while
+                                                             a request waits, backup by the write policy
 
 `ReleasePolicy` is what the engine's cache manager calls: `reserve` (pages, evicting soft-first),
 `extend_match` (recall + copy-on-write after a tree match), `keep_tail`, `can_freeze`, `on_schedule`
@@ -29,8 +31,10 @@ from jaxserve.cache.freezing import FreezeBudget
 from jaxserve.cache.host_pool import HostKVPool, num_host_pages
 from jaxserve.cache.kv_pool import PageAllocator, PoolShape
 from jaxserve.cache.page_io import KVPageIO
-from jaxserve.cache.radix_tree import InsertResult, MatchResult, RadixCache, TreeNode
+from jaxserve.cache.radix_tree import InsertResult, MatchResult, RadixCache, TreeNode, path_pages, path_tokens
 from jaxserve.cache.soft_release import SoftRelease
+from jaxserve.cache.storage import Prefetch
+from jaxserve.cache.storage_tier import StorageTier
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +118,16 @@ class RadixCacheStats:
     host_blocks_used: int
     host_blocks_total: int
     num_frozen_waits: int  # cumulative admissions deferred by the frozen ratio
+    storage_hit_tokens: int = 0  # cumulative, recalled from the storage tier
+    storage_hit_rate: float = 0.0  # the part of hit_rate recalled from the storage tier
+    storage_bytes_read: int = 0  # cumulative, verified page files read
+    storage_bytes_written: int = 0  # cumulative, page files written by this process
+    storage_pages_backed_up: int = 0  # cumulative, pages handed to the writer
+    storage_pages_dropped: int = 0  # cumulative, pages not written because the write queue was full
+    storage_prefetch_waits: int = 0  # cumulative, requests the prefetch policy held in the queue
+    storage_prefetch_wait_s: float = 0.0  # cumulative seconds they were held
+    storage_files_evicted: int = 0  # cumulative, by this process's bound enforcement
+    storage_bad_files: int = 0  # cumulative, truncated / corrupted / foreign files met (misses)
 
 
 class PolicyMatch(NamedTuple):
@@ -124,6 +138,7 @@ class PolicyMatch(NamedTuple):
         pages: tree page ids of the matched prefix (`num_tokens // page_size` pages).
         num_tokens: matched tokens in tree pages (device + recalled).
         num_host_tokens: of those, recalled from the host tier.
+        num_storage_tokens: of those, read from the storage tier.
         cow_page: a fresh private page holding `num_cow_tokens` more matched tokens, or None.
         num_cow_tokens: tokens reused by copy-on-write past `num_tokens`.
     """
@@ -134,6 +149,7 @@ class PolicyMatch(NamedTuple):
     num_host_tokens: int
     cow_page: int | None
     num_cow_tokens: int
+    num_storage_tokens: int = 0
 
 
 class ReleasePolicy:
@@ -145,9 +161,10 @@ class ReleasePolicy:
         allocator: the device page allocator.
         pool_shape: the device pool's shape (host tier layout, frozen budget).
         time_fn: clock in seconds; defaults to the tree's (inject a fake clock in tests).
+        storage: the storage tier below the host tier (None: none).
 
-    Call `attach_io` with the device page I/O (the model runner) before serving when the host tier or
-    coalescing is on. Not thread-safe: the engine loop owns it; `stats()` only reads.
+    Call `attach_io` with the device page I/O (the model runner) before serving when the host tier,
+    the storage tier or coalescing is on. Not thread-safe: the engine loop owns it; `stats()` only reads.
     """
 
     def __init__(
@@ -157,6 +174,7 @@ class ReleasePolicy:
         allocator: PageAllocator,
         pool_shape: PoolShape,
         time_fn: Callable[[], float] | None = None,
+        storage: StorageTier | None = None,
     ):
         self.config = config
         self.tree = tree
@@ -172,10 +190,14 @@ class ReleasePolicy:
             self.soft = SoftRelease(
                 tree, allocator, self.host, config.soft_free_threshold_s, config.hit_window_s, config.sample_period_s
             )
+        self.storage = storage
+        if self.soft is not None and storage is not None and storage.write_policy == "write_back":
+            self.soft.on_drop = self._write_back
         self.mode = ReleaseMode.CONSERVATIVE
         self.num_merges = 0
         self.num_drops = 0
         self.lookup_tokens = self.cached_hit_tokens = self.host_hit_tokens = self.cow_hit_tokens = 0
+        self.storage_hit_tokens = 0
         self._last_merge = self._last_log = -float("inf")
 
     def attach_io(self, io: KVPageIO) -> None:
@@ -183,6 +205,8 @@ class ReleasePolicy:
         self.io = io
         if self.soft is not None:
             self.soft.io = io
+        if self.storage is not None:
+            self.storage.io = io
 
     @property
     def has_host_tier(self) -> bool:
@@ -210,7 +234,22 @@ class ReleasePolicy:
     def _count_drop(self, node: TreeNode) -> None:
         if not node.children:
             self.num_drops += 1
+            if self.storage is not None and self.storage.write_policy == "write_back":
+                self._write_back(node)
         return None
+
+    def _write_back(self, node: TreeNode) -> None:
+        """write_back: a node leaves its last tier; its whole pages go to storage (the tree still holds it)."""
+        if self.tree.is_tail(node) or node.parent is None:
+            return
+        tokens = path_tokens(node)
+        first_page = (len(tokens) - len(node.key)) // self.page_size
+        if node.is_on_device:
+            self.storage.backup(tokens, node.namespace, node.pages, first_page)
+        else:
+            self.soft.finish_pending()
+            k, v = self.host.read(node.host_pages)
+            self.storage.backup_host(tokens, node.namespace, first_page, k, v)
 
     def can_freeze(self, num_new_tokens: int, num_own_locked_tokens: int) -> bool:
         """Stage 1 admission check (see `FreezeBudget.can_freeze`)."""
@@ -218,13 +257,17 @@ class ReleasePolicy:
 
     # Matching
 
-    def extend_match(self, result: MatchResult, key: Sequence[int], namespace: Hashable = None) -> PolicyMatch:
-        """Recall the host-resident continuation of `result` and copy a partly matched page.
+    def extend_match(
+        self, result: MatchResult, key: Sequence[int], namespace: Hashable = None, prefetch: Prefetch | None = None
+    ) -> PolicyMatch:
+        """Recall the host-resident continuation of `result`, then the pages `prefetch` read from storage
+        past it, and copy a partly matched page.
 
         The caller holds one lock on `result.last_node`; it moves to the returned `last_node`. A copied
         page (`cow_page`) is the caller's private page: it must free it like any other.
         """
         last_node, pages, num_tokens, num_host = result.last_node, result.pages, result.num_tokens, 0
+        is_host_recalled = not result.host_nodes
         if result.host_nodes and self.has_host_tier:
             restored = self.soft.recall(result.host_nodes, self.reserve)
             if restored:
@@ -234,6 +277,13 @@ class ReleasePolicy:
                 pages = np.concatenate([pages] + [n.pages for n in restored])
                 num_host = sum(len(n.key) for n in restored)
                 num_tokens += num_host
+            is_host_recalled = len(restored) == len(result.host_nodes)
+        if self.storage is not None and self.storage.write_policy == "write_through_selective" and num_tokens:
+            self.storage.backup(key[:num_tokens], namespace, pages)  # a reused prefix is worth keeping
+        num_storage = 0
+        if prefetch is not None and is_host_recalled and self.io is not None:
+            last_node, pages, num_storage = self._recall_storage(prefetch, last_node, pages, key, namespace)
+            num_tokens += num_storage
         cow_page, num_cow = None, 0
         if self.can_copy_on_write and num_tokens < len(key):
             partial = coalescing.find_partial_page(self.tree, last_node, key, num_tokens, namespace)
@@ -245,7 +295,37 @@ class ReleasePolicy:
                     num_cow = partial.num_tokens
                     partial.node.hit_count += 1  # a partial match is a use: the node is shared
                 self.tree.dec_lock_ref(partial.node)
-        return PolicyMatch(last_node, pages, num_tokens, num_host, cow_page, num_cow)
+        return PolicyMatch(last_node, pages, num_tokens, num_host, cow_page, num_cow, num_storage)
+
+    def _recall_storage(
+        self, prefetch: Prefetch, last_node: TreeNode, pages: np.ndarray, key: Sequence[int], namespace: Hashable
+    ) -> tuple[TreeNode, np.ndarray, int]:
+        """Write the prefetched pages that continue the match at `last_node` into fresh device pages and
+        insert them into the tree; the caller's lock moves to the new last node. Returns (last node, pages
+        of the whole match, tokens added)."""
+        ps = self.page_size
+        start = len(pages)  # the match's next page
+        skip = start - prefetch.first_page
+        num_pages = min(prefetch.num_pages_ready, len(key) // ps - prefetch.first_page) - skip
+        if skip < 0 or num_pages <= 0:
+            return last_node, pages, 0
+        self.reserve(num_pages)
+        num_pages = min(num_pages, self.allocator.num_free)
+        if num_pages <= 0:
+            return last_node, pages, 0
+        new_pages = np.asarray(self.allocator.allocate(num_pages), np.int32)
+        k = np.stack(prefetch.k[skip : skip + num_pages], axis=1)  # [L, n, KVH, ps, D]
+        v = np.stack(prefetch.v[skip : skip + num_pages], axis=1)
+        self.io.write_pages(new_pages, k, v)
+        end = (start + num_pages) * ps
+        all_pages = np.concatenate([pages, new_pages]).astype(np.int32)
+        inserted = self.tree.insert(key[:end], all_pages, namespace)
+        self.allocator.free(inserted.duplicate_pages)
+        self.on_insert(inserted)
+        self.tree.inc_lock_ref(inserted.last_node)
+        self.tree.dec_lock_ref(last_node)
+        self.storage.hit_tokens += num_pages * ps
+        return inserted.last_node, path_pages(inserted.last_node), num_pages * ps
 
     def record_lookup(self, num_lookup_tokens: int, match: PolicyMatch) -> None:
         """Count an admitted request's lookup for the hit rates."""
@@ -253,6 +333,7 @@ class ReleasePolicy:
         self.cached_hit_tokens += match.num_tokens + match.num_cow_tokens
         self.host_hit_tokens += match.num_host_tokens
         self.cow_hit_tokens += match.num_cow_tokens
+        self.storage_hit_tokens += match.num_storage_tokens
 
     def keep_tail(self, parent: TreeNode, tail_key: Sequence[int], namespace: Hashable = None) -> bool:
         """Stage 3: whether a released request's partial last page stays in the tree."""
@@ -261,10 +342,29 @@ class ReleasePolicy:
             self.config.merge_min_shared_ratio, namespace,
         )
 
-    def on_insert(self, result: InsertResult) -> None:
-        """Free host copies the tree dropped because an insert brought their nodes back to the device."""
+    def on_insert(self, result: InsertResult, key: Sequence[int] | None = None, namespace: Hashable = None) -> None:
+        """After `tree.insert(key, ...)`: free host copies the tree dropped because the insert brought their
+        nodes back to the device, and (write_through, given the key) back the key's pages up to storage."""
         if len(result.freed_host_pages):
             self.soft.free_host_pages(result.freed_host_pages)
+        if key is not None and len(key) and self.storage is not None and self.storage.write_policy == "write_through":
+            self.storage.backup(key, namespace, path_pages(result.last_node))
+
+    # Storage prefetch (the scheduler asks while a request waits)
+
+    def start_prefetch(self, rid: str, key: Sequence[int], namespace: Hashable = None) -> None:
+        """Start reading the storage pages of `key` (a waiting request's match key) past what the device
+        and host tiers hold."""
+        if self.storage is None:
+            return
+        result = self.tree.match_prefix(key, namespace)
+        self.storage.start_prefetch(rid, key, namespace, result.num_tokens + result.num_host_tokens)
+
+    def is_prefetch_ready(self, rid: str) -> bool:
+        return self.storage is None or self.storage.is_ready(rid)
+
+    def take_prefetch(self, rid: str) -> Prefetch | None:
+        return self.storage.take_prefetch(rid) if self.storage is not None else None
 
     # Once per scheduler iteration
 
@@ -273,6 +373,8 @@ class ReleasePolicy:
         cfg = self.config
         now = self.time_fn()
         self.mode = choose_mode(num_running, cfg.conservative_batch_size, cfg.aggressive_batch_size)
+        if self.storage is not None:
+            self.storage.finish_pending()
         if self.soft is not None:
             self.soft.finish_pending()
             if self.soft.is_sample_due(now):
@@ -297,10 +399,14 @@ class ReleasePolicy:
             shared += node.hit_count >= 1
             frozen += node.lock_ref > 0
             host += not node.is_on_device
-        logger.info(
-            "[RadixCache] Nodes: %d, Shared: %d (%.1f%%), Frozen: %d, SoftFreed: %d, Merged: %d",
-            nodes, shared, 100.0 * shared / max(nodes, 1), frozen, host, self.num_merges,
-        )
+        line = "[RadixCache] Nodes: %d, Shared: %d (%.1f%%), Frozen: %d, SoftFreed: %d, Merged: %d"
+        values = [nodes, shared, 100.0 * shared / max(nodes, 1), frozen, host, self.num_merges]
+        if self.storage is not None:
+            c = self.storage.storage.counters
+            line += ", Storage hits: %d tokens, read: %d B, written: %d B, prefetch waits: %d, files evicted: %d"
+            values += [self.storage_hit_tokens, c.bytes_read, c.bytes_written, self.storage.num_prefetch_waits,
+                       c.files_evicted]
+        logger.info(line, *values)
 
     # Visibility
 
@@ -349,10 +455,29 @@ class ReleasePolicy:
             host_blocks_used=host.num_used if host else 0,
             host_blocks_total=host.num_pages if host else 0,
             num_frozen_waits=self.freeze.num_waits,
+            **self._storage_stats(),
+        )
+
+    def _storage_stats(self) -> dict:
+        if self.storage is None:
+            return {}
+        c = self.storage.storage.counters
+        return dict(
+            storage_hit_tokens=self.storage_hit_tokens,
+            storage_hit_rate=self.storage_hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
+            storage_bytes_read=c.bytes_read,
+            storage_bytes_written=c.bytes_written,
+            storage_pages_backed_up=self.storage.num_backup_pages,
+            storage_pages_dropped=c.pages_dropped,
+            storage_prefetch_waits=self.storage.num_prefetch_waits,
+            storage_prefetch_wait_s=self.storage.prefetch_wait_s,
+            storage_files_evicted=c.files_evicted,
+            storage_bad_files=c.bad_files,
         )
 
     def flush(self) -> Int32[np.ndarray, " F"]:
-        """Empty the tree and the host tier. Returns the device pages to free.
+        """Empty the tree and the host tier (the storage tier's files stay: other processes share them and
+        a restart reads them). Returns the device pages to free.
 
         Raises:
             RuntimeError: if any node is locked.
@@ -360,4 +485,12 @@ class ReleasePolicy:
         pages = self.tree.reset()
         if self.soft is not None:
             self.soft.reset()
+        if self.storage is not None:
+            self.storage.reset()
         return pages
+
+    def close(self) -> None:
+        """Finish the storage tier's queued writes and stop its threads."""
+        if self.storage is not None:
+            self.storage.close()
+

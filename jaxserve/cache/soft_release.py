@@ -72,6 +72,8 @@ class SoftRelease:
         self.allocator = allocator
         self.host = host
         self.io: KVPageIO | None = None
+        # called with a node about to leave the tree for good, while it still holds its KV (write_back)
+        self.on_drop: Callable[[TreeNode], None] | None = None
         self.threshold_s = threshold_s
         self.sample_period_s = max(0.0, min(sample_period_s, threshold_s))
         self._window_len = max(1, int(round(window_s / max(sample_period_s, 1e-9))))
@@ -168,6 +170,8 @@ class SoftRelease:
             pass
         if not self.host.can_allocate(num_pages):
             self._drop_host_subtree(node)
+            if self.on_drop is not None:
+                self.on_drop(node)
             self.num_device_drops += 1
             return None
         host_pages = self.host.allocate(num_pages)
@@ -270,6 +274,8 @@ class SoftRelease:
         return False
 
     def _drop_host_node(self, node: TreeNode) -> None:
+        if self.on_drop is not None:
+            self.on_drop(node)
         parent = node.parent
         self.tree.remove_leaf(node)
         # A copy into these pages that has not started yet is moot; one in flight must land first.

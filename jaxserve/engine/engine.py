@@ -23,6 +23,8 @@ import numpy as np
 from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, available_memory_bytes, size_pool
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
+from jaxserve.cache.storage import FileStorage, StorageConfig, storage_fingerprint
+from jaxserve.cache.storage_tier import StorageTier
 from jaxserve.config import ServerArgs
 from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_backend
 from jaxserve.constrained.reasoner import ReasonerMatcher
@@ -46,7 +48,7 @@ from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
 from jaxserve.model import llama
 from jaxserve.model.loader import load_model, replicate_kv_heads
 from jaxserve.model.quant import quantize_params
-from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path
+from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path, source_fingerprint
 from jaxserve.pallas import get_attention_backend
 from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
 from jaxserve.runner import sampler as sampler_lib
@@ -131,8 +133,9 @@ class Engine:
         k_pool, v_pool = allocate_pools(self.pool_shape)
         self.allocator = PageAllocator(self.pool_shape.num_pages)
         self.tree = RadixCache(page_size=args.page_size, disable=args.disable_radix_cache)
+        storage = None if args.disable_radix_cache else self._open_storage(args, self.pool_shape.dtype)
         self.release_policy = None if args.disable_radix_cache else ReleasePolicy(
-            ReleasePolicyConfig.from_server_args(args), self.tree, self.allocator, self.pool_shape
+            ReleasePolicyConfig.from_server_args(args), self.tree, self.allocator, self.pool_shape, storage=storage
         )
         self.cache = CacheManager(self.allocator, self.tree, args.page_size, self.release_policy)
         chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
@@ -293,8 +296,37 @@ class Engine:
         self._finish_outside_step(req, finish_abort("aborted by the client"), is_abort=True)
         return True
 
+    def _open_storage(self, args: ServerArgs, dtype: str) -> StorageTier | None:
+        """The storage tier of `--hicache-storage-backend` (None without it), its keys salted with everything
+        that changes a page's KV bytes.
+
+        Raises:
+            StorageError (a ValueError): a bad setting or a directory that cannot be written.
+        """
+        config = StorageConfig.from_server_args(args)
+        if config is None:
+            return None
+        cfg, shape = self.model_config, self.pool_shape
+        fingerprint = storage_fingerprint(
+            weights=source_fingerprint(self.model_path), architecture=cfg.architecture, dtype=dtype,
+            quantization=args.quantization, page_size=shape.page_size,
+            pool_layout=("layers, pages, kv_heads, page, head_dim", cfg.num_layers, shape.num_kv_heads, shape.head_dim),
+            tp_size=args.tp_size, rope=(cfg.rope_theta, cfg.rope_scaling),
+        )
+        page_shape = (shape.num_layers, shape.num_kv_heads, shape.page_size, shape.head_dim)
+        storage = FileStorage(config, page_shape, np.dtype(jax.numpy.dtype(dtype)))
+        logger.info("storage tier: %s (bound %s bytes), prefetch %s, writes %s", config.storage_dir,
+                    config.max_size_bytes or "no", config.prefetch_policy, config.write_policy)
+        return StorageTier(storage, fingerprint, shape.page_size)
+
+    def close(self) -> None:
+        """Finish the storage tier's queued writes and stop its threads (a no-op without one)."""
+        if self.release_policy is not None:
+            self.release_policy.close()
+
     def flush_cache(self) -> None:
-        """Drop every cached prefix (the radix tree) and return its pages to the free list.
+        """Drop every cached prefix (the radix tree, device and host tiers) and return its pages to the free
+        list. The storage tier's files stay (a restart and the other replicas read them).
 
         Raises:
             RuntimeError: requests are waiting or running (their prefixes are locked in the tree).

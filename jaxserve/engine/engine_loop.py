@@ -213,6 +213,8 @@ class EngineLoop:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._fail_all(reason, status_code=status_code)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()  # the storage tier's queued writes reach the disk
 
     def die(self, e: BaseException) -> None:
         """End the engine from another thread as a step that raised `e` would (a lost rank of a

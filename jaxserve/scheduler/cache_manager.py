@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxserve.cache.freezing import path_len
 from jaxserve.cache.kv_pool import PageAllocator
-from jaxserve.cache.radix_tree import RadixCache, TreeNode
+from jaxserve.cache.radix_tree import RadixCache, path_pages
 from jaxserve.cache.release_policy import PolicyMatch, RadixCacheStats, ReleasePolicy
 from jaxserve.engine.request import Req
 
@@ -57,21 +57,33 @@ class CacheManager:
         Locks the matched path and sets `req.page_table`, `req.kv_len`. Returns the matched tokens.
         """
         assert not req.page_table and req.last_node is None
-        key = req.fill_ids[: len(req.fill_ids) - 1]
-        if req.wants_input_logprobs:  # positions from logprob_start_len - 1 on must be computed
-            key = key[: max(0, req.logprob_start_len - 1)]
+        key = _match_key(req)
         result = self.tree.match_prefix(key, req.namespace)
         self.tree.inc_lock_ref(result.last_node)
         req.last_node = result.last_node
         req.page_table = [int(p) for p in result.pages]
         req.kv_len = result.num_tokens
         if self.policy is not None:
-            m = self.policy.extend_match(result, key, req.namespace)
+            m = self.policy.extend_match(result, key, req.namespace, self.policy.take_prefetch(req.rid))
             req.last_node = m.last_node
             req.page_table = [int(p) for p in m.pages] + ([int(m.cow_page)] if m.cow_page is not None else [])
             req.kv_len = m.num_tokens + m.num_cow_tokens
             self._unadmitted[req.rid] = (len(key), m)
         return req.kv_len
+
+    def start_prefetch(self, req: Req) -> None:
+        """A request entered the waiting queue: start reading its prefix from the storage tier, if any."""
+        if self.policy is not None:
+            self.policy.start_prefetch(req.rid, _match_key(req), req.namespace)
+
+    def is_prefetch_ready(self, req: Req) -> bool:
+        """Whether the storage prefetch policy lets `req` be admitted now."""
+        return self.policy is None or self.policy.is_prefetch_ready(req.rid)
+
+    def cancel_prefetch(self, req: Req) -> None:
+        """A waiting request left the queue without being matched (aborted)."""
+        if self.policy is not None:
+            self.policy.take_prefetch(req.rid)
 
     def peek_prefix_len(self, req: Req) -> int:
         """Length of the cached prefix of `req` (host tier included) without locking it (for scheduling policies)."""
@@ -143,7 +155,7 @@ class CacheManager:
         result = self.tree.insert(key, np.asarray(req.page_table[:num_pages], np.int32), req.namespace)
         self.allocator.free(result.duplicate_pages)
         if self.policy is not None:
-            self.policy.on_insert(result)
+            self.policy.on_insert(result, key, req.namespace)
         tail = req.page_table[num_pages:]
         if keep_tail:
             # the tree may hold other pages for the part it already had: switch to them
@@ -151,7 +163,7 @@ class CacheManager:
             self.tree.inc_lock_ref(result.last_node)
             self.tree.dec_lock_ref(req.last_node)
             req.last_node = result.last_node
-            req.page_table = [int(p) for p in _path_pages(result.last_node)] + tail
+            req.page_table = [int(p) for p in path_pages(result.last_node)] + tail
             return
         tail_key = req.fill_ids[num_aligned : req.kv_len]
         if tail and tail_key and self.policy is not None and self.policy.keep_tail(result.last_node, tail_key, req.namespace):
@@ -207,10 +219,10 @@ class CacheManager:
             assert held == host.num_used, f"host tier: {host.num_used} pages used, the tree holds {held}"
 
 
-def _path_pages(node: TreeNode) -> np.ndarray:
-    """Device page ids from the root down to `node` (all on the device), in sequence order."""
-    parts = []
-    while node.parent is not None:
-        parts.append(node.pages)
-        node = node.parent
-    return np.concatenate(parts[::-1]) if parts else np.zeros((0,), np.int32)
+def _match_key(req: Req) -> list[int]:
+    """The tokens of `req` whose KV a match may reuse: at least one is left to compute, and with input
+    logprobs the positions from logprob_start_len - 1 on must be computed."""
+    key = req.fill_ids[: len(req.fill_ids) - 1]
+    if req.wants_input_logprobs:
+        key = key[: max(0, req.logprob_start_len - 1)]
+    return key

@@ -120,6 +120,7 @@ class Scheduler:
     def add(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
+        self.cache.start_prefetch(req)
         self.prefill_budget.admit_request(req.rid, req.sampling_params.max_new_tokens)  # once: not on a retraction
 
     @property
@@ -231,7 +232,7 @@ class Scheduler:
         for req in order:
             if self.num_running + len(adder.entries) >= self.config.max_running_requests:
                 break
-            if self._shares_uncached_prefix(req, admitted_prompts):
+            if self._shares_uncached_prefix(req, admitted_prompts) or not self.cache.is_prefetch_ready(req):
                 continue
             first_admission = req.num_retractions == 0 and not req.output_ids
             result = adder.add_new(req)
@@ -334,6 +335,7 @@ class Scheduler:
             self.cache.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self.cache.cancel_prefetch(req)
         self.prefill_budget.finish_request(req.rid, len(req.output_ids))
         req.status = ReqStatus.FINISHED
 
