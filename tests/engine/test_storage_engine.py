@@ -1,0 +1,119 @@
+"""The storage tier end to end on the tiny random Llama: a prefix survives a restart and is shared by two
+engines on one directory, with the same greedy output; another configuration, a damaged file or a full
+bound never serves a wrong page; the cache's integrity check holds throughout."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from jaxserve.cache.storage import ENV_MAX_SIZE, ENV_STORAGE_DIR, StorageError
+from jaxserve.engine.engine import Engine
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+PAGE_SIZE = 16
+EXTRA = '{"prefetch_threshold": 16}'  # SGLang's 256-token threshold is longer than these prompts
+
+
+@pytest.fixture
+def storage_dir(tmp_path, monkeypatch):
+    path = tmp_path / "hicache"
+    monkeypatch.setenv(ENV_STORAGE_DIR, str(path))
+    return path
+
+
+def make_engine(model_dir, **kwargs) -> Engine:
+    base = dict(model_path=model_dir, max_total_tokens=1024, max_running_requests=4, chunked_prefill_size=64,
+                context_length=256, page_size=PAGE_SIZE, disable_precompile=True, prefill_decode_itl_ratio=0,
+                hicache_storage_backend="file", hicache_storage_backend_extra_config=EXTRA)
+    base.update(kwargs)
+    return Engine(**base)
+
+
+def prompt(seed: int, n: int = 150) -> list[int]:
+    return list(map(int, np.random.default_rng(seed).integers(3, 40000, n)))
+
+
+def serve(engine: Engine, tokens: list[int]) -> tuple[list[int], int]:
+    out = engine.generate(tokens, GREEDY)
+    engine.step()  # an idle iteration: the policy hands the new pages to the writer
+    engine.release_policy.storage.storage.flush_writes()
+    engine.cache.check_integrity([])
+    return out["output_ids"], out["meta_info"]["cached_tokens"]
+
+
+def aligned(tokens: list[int]) -> int:
+    return (len(tokens) - 1) // PAGE_SIZE * PAGE_SIZE
+
+
+def test_a_prefix_survives_a_restart(tiny_model_dir, storage_dir):
+    tokens = prompt(0)
+    a = make_engine(tiny_model_dir)
+    output, cached = serve(a, tokens)
+    assert cached == 0
+    a.close()
+    b = make_engine(tiny_model_dir)  # a restart: empty tree, empty pool, the same directory
+    output_b, cached_b = serve(b, tokens)
+    assert cached_b >= aligned(tokens) and output_b == output
+    stats = b.radix_cache_stats()
+    assert stats.storage_hit_tokens == cached_b and stats.storage_bytes_read > 0
+    # another quantization on the same directory: other KV bytes, other keys, no hit
+    c = make_engine(tiny_model_dir, quantization="w8a8_int8")
+    _, cached_c = serve(c, tokens)
+    assert cached_c == 0
+    b.close(), c.close()
+
+
+def test_two_engines_share_one_directory(tiny_model_dir, storage_dir):
+    a, b = make_engine(tiny_model_dir), make_engine(tiny_model_dir)
+    tokens = prompt(1)
+    output, _ = serve(a, tokens)
+    output_b, cached_b = serve(b, tokens)  # b never computed it
+    assert cached_b >= aligned(tokens) and output_b == output
+    longer = tokens + prompt(2, 40)
+    output_b, _ = serve(b, longer)  # b computes the rest; a reads b's pages
+    output_a, cached_a = serve(a, longer)
+    assert cached_a >= aligned(longer) and output_a == output_b
+    a.close(), b.close()
+
+
+def test_damaged_files_are_misses_with_the_same_output(tiny_model_dir, storage_dir):
+    tokens = prompt(3)
+    a = make_engine(tiny_model_dir)
+    output, _ = serve(a, tokens)
+    a.close()
+    keys = a.release_policy.storage.keys(tokens[:-1])
+    path = a.release_policy.storage.storage.path(keys[4])
+    with open(path, "r+b") as f:  # a few bytes of page 4 rot
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\x00\x01\x02\x03")
+    os.truncate(a.release_policy.storage.storage.path(keys[6]), 64)  # and page 6 is torn
+    b = make_engine(tiny_model_dir)
+    output_b, cached_b = serve(b, tokens)
+    assert cached_b == 4 * PAGE_SIZE and output_b == output
+    assert b.radix_cache_stats().storage_bad_files == 1  # the chain stopped at page 4
+    b.close()
+
+
+def test_the_directory_stays_within_its_bound(tiny_model_dir, storage_dir, monkeypatch):
+    a = make_engine(tiny_model_dir)
+    file_bytes = a.release_policy.storage.storage.file_bytes
+    a.close()
+    monkeypatch.setenv(ENV_MAX_SIZE, str(12 * file_bytes))
+    a = make_engine(tiny_model_dir)
+    for seed in range(4):  # 4 x 9 pages of prompt, more than the 12 the bound holds
+        serve(a, prompt(10 + seed))
+        files = [n for n in os.listdir(storage_dir) if n.endswith(".kv")]
+        assert len(files) * file_bytes <= 12 * file_bytes
+    assert a.radix_cache_stats().storage_files_evicted > 0
+    a.close()
+
+
+def test_an_unwritable_directory_is_an_error_at_start_up(tiny_model_dir, tmp_path, monkeypatch):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    monkeypatch.setenv(ENV_STORAGE_DIR, str(blocker / "hicache"))
+    with pytest.raises(StorageError, match=ENV_STORAGE_DIR):
+        make_engine(tiny_model_dir)
