@@ -118,7 +118,10 @@ class RadixCacheStats:
     host_blocks_used: int
     host_blocks_total: int
     num_frozen_waits: int  # cumulative admissions deferred by the frozen ratio
+    has_storage_tier: bool = False
     storage_hit_tokens: int = 0  # cumulative, recalled from the storage tier
+    storage_prefetched_tokens: int = 0  # cumulative, tokens of the verified pages read (SGLang's prefetched)
+    storage_backuped_tokens: int = 0  # cumulative, tokens of the page files this process wrote
     storage_hit_rate: float = 0.0  # the part of hit_rate recalled from the storage tier
     storage_bytes_read: int = 0  # cumulative, verified page files read
     storage_bytes_written: int = 0  # cumulative, page files written by this process
@@ -463,7 +466,10 @@ class ReleasePolicy:
             return {}
         c = self.storage.storage.counters
         return dict(
+            has_storage_tier=True,
             storage_hit_tokens=self.storage_hit_tokens,
+            storage_prefetched_tokens=c.pages_read * self.page_size,
+            storage_backuped_tokens=c.pages_written * self.page_size,
             storage_hit_rate=self.storage_hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
             storage_bytes_read=c.bytes_read,
             storage_bytes_written=c.bytes_written,

@@ -81,8 +81,10 @@ class RadixCacheExporter:
 
     Cumulative byte totals (`soft_freed_bytes`, `recalled_bytes`) are exported as gauges under those
     exact names; merges and evictions are counters (`_merge_count_total`, `_eviction_count_total`);
-    cached tokens by tier are `jaxserve_radix_cache_cached_tokens_total{tier="device"|"host"}`.
-    Recall latencies feed the `_recall_latency_seconds` histogram at scrape time.
+    cached tokens by tier are `jaxserve_radix_cache_cached_tokens_total{tier="device"|"host"|"storage"}`.
+    Recall latencies feed the `_recall_latency_seconds` histogram at scrape time. With a storage tier,
+    `jaxserve_radix_cache_storage_*` and SGLang's `sglang:prefetched_tokens_total` /
+    `sglang:backuped_tokens_total` (`sglang_metrics.storage_families`) join them.
     """
 
     def __init__(self, stats_fn: Callable, registry: CollectorRegistry, model_name: str):
@@ -108,6 +110,8 @@ class RadixCacheExporter:
             sglang_copy = sglang_metrics.radix_cache_family(family)
             if sglang_copy is not None:
                 yield sglang_copy
+        if s.has_storage_tier:
+            yield from sglang_metrics.storage_families(s, labels[0])
 
     def _families(self, s, labels: list[str]) -> Iterable:
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -132,9 +136,26 @@ class RadixCacheExporter:
         yield gauge("block_utilization", "Used token slots / slots of allocated pages", s.block_utilization)
         tiers = CounterMetricFamily("jaxserve_radix_cache_cached_tokens", "Cached prompt tokens by tier",
                                     labels=["model_name", "tier"])
-        tiers.add_metric(labels + ["device"], s.cached_hit_tokens - s.host_hit_tokens)
+        tiers.add_metric(labels + ["device"], s.cached_hit_tokens - s.host_hit_tokens - s.storage_hit_tokens)
         tiers.add_metric(labels + ["host"], s.host_hit_tokens)
+        if s.has_storage_tier:
+            tiers.add_metric(labels + ["storage"], s.storage_hit_tokens)
         yield tiers
+        if not s.has_storage_tier:
+            return
+        yield gauge("storage_bytes_read", "Bytes of verified page files read from the storage tier (cumulative)",
+                    s.storage_bytes_read)
+        yield gauge("storage_bytes_written", "Bytes of page files this process wrote to the storage tier (cumulative)",
+                    s.storage_bytes_written)
+        yield counter("storage_prefetch_waits", "Requests held in the queue by their storage prefetch",
+                      s.storage_prefetch_waits)
+        yield counter("storage_prefetch_wait_seconds", "Seconds requests were held by their storage prefetch",
+                      s.storage_prefetch_wait_s)
+        yield counter("storage_files_evicted", "Page files removed to keep the directory within its bound",
+                      s.storage_files_evicted)
+        yield counter("storage_bad_files", "Truncated, corrupted or foreign page files met (misses)", s.storage_bad_files)
+        yield counter("storage_pages_dropped", "Pages not written because the write queue was full",
+                      s.storage_pages_dropped)
 
 
 class ServingMetrics:

@@ -9,7 +9,7 @@ from two collectors with different label sets:
 Those counters are counted when a request finishes, as SGLang does, so they differ from the
 `jaxserve_*` counters (counted on arrival) while requests run.
 
-`SCHEDULER_GAUGES`, `REQUEST_METRICS` and `RADIX_CACHE_NAMES` are the one mapping between the names;
+`SCHEDULER_GAUGES`, `REQUEST_METRICS`, `RADIX_CACHE_NAMES` and `STORAGE_COUNTERS` are the one mapping between the names;
 docs/api.md lists them and examples/grafana/jaxserve.json charts them. A new SGLang version is a diff
 of these tables.
 """
@@ -104,6 +104,22 @@ RADIX_CACHE_NAMES: dict[str, str] = {
     "soft_freed_bytes": "sglang_radix_cache_soft_freed_bytes",
     "merge_count": "sglang_radix_cache_merge_count",  # a counter: exported as ..._merge_count_total
 }
+
+
+# SGLang's storage (HiCache L3) counters -> the `RadixCacheStats` field they export
+STORAGE_COUNTERS: dict[str, tuple[str, str]] = {
+    "sglang:prefetched_tokens_total": ("storage_prefetched_tokens", "Prompt tokens read from the storage tier"),
+    "sglang:backuped_tokens_total": ("storage_backuped_tokens", "Tokens written to the storage tier"),
+}
+
+
+def storage_families(stats: Any, model_name: str) -> Iterable:
+    """SGLang's storage counters (`STORAGE_COUNTERS`) from a `RadixCacheStats`, with the scheduler's labels."""
+    labels = [model_name, ENGINE_TYPE, "0", "0", "0"]
+    for name, (field, doc) in STORAGE_COUNTERS.items():
+        family = CounterMetricFamily(name.removesuffix("_total"), doc, labels=list(SCHEDULER_LABELS))
+        family.add_metric(labels, getattr(stats, field))
+        yield family
 
 
 def scheduler_families(snapshot: Any, model_name: str) -> Iterable:

@@ -92,3 +92,34 @@ def test_radix_cache_metrics_are_exported(http):
         assert f"jaxserve_radix_cache_{name}" in values, name
     assert values["jaxserve_radix_cache_nodes_total"] >= 1
     assert "jaxserve_radix_cache_recall_latency_seconds_count" in values
+
+
+def test_storage_tier_metrics_are_exported(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from jaxserve.server.metrics import RadixCacheExporter
+    from tests.cache.test_storage_tier import TOKENS, make_server
+
+    a = make_server(tmp_path)
+    a.compute(TOKENS)
+    a.sync()
+    b = make_server(tmp_path)  # a restart: the prompt comes back from storage
+    b.prefetch("r", TOKENS)
+    match = b.admit("r", TOKENS)
+    b.policy.record_lookup(len(TOKENS), match)
+    b.tree.dec_lock_ref(match.last_node)
+    stats = b.policy.stats()
+    exporter = RadixCacheExporter(lambda: stats, CollectorRegistry(), "m")
+    values = {}
+    for family in exporter.families(["m"]):
+        for sample in family.samples:
+            values[(sample.name, sample.labels.get("tier") or sample.labels.get("engine_type"))] = sample.value
+    file_bytes = b.storage.storage.file_bytes
+    assert values[("jaxserve_radix_cache_cached_tokens_total", "storage")] == 20
+    assert values[("jaxserve_radix_cache_cached_tokens_total", "device")] == 0
+    assert values[("jaxserve_radix_cache_storage_bytes_read", None)] == 10 * file_bytes
+    assert values[("sglang:prefetched_tokens_total", "unified")] == 20
+    assert values[("sglang:backuped_tokens_total", "unified")] == 0  # b wrote nothing: a did
+    a_stats = a.policy.stats()
+    assert a_stats.storage_backuped_tokens == 20 and a_stats.storage_bytes_written == 10 * file_bytes
+    a.close(), b.close()

@@ -17,6 +17,7 @@ from jaxserve.server.sglang_metrics import (
     REQUEST_METRICS,
     SCHEDULER_GAUGES,
     SCHEDULER_LABELS,
+    STORAGE_COUNTERS,
     TOKENIZER_LABELS,
 )
 from tests.server.conftest import wait_idle
@@ -148,6 +149,7 @@ def test_docs_list_every_sglang_name():
     documented = set(re.findall(r"^\| `([\w:]+)` \|", section, flags=re.M))
     names = {m.sglang for m in (*SCHEDULER_GAUGES, *REQUEST_METRICS)}
     names |= {t + ("_total" if o == "merge_count" else "") for o, t in RADIX_CACHE_NAMES.items()}
+    names |= set(STORAGE_COUNTERS)
     assert documented == names
 
 
