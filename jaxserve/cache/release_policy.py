@@ -317,8 +317,9 @@ class ReleasePolicy:
         if num_pages <= 0:
             return last_node, pages, 0
         new_pages = np.asarray(self.allocator.allocate(num_pages), np.int32)
-        k = np.stack(prefetch.k[skip : skip + num_pages], axis=1)  # [L, n, KVH, ps, D]
-        v = np.stack(prefetch.v[skip : skip + num_pages], axis=1)
+        read = prefetch.pages[skip : skip + num_pages]
+        k = np.stack([kv[0] for kv in read], axis=1)  # [L, n, KVH, ps, D]
+        v = np.stack([kv[1] for kv in read], axis=1)
         self.io.write_pages(new_pages, k, v)
         end = (start + num_pages) * ps
         all_pages = np.concatenate([pages, new_pages]).astype(np.int32)
@@ -365,6 +366,10 @@ class ReleasePolicy:
 
     def is_prefetch_ready(self, rid: str) -> bool:
         return self.storage is None or self.storage.is_ready(rid)
+
+    def wait_prefetch(self, timeout_s: float) -> None:
+        if self.storage is not None:
+            self.storage.wait_any(timeout_s)
 
     def take_prefetch(self, rid: str) -> Prefetch | None:
         return self.storage.take_prefetch(rid) if self.storage is not None else None

@@ -261,22 +261,22 @@ class Prefetch:
     Attributes:
         first_page: index (in the request's pages) of `keys[0]`.
         keys: the keys asked for, in order.
-        k, v: the pages read so far, each `[num_layers, num_kv_heads, page_size, head_dim]`; they stop at the
-            first miss.
+        pages: the (k, v) of the pages read so far, each `[num_layers, num_kv_heads, page_size, head_dim]`, in
+            order from `keys[0]`; they stop at the first miss. Appended as pairs, so a reader on another
+            thread never sees a k without its v.
         done: set when the reader stopped (all read, a miss, below the threshold, or cancelled).
     """
 
     def __init__(self, first_page: int, keys: list[bytes]):
         self.first_page = first_page
         self.keys = keys
-        self.k: list[np.ndarray] = []
-        self.v: list[np.ndarray] = []
+        self.pages: list[tuple[np.ndarray, np.ndarray]] = []
         self.done = threading.Event()
         self.is_cancelled = False
 
     @property
     def num_pages_ready(self) -> int:
-        return len(self.k)
+        return len(self.pages)
 
     def cancel(self) -> None:
         self.is_cancelled = True
@@ -558,8 +558,7 @@ class FileStorage:
                     kv = self.read(key)
                     if kv is None:
                         break
-                    pf.k.append(kv[0])
-                    pf.v.append(kv[1])
+                    pf.pages.append(kv)
                     with self._lock:
                         self.counters.pages_read += 1
                         self.counters.bytes_read += self.file_bytes

@@ -113,6 +113,14 @@ class StorageTier:
         """Forget a request's prefetch (it left the queue without a match)."""
         self.take_prefetch(rid)
 
+    def wait_any(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` seconds until a prefetch that holds its request back stops reading."""
+        for rid in self._waiting:
+            pf = self._prefetches[rid][0]
+            if not pf.done.is_set():
+                pf.done.wait(timeout_s)
+                return
+
     def prefetch_of(self, rid: str) -> Prefetch | None:
         """The request's prefetch in flight or done (None without one), left in place."""
         entry = self._prefetches.get(rid)

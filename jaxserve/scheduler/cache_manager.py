@@ -80,6 +80,11 @@ class CacheManager:
         """Whether the storage prefetch policy lets `req` be admitted now."""
         return self.policy is None or self.policy.is_prefetch_ready(req.rid)
 
+    def wait_prefetch(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` seconds for a waiting request's storage prefetch (no-op without one)."""
+        if self.policy is not None:
+            self.policy.wait_prefetch(timeout_s)
+
     def cancel_prefetch(self, req: Req) -> None:
         """A waiting request left the queue without being matched (aborted)."""
         if self.policy is not None:

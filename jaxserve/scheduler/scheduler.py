@@ -36,6 +36,7 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 # a waiting request is held back one round when a request admitted in the same round already covers
 # this many of its first tokens that the cache does not have yet (SGLang's in-batch prefix caching)
 STAGGER_MIN_SHARED_TOKENS = 32
+PREFETCH_POLL_S = 0.005  # longest block on a storage prefetch when nothing else can run (the engine loop's poll)
 
 
 @dataclass
@@ -155,6 +156,10 @@ class Scheduler:
                 return ScheduleBatch(decodes, _new_token_lens(decodes), len(decodes))
         if not self.has_work():
             self.prefill_budget.end_busy_period()
+        elif self.waiting and not self.running and self.chunked_req is None:
+            # only requests whose storage prefetch is still reading: block briefly on it instead of spinning,
+            # which would keep the reader thread from the GIL
+            self.cache.wait_prefetch(PREFETCH_POLL_S)
         return None
 
     def schedule_followup(self, reqs: list[Req]) -> ScheduleBatch | None:

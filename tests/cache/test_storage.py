@@ -183,7 +183,8 @@ def test_prefetch_reads_up_to_the_first_miss_and_honours_the_threshold(tmp_path)
     assert pf.done.wait(10)
     assert pf.num_pages_ready == 3
     for i in range(3):
-        np.testing.assert_array_equal(pf.k[i], page_of(keys[i])[0])
+        np.testing.assert_array_equal(pf.pages[i][0], page_of(keys[i])[0])
+        np.testing.assert_array_equal(pf.pages[i][1], page_of(keys[i])[1])
     short = s.prefetch(0, keys, min_pages=4)  # only 3 pages in a row exist
     assert short.done.wait(10) and short.num_pages_ready == 0
     assert s.counters.pages_read == 3 and s.counters.bytes_read == 3 * s.file_bytes

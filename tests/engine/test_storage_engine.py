@@ -117,3 +117,38 @@ def test_an_unwritable_directory_is_an_error_at_start_up(tiny_model_dir, tmp_pat
     monkeypatch.setenv(ENV_STORAGE_DIR, str(blocker / "hicache"))
     with pytest.raises(StorageError, match=ENV_STORAGE_DIR):
         make_engine(tiny_model_dir)
+
+
+LIFE = """
+import json, sys
+from jaxserve.engine.engine import Engine
+engine = Engine(model_path="default", max_total_tokens=4096, context_length=2048, chunked_prefill_size=512,
+                disable_precompile=True, hicache_storage_backend="file")
+out = engine.generate(json.loads(sys.argv[1]), {"max_new_tokens": 16, "temperature": 0})
+engine.step()
+engine.close()
+print(json.dumps({"output_ids": out["output_ids"], "cached_tokens": out["meta_info"]["cached_tokens"]}))
+"""
+
+
+@pytest.mark.slow
+def test_default_model_1600_token_prompt_survives_a_process_restart(default_tokenizer, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    text = " ".join(f"Record {i}: the {['red', 'green', 'blue'][i % 3]} crate in aisle {i % 17} holds {i * 7} parts."
+                    for i in range(160))
+    tokens = default_tokenizer.encode(text, add_special_tokens=False)[:1600]
+    assert len(tokens) == 1600
+    env = {**os.environ, ENV_STORAGE_DIR: str(tmp_path / "hicache")}
+
+    def life() -> dict:
+        done = subprocess.run([sys.executable, "-c", LIFE, json.dumps(tokens)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    first, second = life(), life()  # two processes: the second starts after the first exited
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens"] >= 1024 and second["output_ids"] == first["output_ids"]

@@ -283,3 +283,27 @@ def test_sigterm_stops_the_router_and_every_worker(dp):
     assert "jaxserve stopped: the router and 2 workers" in dp.log()
     with pytest.raises(httpx.ConnectError):
         httpx.get(dp.url + "/health", timeout=2)
+
+
+def test_a_prefix_computed_on_one_worker_is_a_storage_hit_on_the_other(tiny_model_dir, tmp_path, monkeypatch):
+    """--dp-size 2 with one storage directory (--hicache-storage-backend file): worker A computes a long
+    prompt, worker B (which never saw it) reads its prefix from storage, with the same greedy output."""
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "hicache"))
+    proc = _launch(["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--dp-size", "2", "--page-size", "16",
+                    "--hicache-storage-backend", "file",
+                    "--hicache-storage-backend-extra-config", '{"prefetch_threshold": 16}'], tmp_path)
+    try:
+        tokens = [random.Random(7).randrange(3, 40000) for _ in range(150)]
+        body = {"input_ids": tokens, "sampling_params": GREEDY}
+        a = httpx.post(proc.worker_urls[0] + "/generate", json=body, timeout=120).json()
+        assert a["meta_info"]["cached_tokens"] == 0
+        deadline = time.monotonic() + 60  # worker A writes its pages off the request's path
+        while time.monotonic() < deadline:
+            if len(list((tmp_path / "hicache").glob("*.kv"))) >= 149 // 16:
+                break
+            time.sleep(0.2)
+        b = httpx.post(proc.worker_urls[1] + "/generate", json=body, timeout=120).json()
+        assert b["meta_info"]["cached_tokens"] >= 149 // 16 * 16
+        assert b["output_ids"] == a["output_ids"]
+    finally:
+        proc.stop()
