@@ -103,6 +103,7 @@ def main(argv=None) -> None:
     p.add_argument("--itl-input-len", type=int, default=512)
     p.add_argument("--itl-output-len", type=int, default=64)
     p.add_argument("--skip-itl", action="store_true")
+    p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--storage-dir", help=argparse.SUPPRESS)  # the first life's directory
     p.add_argument("--first-life", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -110,55 +111,67 @@ def main(argv=None) -> None:
         return first_life(args)
 
     with tempfile.TemporaryDirectory(prefix="bench_storage_") as tmp:
-        storage_dir = os.path.join(tmp, "ttft")
-        child = [sys.executable, "-m", "benchmarks.cache.bench_storage", "--first-life", "--storage-dir", storage_dir,
-                 "--flags", args.flags, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                 "--rounds", str(args.rounds), "--seed", str(args.seed)]
-        first_outputs = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-        engine = make_engine(args.flags, storage_dir)  # the restart
-        vocab = engine.model_config.vocab_size
-        stored = prompts(args.seed, args.rounds + 1, args.input_len, vocab)
-        fresh = prompts(args.seed + 1000, args.rounds + 1, args.input_len, vocab)
-        timed(engine, stored[0], args.output_len)  # warm-up: a storage hit and a recompute, compiled
-        timed(engine, fresh[0], args.output_len)
-        hit_ttft, fresh_ttft = [], []
-        for rnd in range(1, args.rounds + 1):
-            order = ("hit", "fresh") if rnd % 2 else ("fresh", "hit")
-            for kind in order:
-                tokens = stored[rnd] if kind == "hit" else fresh[rnd]
-                ttft, output, cached = timed(engine, tokens, args.output_len)
-                if kind == "hit":
-                    assert cached >= min(1024, args.input_len // 2), f"not a storage hit: cached_tokens {cached}"
-                    assert output == first_outputs[rnd], "the greedy output differs from the first life's"
-                    hit_ttft.append(ttft)
-                else:
-                    fresh_ttft.append(ttft)
-                print(f"round {rnd} {kind}: TTFT {1e3 * ttft:.1f} ms, cached_tokens {cached}", flush=True)
-        stats = engine.radix_cache_stats()
-        engine.close()
-        hit, rec = statistics.median(hit_ttft), statistics.median(fresh_ttft)
-        print(f"TTFT {args.input_len} tokens, median of {args.rounds}: storage hit {1e3 * hit:.1f} ms, recompute "
-              f"{1e3 * rec:.1f} ms, ratio {hit / rec:.3f}; storage read {stats.storage_bytes_read / 1e6:.1f} MB", flush=True)
-        del engine
-        if args.skip_itl:
-            return
-        off = make_engine(args.flags, None)
-        on = make_engine(args.flags, os.path.join(tmp, "itl"))
-        vocab = on.model_config.vocab_size
-        closed_loop(off, prompts(args.seed + 1, 2, args.itl_input_len, vocab), 8, 2)  # settle
-        closed_loop(on, prompts(args.seed + 2, 2, args.itl_input_len, vocab), 8, 2)
-        itl = {"off": [], "on": []}
-        for rnd in range(args.rounds):
-            batch = prompts(args.seed + 10 + rnd, args.itl_prompts, args.itl_input_len, vocab)
-            for mode in (("on", "off") if rnd % 2 else ("off", "on")):
-                itl[mode] += closed_loop(on if mode == "on" else off, batch, args.itl_output_len, args.itl_concurrency)
-        written = on.radix_cache_stats().storage_bytes_written
-        on.close()
-        m_on, m_off = statistics.mean(itl["on"]), statistics.mean(itl["off"])
-        med_on, med_off = statistics.median(itl["on"]), statistics.median(itl["off"])
-        print(f"ITL mean {1e3 * m_on:.2f} vs {1e3 * m_off:.2f} ms (ratio {m_on / m_off:.3f}), median {1e3 * med_on:.2f} "
-              f"vs {1e3 * med_off:.2f} ms (ratio {med_on / med_off:.3f}) with storage writes vs off; "
-              f"{written / 1e6:.1f} MB written", flush=True)
+        if not args.skip_ttft:
+            bench_ttft(args, tmp)
+        if not args.skip_itl:
+            bench_itl(args, tmp)
+
+
+def bench_ttft(args, tmp: str) -> None:
+    storage_dir = os.path.join(tmp, "ttft")
+    child = [sys.executable, "-m", "benchmarks.cache.bench_storage", "--first-life", "--storage-dir", storage_dir,
+             "--flags", args.flags, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+             "--rounds", str(args.rounds), "--seed", str(args.seed)]
+    first_outputs = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    engine = make_engine(args.flags, storage_dir)  # the restart
+    vocab = engine.model_config.vocab_size
+    stored = prompts(args.seed, args.rounds + 1, args.input_len, vocab)
+    fresh = prompts(args.seed + 1000, args.rounds + 1, args.input_len, vocab)
+    timed(engine, stored[0], args.output_len)  # warm-up: a storage hit and a recompute, compiled
+    timed(engine, fresh[0], args.output_len)
+    hit_ttft, fresh_ttft = [], []
+    for rnd in range(1, args.rounds + 1):
+        order = ("hit", "fresh") if rnd % 2 else ("fresh", "hit")
+        for kind in order:
+            tokens = stored[rnd] if kind == "hit" else fresh[rnd]
+            ttft, output, cached = timed(engine, tokens, args.output_len)
+            if kind == "hit":
+                assert cached >= min(1024, args.input_len // 2), f"not a storage hit: cached_tokens {cached}"
+                assert output == first_outputs[rnd], "the greedy output differs from the first life's"
+                hit_ttft.append(ttft)
+            else:
+                fresh_ttft.append(ttft)
+            print(f"round {rnd} {kind}: TTFT {1e3 * ttft:.1f} ms, cached_tokens {cached}", flush=True)
+    stats = engine.radix_cache_stats()
+    engine.close()
+    hit, rec = statistics.median(hit_ttft), statistics.median(fresh_ttft)
+    print(f"TTFT {args.input_len} tokens, median of {args.rounds}: storage hit {1e3 * hit:.1f} ms, recompute "
+          f"{1e3 * rec:.1f} ms, ratio {hit / rec:.3f}; storage read {stats.storage_bytes_read / 1e6:.1f} MB", flush=True)
+
+
+def bench_itl(args, tmp: str) -> None:
+    off = make_engine(args.flags, None)
+    on = make_engine(args.flags, os.path.join(tmp, "itl"))
+    vocab = on.model_config.vocab_size
+    closed_loop(off, prompts(args.seed + 1, 2, args.itl_input_len, vocab), 8, 2)  # settle
+    closed_loop(on, prompts(args.seed + 2, 2, args.itl_input_len, vocab), 8, 2)
+    itl, ratios = {"off": [], "on": []}, []
+    for rnd in range(args.rounds):  # the same new prompts for both, ABBA order (D-40)
+        batch = prompts(args.seed + 10 + rnd, args.itl_prompts, args.itl_input_len, vocab)
+        means = {}
+        for mode in (("on", "off") if rnd % 2 else ("off", "on")):
+            run = closed_loop(on if mode == "on" else off, batch, args.itl_output_len, args.itl_concurrency)
+            itl[mode] += run
+            means[mode] = statistics.mean(run)
+        ratios.append(means["on"] / means["off"])
+        print(f"round {rnd}: mean ITL {1e3 * means['on']:.2f} ms with storage writes, {1e3 * means['off']:.2f} ms "
+              f"off, ratio {ratios[-1]:.3f}", flush=True)
+    written = on.radix_cache_stats().storage_bytes_written
+    on.close()
+    m_on, m_off = statistics.mean(itl["on"]), statistics.mean(itl["off"])
+    print(f"ITL mean {1e3 * m_on:.2f} vs {1e3 * m_off:.2f} ms with storage writes vs off; median per-round ratio "
+          f"{statistics.median(ratios):.3f} (rounds {', '.join(f'{r:.3f}' for r in ratios)}); "
+          f"{written / 1e6:.1f} MB written", flush=True)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ _RESCAN_INTERVAL_S = 1.0
 # .<key hex or "probe">.<host>.<pid>.<random hex>.tmp
 _TMP_NAME = re.compile(r"\.(?P<key>[^.]+)\.(?P<host>.+)\.(?P<pid>\d+)\.(?P<rand>[0-9a-f]+)\.tmp")
 WRITE_QUEUE_BATCHES = 256
+WRITER_NICE = 19  # the writer thread's nice value (Linux), so page writes never take CPU from a step
 
 
 class StorageError(ValueError):
@@ -291,7 +292,7 @@ class FileStorage:
         dtype: the pool's numpy dtype.
 
     Raises:
-        StorageError: the directory cannot be created or written (start-up fails: no fall-back, D-40).
+        StorageError: the directory cannot be created or written (start-up fails: no fall-back, D-41).
     """
 
     def __init__(self, config: StorageConfig, page_shape: tuple[int, int, int, int], dtype: np.dtype):
@@ -505,6 +506,10 @@ class FileStorage:
             return False
 
     def _write_loop(self) -> None:
+        try:  # Linux: a thread has its own nice value; the writer yields the CPU to the step's threads
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             item = self._write_queue.get()
             try:
