@@ -68,7 +68,7 @@ _RESCAN_INTERVAL_S = 1.0
 # .<key hex or "probe">.<host>.<pid>.<random hex>.tmp
 _TMP_NAME = re.compile(r"\.(?P<key>[^.]+)\.(?P<host>.+)\.(?P<pid>\d+)\.(?P<rand>[0-9a-f]+)\.tmp")
 WRITE_QUEUE_BATCHES = 256
-WRITER_NICE = 19  # the writer thread's nice value (Linux), so page writes never take CPU from a step
+WRITER_NICE = 19  # the writer thread's nice value (Linux), so page writes never take CPU from a step (D-41)
 
 
 class StorageError(ValueError):

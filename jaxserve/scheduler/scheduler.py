@@ -36,7 +36,7 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 # a waiting request is held back one round when a request admitted in the same round already covers
 # this many of its first tokens that the cache does not have yet (SGLang's in-batch prefix caching)
 STAGGER_MIN_SHARED_TOKENS = 32
-PREFETCH_POLL_S = 0.005  # longest block on a storage prefetch when nothing else can run (the engine loop's poll)
+PREFETCH_POLL_S = 0.005  # longest block on a storage prefetch when nothing else can run (D-41)
 
 
 @dataclass
