@@ -376,7 +376,8 @@ class FileStorage:
             return 0
         k = np.ascontiguousarray(k, dtype=self.dtype).reshape(self.page_shape)
         v = np.ascontiguousarray(v, dtype=self.dtype).reshape(self.page_shape)
-        payload_k, payload_v = memoryview(k).cast("B"), memoryview(v).cast("B")
+        # as bytes: a buffer of an ml_dtypes dtype (bfloat16) cannot be cast by memoryview itself
+        payload_k, payload_v = memoryview(k.reshape(-1).view(np.uint8)), memoryview(v.reshape(-1).view(np.uint8))
         crc = zlib.crc32(payload_v, zlib.crc32(payload_k))
         header = _HEADER.pack(_MAGIC, key, *self.page_shape, self.dtype.name.encode(), 2 * self.page_bytes, crc)
         tmp = os.path.join(self.dir, f".{key.hex()}.{self._host_tag}.{os.urandom(4).hex()}{_TMP_SUFFIX}")

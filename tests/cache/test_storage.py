@@ -140,6 +140,23 @@ def test_another_page_layout_reads_nothing(tmp_path):
     s.close(), other.close(), half.close()
 
 
+def test_bfloat16_pages_round_trip_and_are_not_read_as_float16(tmp_path):
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    s = FileStorage(StorageConfig(str(tmp_path)), PAGE_SHAPE, bf16)
+    (key,) = page_keys(range(4), 4, "fp")
+    k, v = (x.astype(bf16) for x in page_of(key))
+    s.write(key, k, v)
+    got_k, got_v = s.read(key)
+    assert got_k.dtype == bf16
+    np.testing.assert_array_equal(got_k.astype(np.float32), k.astype(np.float32))
+    np.testing.assert_array_equal(got_v.astype(np.float32), v.astype(np.float32))
+    half = FileStorage(StorageConfig(str(tmp_path)), PAGE_SHAPE, np.float16)  # same bytes per value
+    assert half.read(key) is None
+    s.close(), half.close()
+
+
 def test_size_bound_evicts_least_recently_used_files(tmp_path):
     probe = make_storage(tmp_path / "probe")
     file_bytes = probe.file_bytes

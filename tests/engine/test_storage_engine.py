@@ -59,10 +59,38 @@ def test_a_prefix_survives_a_restart(tiny_model_dir, storage_dir):
     assert cached_b >= aligned(tokens) and output_b == output
     stats = b.radix_cache_stats()
     assert stats.storage_hit_tokens == cached_b and stats.storage_bytes_read > 0
+    # /flush_cache empties the device (and host) tiers; the files stay, so the prompt is a storage hit again
+    b.flush_cache()
+    assert b.tree.total_size() == 0
+    output_b, cached_b = serve(b, tokens)
+    assert cached_b >= aligned(tokens) and output_b == output
+    assert b.radix_cache_stats().storage_hit_tokens == 2 * cached_b
+    # a request aborted while it waits leaves no prefetch behind
+    b.flush_cache()
+    rid = b.add_request(tokens, GREEDY)[0]
+    assert b.release_policy.storage.num_prefetching == 1
+    assert b.abort(rid)
+    b.step()
+    assert b.release_policy.storage.num_prefetching == 0
+    b.cache.check_integrity([])
     # another quantization on the same directory: other KV bytes, other keys, no hit
     c = make_engine(tiny_model_dir, quantization="w8a8_int8")
     _, cached_c = serve(c, tokens)
     assert cached_c == 0
+    b.close(), c.close()
+
+
+def test_a_bfloat16_pool_survives_a_restart(tiny_model_dir, storage_dir):
+    """bfloat16, the pool's dtype on GPU and TPU: its pages go through files and back bit for bit."""
+    tokens = prompt(4, 100)
+    a = make_engine(tiny_model_dir, dtype="bfloat16")
+    output, _ = serve(a, tokens)
+    a.close()
+    b = make_engine(tiny_model_dir, dtype="bfloat16")
+    output_b, cached_b = serve(b, tokens)
+    assert cached_b >= aligned(tokens) and output_b == output
+    c = make_engine(tiny_model_dir)  # float32 on the same directory: another fingerprint, no hit
+    assert serve(c, tokens)[1] == 0
     b.close(), c.close()
 
 
