@@ -328,7 +328,6 @@ class ReleasePolicy:
         self.on_insert(inserted)
         self.tree.inc_lock_ref(inserted.last_node)
         self.tree.dec_lock_ref(last_node)
-        self.storage.hit_tokens += num_pages * ps
         return inserted.last_node, path_pages(inserted.last_node), num_pages * ps
 
     def record_lookup(self, num_lookup_tokens: int, match: PolicyMatch) -> None:

@@ -58,7 +58,6 @@ class StorageTier:
         self._backed_up: set[bytes] = set()
         self.num_prefetch_waits = 0  # requests held in the queue by their prefetch
         self.prefetch_wait_s = 0.0  # their total time held, in seconds
-        self.hit_tokens = 0  # tokens recalled from storage into the tree
         self.num_backup_pages = 0  # pages handed to the writer
 
     @property
