@@ -180,3 +180,49 @@ def test_default_model_1600_token_prompt_survives_a_process_restart(default_toke
     first, second = life(), life()  # two processes: the second starts after the first exited
     assert first["cached_tokens"] == 0
     assert second["cached_tokens"] >= 1024 and second["output_ids"] == first["output_ids"]
+
+
+KILLED_LIFE = """
+import sys
+import numpy as np
+from jaxserve.engine.engine import Engine
+engine = Engine(model_path=sys.argv[1], max_total_tokens=1024, max_running_requests=4, chunked_prefill_size=64,
+                context_length=256, page_size=16, disable_precompile=True, prefill_decode_itl_ratio=0,
+                hicache_storage_backend="file", hicache_storage_backend_extra_config='{"prefetch_threshold": 16}')
+print("ready", flush=True)
+for seed in range(1000):  # serve until killed
+    tokens = list(map(int, np.random.default_rng(seed).integers(3, 40000, 150)))
+    engine.generate(tokens, {"max_new_tokens": 6, "temperature": 0})
+    engine.step()
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_while_writing_then_a_restart_serves_no_torn_page(tiny_model_dir, storage_dir):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, ENV_STORAGE_DIR: str(storage_dir)}
+    child = subprocess.Popen([sys.executable, "-c", KILLED_LIFE, tiny_model_dir], env=env, stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(storage_dir.glob("*.kv"))) < 40:
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)  # mid-stream: its writer thread is writing pages
+    child.wait()
+    assert len(list(storage_dir.glob("*.kv"))) >= 40
+    restarted = make_engine(tiny_model_dir)
+    reference = make_engine(tiny_model_dir, hicache_storage_backend=None)  # recomputes everything
+    num_hits = 0
+    for seed in range(4):
+        tokens = prompt(seed, 150)
+        expected = reference.generate(tokens, GREEDY)["output_ids"]
+        output, cached = serve(restarted, tokens)
+        assert output == expected, f"prompt {seed}: a page read back differs from the computed one"
+        num_hits += cached > 0
+    assert num_hits >= 2  # the prompts the killed process finished are storage hits
+    assert not list(storage_dir.glob(".*.tmp")), "the dead writer's temporary files are removed at start-up"
+    restarted.close()
