@@ -380,8 +380,6 @@ class ReleasePolicy:
         cfg = self.config
         now = self.time_fn()
         self.mode = choose_mode(num_running, cfg.conservative_batch_size, cfg.aggressive_batch_size)
-        if self.storage is not None:
-            self.storage.finish_pending()
         if self.soft is not None:
             self.soft.finish_pending()
             if self.soft.is_sample_due(now):

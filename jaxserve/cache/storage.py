@@ -25,8 +25,9 @@ Several processes may share one directory (replicas behind sglang-router, the ra
 writes are atomic and idempotent (a page's bytes depend only on its key), reads verify, and each
 process bounds the directory's size by rescanning it before it evicts.
 
-Writes are asynchronous: `submit_write` queues pages for one writer thread (a bounded queue; when it is
-full the pages are dropped and counted, never waiting on the step's critical path). Reads for a
+Writes are asynchronous: `submit_write` / `submit_read` queue pages for one writer thread (a bounded queue;
+when it is full the pages are dropped and counted, never waiting on the step's critical path); the writer
+also waits for a device -> host copy still in flight, so the engine thread never does. Reads for a
 request run on one reader thread (`prefetch`) while the request waits in the queue.
 """
 
@@ -496,10 +497,15 @@ class FileStorage:
     def submit_write(self, keys: Sequence[bytes], k: np.ndarray, v: np.ndarray) -> bool:
         """Queue pages for the writer thread: `keys[i]` names `k[:, i]`, `v[:, i]` (`[L, n, KVH, ps, D]`).
         Never blocks; returns False (and counts the pages as dropped) when the queue is full."""
+        return self.submit_read(keys, _Ready(k, v))
+
+    def submit_read(self, keys: Sequence[bytes], read: Any) -> bool:
+        """`submit_write` of pages whose copy may still be in flight: `read.result()` (a `KVPageIO` read)
+        gives their K and V, `[L, >= len(keys), KVH, ps, D]`; the writer thread waits for it."""
         if not keys:
             return True
         try:
-            self._write_queue.put_nowait((list(keys), k, v))
+            self._write_queue.put_nowait((list(keys), read))
             return True
         except queue.Full:
             with self._lock:
@@ -516,7 +522,8 @@ class FileStorage:
             try:
                 if item is None:
                     return
-                keys, k, v = item
+                keys, read = item
+                k, v = read.result()
                 for i, key in enumerate(keys):
                     try:
                         n = self.write(key, k[:, i], v[:, i])
@@ -582,6 +589,16 @@ class FileStorage:
         self._read_queue.put(None)
         self._writer.join()
         self._reader.join()
+
+
+class _Ready:
+    """K and V already on the host, as a read that is done."""
+
+    def __init__(self, k: np.ndarray, v: np.ndarray):
+        self._kv = (k, v)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._kv
 
 
 def _scandir(path: str):

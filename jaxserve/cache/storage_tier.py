@@ -14,9 +14,8 @@ device. This unit maps requests and tree paths to page keys and moves KV between
 - Backup (`--hicache-write-policy`). The release policy calls `backup` with a tree path's tokens and
   device pages: after every insert (`write_through`), when a cached prefix is matched again
   (`write_through_selective`), or when a node is dropped from the last tier that held it
-  (`write_back`). The device -> host copy is started at once and finished at the next scheduler
-  iteration (`finish_pending`), which hands the pages to the backend's writer thread: the step never
-  waits on the disk.
+  (`write_back`). The device -> host copy is started at once and handed, still in flight, to the
+  backend's writer thread, which waits for it: the engine thread never waits on the copy or the disk.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from typing import Hashable, Sequence
 import numpy as np
 from jaxtyping import Int32
 
-from jaxserve.cache.page_io import KVPageIO, PendingRead
+from jaxserve.cache.page_io import DoneRead, KVPageIO, PendingRead
 from jaxserve.cache.storage import FileStorage, Prefetch, StorageConfig, page_keys
 
 MAX_REMEMBERED_KEYS = 1 << 20  # keys this process backed up (about 100 MB of set): forgotten beyond
@@ -54,7 +53,6 @@ class StorageTier:
         self.io: KVPageIO | None = None
         self._prefetches: dict[str, tuple[Prefetch, float]] = {}  # rid -> (prefetch, its deadline)
         self._waiting: dict[str, float] = {}  # rid -> when it was first held back by its prefetch
-        self._pending: list[tuple[list[bytes], PendingRead]] = []
         self._backed_up: set[bytes] = set()
         self.num_prefetch_waits = 0  # requests held in the queue by their prefetch
         self.prefetch_wait_s = 0.0  # their total time held, in seconds
@@ -135,8 +133,7 @@ class StorageTier:
         self, tokens: Sequence[int], namespace: Hashable, pages: Int32[np.ndarray, " P"], first_page: int = 0
     ) -> None:
         """Start writing pages of `tokens` that this process has not written yet: device page `pages[i]`
-        holds page `first_page + i`. The device -> host copy starts now; `finish_pending` hands it to the
-        writer."""
+        holds page `first_page + i`. The device -> host copy starts now; the writer thread finishes it."""
         keys = self.keys(tokens, namespace)[first_page : first_page + len(pages)]
         new = [i for i, key in enumerate(keys) if key not in self._backed_up]
         if not new:
@@ -145,7 +142,7 @@ class StorageTier:
             self._backed_up.clear()
         new_keys = [keys[i] for i in new]
         self._backed_up.update(new_keys)
-        self._pending.append((new_keys, self.io.read_pages(np.asarray(pages, np.int32)[new])))
+        self._submit(new_keys, self.io.read_pages(np.asarray(pages, np.int32)[new]))
 
     def backup_host(self, tokens: Sequence[int], namespace: Hashable, first_page: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write pages already on the host: `k[:, i]` / `v[:, i]` hold page `first_page + i` of `tokens`."""
@@ -153,26 +150,18 @@ class StorageTier:
         new = [i for i, key in enumerate(keys) if key not in self._backed_up]
         if new:
             self._backed_up.update(keys[i] for i in new)
-            self._submit([keys[i] for i in new], k[:, new], v[:, new])
+            self._submit([keys[i] for i in new], DoneRead(k[:, new], v[:, new]))
 
-    def finish_pending(self) -> None:
-        """Finish the device -> host copies started by `backup` and queue them for the writer thread."""
-        pending, self._pending = self._pending, []
-        for keys, read in pending:
-            k, v = read.result()
-            self._submit(keys, k[:, : len(keys)], v[:, : len(keys)])
-
-    def _submit(self, keys: list[bytes], k: np.ndarray, v: np.ndarray) -> None:
-        if self.storage.submit_write(keys, k, v):
+    def _submit(self, keys: list[bytes], read: PendingRead) -> None:
+        if self.storage.submit_read(keys, read):
             self.num_backup_pages += len(keys)
         else:
             self._backed_up.difference_update(keys)  # dropped: a later backup may try again
 
     def reset(self) -> None:
         """Forget which pages this process wrote (after a flush; the files stay)."""
-        self.finish_pending()
         self._backed_up.clear()
 
     def close(self) -> None:
-        self.finish_pending()
+        """Finish the queued writes and stop the backend's threads."""
         self.storage.close()

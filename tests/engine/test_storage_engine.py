@@ -38,7 +38,7 @@ def prompt(seed: int, n: int = 150) -> list[int]:
 
 def serve(engine: Engine, tokens: list[int]) -> tuple[list[int], int]:
     out = engine.generate(tokens, GREEDY)
-    engine.step()  # an idle iteration: the policy hands the new pages to the writer
+    engine.step()  # an idle iteration, as the engine loop runs one when it goes idle
     engine.release_policy.storage.storage.flush_writes()
     engine.cache.check_integrity([])
     return out["output_ids"], out["meta_info"]["cached_tokens"]
