@@ -37,7 +37,14 @@ from typing import Any, NamedTuple, Sequence
 
 import regex
 
-from jaxserve.engine.request import FinishReason, SamplingParams, finish_length, finish_stop
+from jaxserve.engine.request import FinishReason, SamplingParams, finish_abort, finish_length, finish_stop
+
+# A stop_regex search runs on the engine's thread once per token; a pattern that backtracks
+# catastrophically ("(a|aa)+c" over "aaaa...") took tens of seconds per search and stalled every request.
+# Each search is bounded by this (the `regex` package's timeout); one over it ends its own request with
+# an abort naming the pattern (status 400: the pattern, not the server, is at fault).
+STOP_REGEX_SEARCH_TIMEOUT_S = 0.05
+
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output (SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET).
@@ -153,7 +160,10 @@ class IncrementalDetokenizer:
             # token that completes it, as SGLang's tail check does.
             candidate = text + unsettled
             match = self._find_stop(candidate, len(self._held))
-            regex_match = self._find_stop_regex(candidate)
+            try:
+                regex_match = self._find_stop_regex(candidate)
+            except StopRegexTimeout as e:
+                return self._finish(text, finish_abort(str(e), status_code=400))
             if regex_match is not None and (match is None or regex_match[0] < match[0]):
                 match = regex_match
             if match is not None:
@@ -162,7 +172,10 @@ class IncrementalDetokenizer:
         if at_length:
             return self._finish(text, finish_length(params.max_new_tokens))
 
-        hold = max(self._stop_prefix_len(text), self._regex_prefix_len(text))
+        try:
+            hold = max(self._stop_prefix_len(text), self._regex_prefix_len(text))
+        except StopRegexTimeout as e:
+            return self._finish(text, finish_abort(str(e), status_code=400))
         self._held = text[len(text) - hold :]
         return self._emit(text[: len(text) - hold], None)
 
@@ -242,14 +255,14 @@ class IncrementalDetokenizer:
         start of a match was held back, see `_regex_prefix_len`): (start, pattern)."""
         best: tuple[int, str] | None = None
         for pattern, compiled in self._stop_regexes:
-            m = compiled.search(text)
+            m = _bounded_search(pattern, compiled, text, partial=False)
             if m is not None and (best is None or m.start() < best[0]):
                 best = (m.start(), pattern)
         return best
 
     def _regex_prefix_len(self, text: str) -> int:
         """Length of the suffix of `text` from the earliest partial stop_regex match on."""
-        starts = [m.start() for _, c in self._stop_regexes if (m := c.search(text, partial=True)) is not None]
+        starts = [m.start() for p, c in self._stop_regexes if (m := _bounded_search(p, c, text, partial=True)) is not None]
         return len(text) - min(starts) if starts else 0
 
     def _stop_prefix_len(self, text: str) -> int:
@@ -270,3 +283,17 @@ class IncrementalDetokenizer:
             self._pieces.append(text)
             self._text_cache = None
         return DetokenizeResult(text, finish_reason is not None, finish_reason)
+
+
+class StopRegexTimeout(Exception):
+    """A stop_regex search took over `STOP_REGEX_SEARCH_TIMEOUT_S` (the message names the pattern)."""
+
+
+def _bounded_search(pattern: str, compiled: Any, text: str, partial: bool):
+    """`compiled.search(text)` within `STOP_REGEX_SEARCH_TIMEOUT_S`; StopRegexTimeout past it."""
+    try:
+        return compiled.search(text, partial=partial, timeout=STOP_REGEX_SEARCH_TIMEOUT_S)
+    except TimeoutError:
+        raise StopRegexTimeout(
+            f"stop_regex {pattern!r} took over {STOP_REGEX_SEARCH_TIMEOUT_S * 1000:g} ms to search "
+            f"{len(text)} characters of output (it backtracks catastrophically); the request is stopped") from None

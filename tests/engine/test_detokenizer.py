@@ -313,3 +313,15 @@ def test_stop_regex_on_random_text(tok, text, pattern, no_stop_trim):
         assert "".join(deltas) == detok.text
         assert detok.num_tokens == stop_at
         assert detok.text == (full_decode(tok, ids[:stop_at]) if no_stop_trim else expected)
+
+
+def test_a_stop_regex_that_backtracks_catastrophically_ends_only_its_request(tok):
+    """Before: "(a|aa)+c" over an output of a's searched for tens of seconds per token on the engine's
+    thread (a new user measured a 38 s wait for another client's 3-token request)."""
+    a = tok.encode("a", add_special_tokens=False)
+    assert len(a) == 1
+    deltas, detok = stream(tok, a * 400, stop_regex=("(a|aa)+c",), max_new_tokens=400)
+    reason = detok.finish_reason
+    assert reason.kind == "abort" and reason.status_code == 400, reason
+    assert "(a|aa)+c" in reason.message and "backtracks" in reason.message
+    assert detok.text == "".join(deltas) and set(detok.text) == {"a"}  # the text so far is kept

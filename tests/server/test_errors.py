@@ -104,6 +104,12 @@ BAD_INPUTS = [
     (CHAT, _ascii_json({"messages": MSG, "stop": ["\ud800"]}), "stop[0]", "surrogate"),
     ("/generate", _ascii_json({"text": "hi", "sampling_params": {"regex": "a\ud800"}}), "sampling_params.regex", "lone surrogate U+D800"),
     (COMPLETIONS, _ascii_json({"prompt": "hi", "max_tokens": 2, "regex": "(a|\udcff)"}), "regex", "lone surrogate U+DCFF"),
+    # a new user's break test: a stop_regex that recurses on the empty string was a 500 (MemoryError),
+    # and a Responses input item whose type is a list or an object a 500 (unhashable type)
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1, "stop_regex": "(?R)"}}, "sampling_params.stop_regex", "cannot be searched"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_regex": ["x", "(?0)"]}}, "sampling_params.stop_regex", "cannot be searched"),
+    ("/v1/responses", {"input": [{"type": []}]}, "input[0].type", "must be a string"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "hi", "type": {"a": 1}}]}, "input[0].type", "must be a string"),
     # a grammar field of the wrong type was a 500 ("grammar source must be a string, got int")
     ("/generate", {"text": "a", "sampling_params": {"regex": 5}}, "sampling_params.regex", "regex: must be a string, got 5 (an integer)"),
     ("/generate", {"text": "a", "sampling_params": {"ebnf": ["x"]}}, "sampling_params.ebnf", 'ebnf: must be a string, got ["x"] (a list)'),

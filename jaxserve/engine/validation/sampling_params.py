@@ -117,6 +117,8 @@ def _check_unicode(name: str, text: str) -> None:
         ) from None
 
 
+STOP_REGEX_CHECK_TIMEOUT_S = 0.05  # the check's one search, on the empty string
+
 def _check_stop_regex(patterns: tuple[str, ...]) -> None:
     if len(patterns) > MAX_STOP_REGEX_COUNT:
         raise SamplingParamsError("stop_regex", f"at most {MAX_STOP_REGEX_COUNT} patterns, got {len(patterns)}")
@@ -128,9 +130,14 @@ def _check_stop_regex(patterns: tuple[str, ...]) -> None:
             raise SamplingParamsError("stop_regex", f"a pattern may have at most {MAX_STOP_REGEX_LEN} bytes, got {len(p.encode())}")
         try:
             compiled = regex.compile(p)
+            # bounded: "(?R)" recurses on the empty string until MemoryError
+            matches_empty = compiled.search("", timeout=STOP_REGEX_CHECK_TIMEOUT_S) is not None
         except (regex.error, RecursionError, OverflowError) as e:
             raise SamplingParamsError("stop_regex", f"invalid regex {p!r}: {e}") from None
-        if compiled.search("") is not None:
+        except (MemoryError, TimeoutError):
+            raise SamplingParamsError("stop_regex", f"{p!r} cannot be searched: it takes over "
+                                      f"{STOP_REGEX_CHECK_TIMEOUT_S * 1000:g} ms on the empty string") from None
+        if matches_empty:
             raise SamplingParamsError("stop_regex", f"{p!r} matches the empty string, so it would stop every request at once")
 
 

@@ -62,6 +62,9 @@ def check_input_items(body: dict[str, Any]) -> None:
             raise APIError(f"input[{i}]: an item must be an object (a message or a typed item), got {describe(item)}",
                            400, param=f"input[{i}]", code="invalid_type")
         kind = item.get("type", "message")
+        if not isinstance(kind, str):  # a list or an object: not even hashable, and no item type
+            raise APIError(f"input[{i}].type: must be a string, got {describe(kind)}", 400,
+                           param=f"input[{i}].type", code="invalid_type")
         if kind not in _INPUT_ITEMS:
             raise APIError(f"input[{i}].type: {kind!r} items are not served (served: {', '.join(_INPUT_ITEMS)})",
                            400, param=f"input[{i}].type", code="unsupported_parameter")
