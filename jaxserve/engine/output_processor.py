@@ -216,10 +216,14 @@ class OutputProcessor:
                 self.finish(req, res.finish_reason, counts)
                 break
             if req.grammar is not None:
+                reason = None
                 if not req.grammar.accept_token(token):
-                    self.finish(req, finish_abort(f"grammar rejected token {token}"), counts)
-                    break
-                if req.grammar.is_terminated():  # SGLang reports the last token as matched
-                    self.finish(req, finish_stop(token), counts)
+                    reason = finish_abort(f"grammar rejected token {token}")
+                elif req.grammar.is_terminated():  # SGLang reports the last token as matched
+                    reason = finish_stop(token)
+                if reason is not None:
+                    # text held back as a possible stop string's start is the request's text now
+                    delta += detok.finish(reason).text_delta
+                    self.finish(req, reason, counts)
                     break
         return appended, delta

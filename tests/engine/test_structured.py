@@ -336,3 +336,13 @@ def test_invalid_grammar_through_add_request_aborts_only_that_request(engine):
     after = engine.generate(chat(engine, "Is water wet?"), {"choices": ["yes", "no"], "max_new_tokens": 4, "temperature": 0})
     assert after["text"] in ("yes", "no")
     assert not engine.has_unfinished()
+
+
+def test_text_held_for_a_stop_regex_is_kept_when_the_grammar_ends(engine):
+    """Before: a possible stop_regex match held back ("aaaa" could still become "(a|aa)+c") was dropped
+    when the grammar ended the request: text "" for output "aaaa..." (a new user's break test)."""
+    params = {"regex": "a{3,6}", "max_new_tokens": 8, "temperature": 0, "stop_regex": "(a|aa)+c"}
+    (held,) = engine.generate([chat(engine, "Say a.")], [params])
+    (plain,) = engine.generate([chat(engine, "Say a.")], [{k: v for k, v in params.items() if k != "stop_regex"}])
+    assert held["output_ids"] == plain["output_ids"]
+    assert held["text"] == plain["text"] and 3 <= len(held["text"]) <= 6 and set(held["text"]) == {"a"}, held
