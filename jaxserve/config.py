@@ -12,6 +12,8 @@ import dataclasses
 import logging
 from typing import Any, Mapping
 
+from jaxserve.model.architecture import GGUF_ARCHITECTURES, hf_architecture, unsupported_message
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,8 +73,8 @@ class ModelConfig:
         Raises:
             ValueError: the architecture is not supported, or a field is missing.
         """
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        arch = archs[0] if archs else _arch_from_model_type(hf_config.model_type)
+        arch = hf_architecture({"architectures": getattr(hf_config, "architectures", None),
+                                "model_type": hf_config.model_type})
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         eos = getattr(hf_config, "eos_token_id", None)
@@ -107,12 +109,12 @@ class ModelConfig:
         """Build from GGUF key/value metadata (keys like `llama.embedding_length`).
 
         `vocab_size` and `tie_word_embeddings` come from the tensors (a GGUF without `output.weight` ties
-        the embeddings). Raises ValueError for a GGUF architecture other than llama/qwen2/qwen3.
+        the embeddings). Raises ValueError for a GGUF architecture not in `GGUF_ARCHITECTURES`.
         """
         arch = meta["general.architecture"]
-        hf_arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(arch)
+        hf_arch = GGUF_ARCHITECTURES.get(arch)
         if hf_arch is None:
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2, qwen3")
+            raise ValueError(unsupported_message(arch, "GGUF"))
         num_heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
@@ -141,15 +143,6 @@ class ModelConfig:
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=(int(eos),) if eos is not None else (),
         )
-
-
-def _arch_from_model_type(model_type: str) -> str:
-    return {
-        "llama": "LlamaForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-        "mistral": "MistralForCausalLM",
-    }.get(model_type, model_type)
 
 
 def _rope_scaling_from_dict(d: Mapping[str, Any] | None) -> RopeScaling:

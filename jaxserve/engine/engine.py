@@ -46,6 +46,7 @@ from jaxserve.engine.stats_log import prefill_line, prefill_stats
 from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
 from jaxserve.model import llama
+from jaxserve.model.architecture import check_architecture
 from jaxserve.model.loader import load_model, replicate_kv_heads
 from jaxserve.model.quant import quantize_params
 from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path, source_fingerprint
@@ -87,6 +88,7 @@ class Engine:
             logger.warning("%s given with --disable-radix-cache: ignored (there are no radix-cache nodes to move or merge)",
                            ", ".join(ignored))
         self.model_path = resolve_model_path(args.model_path)
+        check_architecture(self.model_path)  # before the tokenizer and weights: a refusal costs milliseconds
         self.tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
         self.model_config, params = load_model(
             args.model_path, args.dtype, args.weights_cache_dir, use_weights_cache=not args.no_weights_cache

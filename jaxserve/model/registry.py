@@ -1,10 +1,15 @@
-"""Architecture registry: HF `architectures` name -> the forward function that implements it."""
+"""Architecture registry: HF `architectures` name -> the forward function that implements it.
+
+The names are `jaxserve.model.architecture.ARCHITECTURES` (a jax-free table the launch path checks
+before anything loads); this maps each to its code.
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from jaxserve.model import llama
+from jaxserve.model.architecture import unsupported_message
 
 ARCHITECTURES: dict[str, Callable] = {
     "LlamaForCausalLM": llama.forward,
@@ -23,6 +28,4 @@ def get_forward(architecture: str) -> Callable:
     try:
         return ARCHITECTURES[architecture]
     except KeyError:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
-        ) from None
+        raise ValueError(unsupported_message(architecture)) from None

@@ -43,3 +43,23 @@ def test_bad_model_paths_say_what_to_pass(tmp_path):
         assert f"--model-path {path}: not a model" in line
         assert "expected a Hugging Face model directory (config.json, *.safetensors" in line and "or a .gguf file" in line
     assert "it is empty" in not_dir and "GGUF magic" in not_gguf
+
+
+def test_unsupported_architecture_is_refused_before_any_loading(tmp_path):
+    """A GGUF whose header names an architecture jaxserve does not implement, followed by bytes that
+    are no GGUF (no vocabulary, no tensors): the refusal names the architecture and the supported ones,
+    so it came from the header alone, before any tokenizer or weight work. The same for an HF
+    directory whose safetensors file is empty."""
+    from tests.model.test_architecture import gguf_header_bytes
+
+    gguf_file = tmp_path / "phi.gguf"
+    gguf_file.write_bytes(gguf_header_bytes("phi3"))
+    hf_dir = tmp_path / "gpt2"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    (hf_dir / "model.safetensors").write_bytes(b"")
+    gguf_line, hf_line = _serve_all([["--model-path", str(gguf_file)], ["--model-path", str(hf_dir)]])
+    assert gguf_line == (f"jaxserve: cannot start: --model-path {gguf_file}: unsupported GGUF architecture 'phi3'; "
+                         "supported: llama, qwen2, qwen3")
+    assert hf_line == (f"jaxserve: cannot start: --model-path {hf_dir}: unsupported architecture 'GPT2LMHeadModel'; "
+                       "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
