@@ -60,11 +60,31 @@ class ModelConfig:
     # None: projections in the params' float dtype; "w8a8_int8": int8 weights with per-row scales and
     # per-token int8 activations (jaxserve.model.quant, set by `quant.quantize_params` after loading)
     quantization: str | None = None
+    # sliding-window attention (tokens): a query attends to the last `sliding_window` positions up to
+    # its own, in the layers `layer_types` marks "sliding_attention" (every layer when `layer_types` is
+    # empty: Mistral); None: no window anywhere
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Gemma 2/3 (jaxserve.model.gemma): the local (windowed) layers' RoPE base (Gemma 3; None: `rope_theta`),
+    # the attention scale query_pre_attn_scalar ** -0.5, and soft-capping of attention scores and
+    # final logits (Gemma 2: cap * tanh(x / cap); None: off)
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def group_size(self) -> int:
         """Query heads per kv head (GQA group)."""
         return self.num_heads // self.num_kv_heads
+
+    def layer_sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window in tokens (None: full attention)."""
+        if self.sliding_window is None:
+            return (None,) * self.num_layers
+        if not self.layer_types:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @staticmethod
     def from_hf(hf_config: Any) -> "ModelConfig":
@@ -84,6 +104,20 @@ class ModelConfig:
         if rope_theta is None:
             rope_theta = rope_params.get("rope_theta", 10000.0)
         scaling = getattr(hf_config, "rope_scaling", None) or rope_params or None
+        rope_local_theta = None
+        if "full_attention" in rope_params:  # Gemma 3: RoPE parameters per layer type
+            rope_theta = rope_params["full_attention"].get("rope_theta", 10000.0)
+            scaling = rope_params["full_attention"]
+            rope_local_theta = float(rope_params.get("sliding_attention", {}).get("rope_theta", rope_theta))
+        layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        if "sliding_attention" not in layer_types:
+            # Mistral windows every layer (it has no layer_types); Qwen2's layer_types say where it
+            # uses its window (none unless use_sliding_window); Llama has no window
+            layer_types = ()
+            if arch != "MistralForCausalLM":
+                sliding_window = None
+        is_gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         return ModelConfig(
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -98,10 +132,16 @@ class ModelConfig:
             rms_norm_eps=float(hf_config.rms_norm_eps),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             eos_token_ids=eos_ids,
+            sliding_window=int(sliding_window) if sliding_window is not None else None,
+            layer_types=layer_types,
+            rope_local_theta=rope_local_theta,
+            query_pre_attn_scalar=float(hf_config.query_pre_attn_scalar) if is_gemma else None,
+            attn_logit_softcapping=_optional_float(getattr(hf_config, "attn_logit_softcapping", None)),
+            final_logit_softcapping=_optional_float(getattr(hf_config, "final_logit_softcapping", None)),
         )
 
     @staticmethod
@@ -124,12 +164,28 @@ class ModelConfig:
             scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
         eos = meta.get("tokenizer.ggml.eos_token_id")
         bos = meta.get("tokenizer.ggml.bos_token_id")
+        num_layers = int(meta[f"{arch}.block_count"])
+        sliding_window = meta.get(f"{arch}.attention.sliding_window")
+        layer_types: tuple[str, ...] = ()
+        gemma = {}
+        if arch in ("gemma2", "gemma3"):
+            # llama.cpp's layouts: Gemma 2 alternates local and global layers (local first), Gemma 3
+            # has a global layer every sixth (llama.cpp's and transformers' default pattern); the local
+            # RoPE base 10000 and query_pre_attn_scalar = head_dim are what both assume for these files
+            period = 2 if arch == "gemma2" else 6
+            layer_types = tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(num_layers))
+            gemma = dict(
+                query_pre_attn_scalar=float(head_dim),
+                rope_local_theta=10000.0 if arch == "gemma3" else None,
+                attn_logit_softcapping=_optional_float(meta.get(f"{arch}.attn_logit_softcapping")),
+                final_logit_softcapping=_optional_float(meta.get(f"{arch}.final_logit_softcapping")),
+            )
         return ModelConfig(
             architecture=hf_arch,
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-            num_layers=int(meta[f"{arch}.block_count"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
             head_dim=head_dim,
@@ -138,11 +194,18 @@ class ModelConfig:
             rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
             tie_word_embeddings=tie_word_embeddings,
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=(int(eos),) if eos is not None else (),
+            sliding_window=int(sliding_window) if sliding_window is not None and layer_types else None,
+            layer_types=layer_types,
+            **gemma,
         )
+
+
+def _optional_float(x) -> float | None:
+    return None if x is None else float(x)
 
 
 def _rope_scaling_from_dict(d: Mapping[str, Any] | None) -> RopeScaling:

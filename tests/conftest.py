@@ -31,16 +31,27 @@ TINY_LLAMA = dict(
 )
 
 
-def make_hf_checkpoint(path, model_cls_name: str, config_kwargs: dict, seed: int = 0, tokenizer=None) -> str:
-    """Save a random-weight transformers model (safetensors) and optionally a tokenizer into `path`."""
+def make_hf_checkpoint(
+    path, model_cls_name: str, config_kwargs: dict, seed: int = 0, tokenizer=None, norm_noise: float = 0.0
+) -> str:
+    """Save a random-weight transformers model (safetensors) and optionally a tokenizer into `path`.
+    `norm_noise`: add Gaussian noise of that scale to every norm weight (Gemma initializes its
+    zero-centred norms to 0, which would hide a missing `1 +`)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config_cls = getattr(transformers, model_cls_name.replace("ForCausalLM", "Config"))
+    # Gemma3ForCausalLM is the text model; Gemma3Config is the multimodal one's
+    config_name = {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(model_cls_name, model_cls_name.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, config_name)
     config = config_cls(**config_kwargs)
     config.architectures = [model_cls_name]
     model = getattr(transformers, model_cls_name)(config).to(torch.float32).eval()
+    if norm_noise:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * norm_noise)
     model.save_pretrained(str(path), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))

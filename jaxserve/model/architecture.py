@@ -21,6 +21,8 @@ import struct
 
 # HF `architectures` names that jaxserve implements
 ARCHITECTURES = (
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
@@ -28,12 +30,16 @@ ARCHITECTURES = (
 )
 # GGUF `general.architecture` -> the HF architecture it loads as (llama.cpp names Mistral "llama")
 GGUF_ARCHITECTURES = {
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
 # HF `model_type` -> architecture, for a config.json without `architectures`
 MODEL_TYPES = {
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",

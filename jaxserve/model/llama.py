@@ -42,7 +42,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch
 from jaxserve.model.quant import ACT_BLOCKS, blocked_shape, int8_matmul
 from jaxserve.pallas.numerics import pairwise_sum
-from jaxserve.pallas.reference import write_kv
+from jaxserve.pallas.reference import NO_WINDOW, write_kv
 
 Params = dict[str, Any]  # the nested dict of arrays (nnx.to_pure_dict's form)
 AttentionFn = Callable[..., jax.Array]
@@ -70,14 +70,18 @@ def _matmul(w: nnx.Param, scale: nnx.Param | None, x: Float[Array, "I T"]) -> Fl
     return int8_matmul(w[...], scale[...], x)
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> np.ndarray:
     """Inverse RoPE frequencies [D/2] (float64 numpy, a trace-time constant), with rope scaling applied.
 
+    `theta`: another base than `config.rope_theta` (Gemma 3's local layers), which gets no scaling.
     llama3 scaling follows Meta's Llama 3.1 reference (as in transformers' `_compute_llama3_parameters`):
     long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
     """
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    base = config.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if theta is not None and theta != config.rope_theta:
+        return inv_freq
     rs = config.rope_scaling
     if rs.kind == "linear":
         inv_freq = inv_freq / rs.factor
@@ -93,6 +97,16 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(is_medium, smoothed, scaled)
     return inv_freq
+
+
+def layer_sliding_window(config: ModelConfig, layer: Int32[Array, ""]) -> Int32[Array, ""] | None:
+    """The sliding window of layer `layer` (a traced int32 scalar; `NO_WINDOW` for a full-attention
+    layer among windowed ones), or None when no layer of the model has a window (static)."""
+    windows = config.layer_sliding_windows()
+    if all(w is None for w in windows):
+        return None
+    table = np.array([NO_WINDOW if w is None else w for w in windows], np.int32)
+    return jnp.asarray(table)[layer]
 
 
 def rms_norm(
@@ -172,6 +186,20 @@ class Attention(nnx.Module):
         sin: Float[Array, "T D"],
         attn_fn: AttentionFn,
     ) -> tuple[Float[Array, "E T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
+        q, k, v = self.project_qkv(x)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        window = layer_sliding_window(self.config, layer)
+        extra = {} if window is None else dict(sliding_window=window)
+        o, k_pool, v_pool = attn_fn(
+            q, k, v, k_pool, v_pool, layer, batch.slot_mapping, batch.attn, 1.0 / math.sqrt(self.config.head_dim), **extra
+        )
+        return self.project_out(o), k_pool, v_pool
+
+    def project_qkv(
+        self, x: Float[Array, "E T"]
+    ) -> tuple[Float[Array, "T H D"], Float[Array, "T KVH D"], Float[Array, "T KVH D"]]:
+        """Q, K, V of the tokens x [E, T] (+ bias, + q/k norm, before RoPE)."""
         cfg = self.config
         num_tokens, d, nkv, g = x.shape[1], cfg.head_dim, cfg.num_kv_heads, cfg.group_size
         # a 2-D matmul on the flattened rows (a split kv-head axis stays a split of the rows): the
@@ -196,12 +224,17 @@ class Attention(nnx.Module):
         k = qkv[:, :, g * d : (g + 1) * d]
         v = qkv[:, :, (g + 1) * d :]
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        o, k_pool, v_pool = attn_fn(q, k, v, k_pool, v_pool, layer, batch.slot_mapping, batch.attn, 1.0 / math.sqrt(d))
-        return _matmul(self.wo, self.wo_scale, o.reshape(num_tokens, nkv * g * d).T), k_pool, v_pool
+            q, k = self.norm_qk(q, k)
+        return q, k, v
+
+    def norm_qk(self, q: Float[Array, "T H D"], k: Float[Array, "T KVH D"]) -> tuple[Float[Array, "T H D"], Float[Array, "T KVH D"]]:
+        """RMSNorm of each query and key head (Qwen3)."""
+        eps = self.config.rms_norm_eps
+        return rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
+
+    def project_out(self, o: Float[Array, "T H D"]) -> Float[Array, "E T"]:
+        """The output projection of the attention output o [T, H, D], back to [E, T]."""
+        return _matmul(self.wo, self.wo_scale, o.reshape(o.shape[0], -1).T)
 
 
 class MLP(nnx.Module):
@@ -259,10 +292,12 @@ class Llama(nnx.Module):
     """The decoder: token embedding [V, E] (vocab, embed), `config.num_layers` DecoderLayers, final
     norm [E], output head [V, E] (None when tied to the embedding)."""
 
+    layer_cls: type = DecoderLayer  # the decoder layer Module (jaxserve.model.gemma overrides it)
+
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         self.config = config
         self.embed = _param((config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = nnx.List([DecoderLayer(config, dtype) for _ in range(config.num_layers)])
+        self.layers = nnx.List([self.layer_cls(config, dtype) for _ in range(config.num_layers)])
         self.final_norm = _param((config.hidden_size,), ("embed",), dtype, jnp.ones)
         self.lm_head = (
             None if config.tie_word_embeddings or config.quantization is not None
@@ -314,23 +349,36 @@ class ModelDefs(NamedTuple):
     layer: Any
 
 
+def model_class(config: ModelConfig) -> type[Llama]:
+    """The outer Module of `config.architecture` (`Llama`, or `jaxserve.model.gemma.Gemma`; its
+    `layer_cls` is the decoder layer), from `jaxserve.model.registry`.
+
+    Raises:
+        ValueError: the architecture is not supported.
+    """
+    from jaxserve.model.registry import get_model_class  # the registry imports this module
+
+    return get_model_class(config.architecture)
+
+
 @functools.cache
 def model_defs(config: ModelConfig) -> ModelDefs:
     """Build the abstract model once per config (`nnx.eval_shape`: no memory) and split it."""
-    outer, _ = nnx.split(nnx.eval_shape(lambda: Llama(dataclasses.replace(config, num_layers=0))))
-    layer, _ = nnx.split(nnx.eval_shape(lambda: DecoderLayer(config)))
+    cls = model_class(config)
+    outer, _ = nnx.split(nnx.eval_shape(lambda: cls(dataclasses.replace(config, num_layers=0))))
+    layer, _ = nnx.split(nnx.eval_shape(lambda: cls.layer_cls(config)))
     return ModelDefs(outer, layer)
 
 
 def abstract_params(config: ModelConfig, dtype=jnp.float32) -> Params:
     """The params dict of `config` as ShapeDtypeStructs (per-layer storage): what a loader must fill."""
-    _, state = nnx.split(nnx.eval_shape(lambda: Llama(config, dtype)))
+    _, state = nnx.split(nnx.eval_shape(lambda: model_class(config)(config, dtype)))
     return nnx.to_pure_dict(state)
 
 
 def logical_axes(config: ModelConfig) -> Params:
     """The params dict's tree with each leaf's logical axis names (a tuple of str, one per dim)."""
-    _, state = nnx.split(nnx.eval_shape(lambda: Llama(config)))
+    _, state = nnx.split(nnx.eval_shape(lambda: model_class(config)(config)))
     return nnx.to_pure_dict(jax.tree.map(lambda v: v.get_metadata()["out_sharding"], state,
                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
@@ -452,17 +500,22 @@ def forward(
 
 @functools.cache
 def paged_attention(attention: Callable) -> AttentionFn:
-    """Wrap a ragged paged attention backend (`(q, k_pool, v_pool, layer, meta, sm_scale) -> out`, see
-    `jaxserve.pallas.get_attention_backend`) as the model's `attn_fn`: scatter the step's K/V into layer
-    `layer` of the pools, then attend. A function already in that form (marked `writes_kv`, like this
+    """Wrap a ragged paged attention backend (`(q, k_pool, v_pool, layer, meta, sm_scale,
+    [sliding_window=, logit_softcap=]) -> out`, see `jaxserve.pallas.get_attention_backend`) as the
+    model's `attn_fn`: scatter the step's K/V into layer `layer` of the pools, then attend. The window
+    (a traced int32 scalar) and the soft-cap (static) reach the backend only when given, so a backend
+    without them serves models without windows. A function already in that form (marked `writes_kv`, like this
     wrapper or `jaxserve.parallel.shard_attention`'s) is returned as it is, so every entry point takes
     either."""
     if getattr(attention, "writes_kv", False):
         return attention
 
-    def attn_fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale):
+    def attn_fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale, sliding_window=None, logit_softcap=None):
         k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, slot_mapping)
-        return attention(q, k_pool, v_pool, layer, meta, sm_scale), k_pool, v_pool
+        extra = {} if sliding_window is None else dict(sliding_window=sliding_window)
+        if logit_softcap is not None:
+            extra["logit_softcap"] = logit_softcap
+        return attention(q, k_pool, v_pool, layer, meta, sm_scale, **extra), k_pool, v_pool
 
     attn_fn.writes_kv = True
     return attn_fn

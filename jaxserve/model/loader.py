@@ -53,8 +53,18 @@ _HF_LAYER_NAMES = {
     "mlp.up_proj.weight": "up_proj",
     "mlp.down_proj.weight": "down_proj",
 }
+# Gemma 2/3 (four norms a layer): HF's post_attention_layernorm is the norm after attention there,
+# where Llama's is the norm before the MLP
+_HF_GEMMA_LAYER_NAMES = {
+    **_HF_LAYER_NAMES,
+    "post_attention_layernorm.weight": "post_attn_norm",
+    "pre_feedforward_layernorm.weight": "mlp_norm",
+    "post_feedforward_layernorm.weight": "post_mlp_norm",
+}
 # path of a layer param in the params dict -> the HF tensors it is built from (see `_layer_param`)
 _LAYER_PATHS = {
+    ("post_attn_norm",): ("post_attn_norm",),
+    ("post_mlp_norm",): ("post_mlp_norm",),
     ("attn_norm",): ("attn_norm",),
     ("attention", "wqkv"): ("q_proj", "k_proj", "v_proj"),
     ("attention", "wo"): ("o_proj",),
@@ -83,6 +93,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -236,9 +253,11 @@ def _read_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, np.ndarray]]
                 f"supported: {', '.join(sorted(q.name for q in supported))}"
             )
 
+    is_gemma = config.architecture in _GEMMA_ARCHITECTURES
+
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
         for t in reader.tensors:
-            hf_name = _gguf_to_hf_name(t.name)
+            hf_name = _gguf_to_hf_name(t.name, _GGUF_GEMMA_LAYER_NAMES if is_gemma else _GGUF_LAYER_NAMES)
             if hf_name is None:
                 continue
             w = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -246,6 +265,9 @@ def _read_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, np.ndarray]]
             if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = config.num_heads if "attn_q" in t.name else config.num_kv_heads
                 w = _unpermute_qk(w, heads)
+            if is_gemma and t.name.endswith("norm.weight"):
+                # llama.cpp's converter stores Gemma's norm weights as 1 + w; undone as transformers does
+                w = w - np.float32(1.0)
             yield hf_name, w
 
     return config, tensors()
@@ -269,13 +291,13 @@ def _config_from_gguf(reader) -> ModelConfig:
     return config
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, layer_names: dict[str, str]) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        if rest in layer_names:
+            return f"model.layers.{idx}.{layer_names[rest]}"
     return None
 
 
@@ -290,12 +312,13 @@ def _assemble(config: ModelConfig, tensors, dtype) -> llama.Params:
     globals_: dict[str, np.ndarray] = {}
     expected = sum(1 for _ in _expected_layer_tensors(config)) * config.num_layers
     bar = tqdm(total=expected + 2, desc="Loading weights", unit="tensor", leave=False)
+    layer_names = _HF_GEMMA_LAYER_NAMES if config.architecture in _GEMMA_ARCHITECTURES else _HF_LAYER_NAMES
     for name, w in tensors:
         if name.startswith("model.layers."):
             _, _, idx, rest = name.split(".", 3)
-            if rest not in _HF_LAYER_NAMES:
+            if rest not in layer_names:
                 continue
-            layers.setdefault(_HF_LAYER_NAMES[rest], [None] * config.num_layers)[int(idx)] = _to_numpy(w)
+            layers.setdefault(layer_names[rest], [None] * config.num_layers)[int(idx)] = _to_numpy(w)
             bar.update()
         elif name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             globals_[name] = _to_numpy(w)
@@ -375,6 +398,8 @@ def _expected_layer_tensors(config: ModelConfig):
         yield from ("q_bias", "k_bias", "v_bias")
     if config.qk_norm:
         yield from ("q_norm", "k_norm")
+    if config.architecture in _GEMMA_ARCHITECTURES:
+        yield from ("post_attn_norm", "post_mlp_norm")
 
 
 def _to_numpy(w) -> np.ndarray:
@@ -432,6 +457,7 @@ def _restore(cache_dir: Path) -> tuple[ModelConfig, llama.Params]:
     raw = json.loads((cache_dir / "config.json").read_text())
     raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    raw["layer_types"] = tuple(raw.get("layer_types", ()))
     config = ModelConfig(**raw)
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(cache_dir.absolute() / "params")

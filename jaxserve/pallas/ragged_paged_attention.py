@@ -16,6 +16,8 @@ Kernel layout (the design of vLLM's and SGLang's ragged paged attention, written
   the whole stacked pool in-kernel (`k_ref[layer, pages, h]`, an indexed load of `PPB` contiguous `[page_size, D]` blocks), so no per-layer
   slice or per-sequence copy of the pool is ever made. It only visits the pages the block needs:
   `ceil((q_start + num_q) / (PPB * page_size))` steps, bounded by the page-table width.
+- Sliding windows (Mistral, Gemma 2/3): a traced window per call masks keys at or before
+  `p - window` and the loop starts at the first page block the block's first row needs.
 - Online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; FlashAttention,
   Dao et al. 2022) in float32; `P @ V` runs in the pool dtype with a float32 accumulator, as the XLA
   path does.
@@ -40,6 +42,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int32
 
 from jaxserve.pallas.metadata import AttentionMetadata
+from jaxserve.pallas.reference import NO_WINDOW
 
 _MASK_VALUE = -1e30
 _MIN_DOT_DIM = 16
@@ -59,6 +62,7 @@ def _is_pow2(n: int) -> bool:
 def _attention_kernel(
     scale_ref,  # [1] float32 softmax scale
     layer_ref,  # [1]
+    window_ref,  # [1] sliding window in tokens (NO_WINDOW: none)
     seq_id_ref,  # [NB]
     q_start_ref,  # [NB]
     num_q_ref,  # [NB]
@@ -73,6 +77,7 @@ def _attention_kernel(
     num_page_blocks: int,
     max_kv_len: int,
     precision,
+    logit_softcap: float | None,
 ):
     from jax.experimental import pallas as pl
 
@@ -83,6 +88,7 @@ def _attention_kernel(
     num_q = num_q_ref[block]
     layer = layer_ref[0]
     sm_scale = scale_ref[0]
+    window = window_ref[0]
 
     rows, head_dim = q_ref.shape
     page_size = k_pool_ref.shape[3]
@@ -103,8 +109,11 @@ def _attention_kernel(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
         s = s * sm_scale
+        if logit_softcap is not None:
+            s = logit_softcap * jnp.tanh(s / logit_softcap)
         kv_pos = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-        s = jnp.where(kv_pos[None, :] <= q_pos[:, None], s, _MASK_VALUE)
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] > q_pos[:, None] - window)
+        s = jnp.where(visible, s, _MASK_VALUE)
         m_next = jnp.maximum(m_prev, s.max(axis=1))
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next[:, None])
@@ -116,10 +125,13 @@ def _attention_kernel(
 
     kv_end = q_start + num_q
     num_steps = jnp.minimum((kv_end + block_kv - 1) // block_kv, num_page_blocks)
+    # windowed: no row needs a key before the first row's window (a step where a row sees no key yet is
+    # wiped by the next step's rescale)
+    first_step = jnp.minimum(jnp.maximum(q_start - window + 1, 0) // block_kv, num_steps)
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _MASK_VALUE, jnp.float32)
     row_sum = jnp.zeros((rows,), jnp.float32)
-    acc, m, row_sum = jax.lax.fori_loop(0, num_steps, body, (acc, m, row_sum))
+    acc, m, row_sum = jax.lax.fori_loop(first_step, num_steps, body, (acc, m, row_sum))
     # Padding blocks (num_q == 0) run no step: write zeros rather than 0 / 0.
     row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)
     o_ref[...] = (acc / row_sum[:, None]).astype(o_ref.dtype)
@@ -150,6 +162,8 @@ def ragged_paged_attention(
     meta: AttentionMetadata,
     sm_scale: float,
     *,
+    sliding_window: Int32[Array, ""] | int | None = None,
+    logit_softcap: float | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "T H D"]:
     """Causal attention of each packed query token over its sequence's KV in layer `layer` of the pool.
@@ -162,6 +176,9 @@ def ragged_paged_attention(
 
     Args:
         sm_scale: softmax scale (usually `head_dim ** -0.5`); a Python float or a traced scalar.
+        sliding_window: keys at positions p - window < kv <= p only (tokens; a traced int32 scalar or
+            an int; None: plain causal), as `ragged_paged_attention_xla`.
+        logit_softcap: static; scores become `cap * tanh(score / cap)` after scaling (Gemma 2).
         interpret: run the kernel in Pallas interpret mode; None means interpret on CPU and the
             compiled Triton kernel elsewhere. Interpret mode is slow (tests only).
 
@@ -184,12 +201,16 @@ def ragged_paged_attention(
         jnp.asarray(layer, jnp.int32).reshape(1),
         meta,
         jnp.asarray(sm_scale, jnp.float32).reshape(1),
+        jnp.asarray(NO_WINDOW if sliding_window is None else sliding_window, jnp.int32).reshape(1),
         pages_per_block=max(1, _BLOCK_KV_TOKENS // page_size),
         interpret=bool(interpret),
+        logit_softcap=logit_softcap,
     )
 
 
-def _ragged_paged_attention(q, k_pool, v_pool, layer, meta: AttentionMetadata, sm_scale, *, pages_per_block, interpret):
+def _ragged_paged_attention(
+    q, k_pool, v_pool, layer, meta: AttentionMetadata, sm_scale, window, *, pages_per_block, interpret, logit_softcap
+):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pl_triton
 
@@ -227,6 +248,7 @@ def _ragged_paged_attention(q, k_pool, v_pool, layer, meta: AttentionMetadata, s
         num_page_blocks=num_page_blocks,
         max_kv_len=pages_per_seq * page_size,
         precision=precision,
+        logit_softcap=logit_softcap,
     )
     full = lambda shape: pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))  # noqa: E731
     per_program = pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0))
@@ -237,6 +259,7 @@ def _ragged_paged_attention(q, k_pool, v_pool, layer, meta: AttentionMetadata, s
         in_specs=[
             full(sm_scale.shape),
             full(layer.shape),
+            full(window.shape),
             full(meta.block_seq_id.shape),
             full(meta.block_q_start.shape),
             full(meta.block_num_q.shape),
@@ -249,7 +272,7 @@ def _ragged_paged_attention(q, k_pool, v_pool, layer, meta: AttentionMetadata, s
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=_NUM_STAGES),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(sm_scale, layer, meta.block_seq_id, meta.block_q_start, meta.block_num_q, page_table, qb, k_pool, v_pool)
+    )(sm_scale, layer, window, meta.block_seq_id, meta.block_q_start, meta.block_num_q, page_table, qb, k_pool, v_pool)
 
     out = out[:, :, : block_q_pad * group_pad].reshape(num_blocks, num_kv_heads, block_q_pad, group_pad, head_dim)
     out = out[:, :, :block_q, :group].transpose(0, 2, 1, 3, 4).reshape(num_blocks * block_q, num_heads, head_dim)

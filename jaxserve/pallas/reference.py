@@ -15,6 +15,9 @@ from jaxserve.pallas.metadata import AttentionMetadata
 from jaxserve.pallas.numerics import pairwise_sum
 
 _MASK_VALUE = -1e30
+# the window of a layer without one, when a model's layers mix windowed and full attention (Gemma 2/3):
+# larger than any position, so `kv_pos > q_pos - NO_WINDOW` holds for every key
+NO_WINDOW = 1 << 30
 KV_BLOCK_TOKENS = 256  # keys per inner-loop step of the XLA path; measured best of 128/256/1024 on CPU
 
 
@@ -48,6 +51,9 @@ def ragged_paged_attention_xla(
     meta: AttentionMetadata,
     sm_scale: float,
     kv_block: int = KV_BLOCK_TOKENS,
+    *,
+    sliding_window: Int32[Array, ""] | int | None = None,
+    logit_softcap: float | None = None,
 ) -> Float[Array, "T H D"]:
     """Causal attention of each packed query token over its sequence's KV in layer `layer` of the pool.
 
@@ -55,6 +61,11 @@ def ragged_paged_attention_xla(
     kv heads (GQA, `H = KVH * G`). Rows of padding tokens are zero.
     `kv_block` is the number of keys per inner-loop step (static; rounded down to whole pages, at
     least one page); `sm_scale` is usually head_dim ** -0.5.
+    `sliding_window` (tokens; a traced int32 scalar, so one program serves windowed and full layers;
+    `NO_WINDOW` for none): a query at position p attends to keys at positions p - window < kv <= p, the
+    last `window` tokens including itself (transformers' `sliding_window_overlay`; Mistral, Gemma 2/3);
+    the keys before the first row's window are never read. None (static): plain causal attention.
+    `logit_softcap` (static): scores become `cap * tanh(score / cap)` after scaling (Gemma 2).
 
     Algorithm: flash attention (Dao et al., 2022) run as XLA loops. For each query block, a loop over
     blocks of `kv_block` tokens of its own sequence keeps a running max, denominator and output in
@@ -93,6 +104,9 @@ def ragged_paged_attention_xla(
         q_pos = q_start + row_offset
         kv_end = q_start + num_q  # causal: keys at positions < kv_end
         num_chunks = (kv_end + chunk - 1) // chunk
+        # windowed: the block's first row needs no key before q_start - window + 1, so neither do the
+        # others; a chunk where some row sees no key yet is wiped by the next one's rescale (exp(-inf))
+        first_chunk = 0 if sliding_window is None else jnp.maximum(q_start - sliding_window + 1, 0) // chunk
 
         def kv_step(c, carry):
             run_max, denom, acc = carry
@@ -105,8 +119,13 @@ def ragged_paged_attention_xla(
             k = k_pool[layer, pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, chunk, head_dim)
             v = v_pool[layer, pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, chunk, head_dim)
             s = jnp.einsum("krd,ksd->krs", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
+            if logit_softcap is not None:
+                s = logit_softcap * jnp.tanh(s / logit_softcap)
             kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            s = jnp.where(kv_pos[None, None, :] <= q_pos[None, :, None], s, _MASK_VALUE)
+            visible = kv_pos[None, None, :] <= q_pos[None, :, None]
+            if sliding_window is not None:
+                visible &= kv_pos[None, None, :] > q_pos[None, :, None] - sliding_window
+            s = jnp.where(visible, s, _MASK_VALUE)
             new_max = jnp.maximum(run_max, s.max(axis=-1))
             p = jnp.exp(s - new_max[..., None])
             rescale = jnp.exp(run_max - new_max)
@@ -120,7 +139,7 @@ def ragged_paged_attention_xla(
             jnp.zeros((num_kv_heads, rows), jnp.float32),
             jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32),
         )
-        _, denom, acc = jax.lax.fori_loop(0, num_chunks, kv_step, init)
+        _, denom, acc = jax.lax.fori_loop(first_chunk, num_chunks, kv_step, init)
         res = (acc / jnp.maximum(denom, 1e-30)[..., None]).reshape(num_kv_heads, group, block_q, head_dim)
         res = res.transpose(2, 0, 1, 3).reshape(block_q, num_heads, head_dim)
         # rows past the block's last query go to row T, which the scatter drops
@@ -135,14 +154,20 @@ def ragged_paged_attention_xla(
 
 
 def dense_causal_attention(
-    q: Float[Array, "T H D"], k: Float[Array, "T KVH D"], v: Float[Array, "T KVH D"], sm_scale: float
+    q: Float[Array, "T H D"], k: Float[Array, "T KVH D"], v: Float[Array, "T KVH D"], sm_scale: float,
+    sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> Float[Array, "T H D"]:
-    """Plain causal attention of one contiguous sequence (no pool): a brute-force reference for tests."""
+    """Plain causal attention of one contiguous sequence (no pool): a brute-force reference for tests
+    (window and soft-capping as in `ragged_paged_attention_xla`)."""
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     k = jnp.repeat(k, group, axis=1)
     v = jnp.repeat(v, group, axis=1)
     scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    if logit_softcap is not None:
+        scores = logit_softcap * jnp.tanh(scores / logit_softcap)
     mask = jnp.tril(jnp.ones((num_tokens, num_tokens), bool))
+    if sliding_window is not None:
+        mask &= ~jnp.tril(jnp.ones((num_tokens, num_tokens), bool), -sliding_window)
     probs = jax.nn.softmax(jnp.where(mask, scores, _MASK_VALUE), axis=-1)
     return jnp.einsum("hqk,khd->qhd", probs, v.astype(jnp.float32)).astype(q.dtype)

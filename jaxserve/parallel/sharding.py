@@ -105,8 +105,9 @@ def vocab_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
 
 
 def shard_attention(attn_fn: Callable, mesh: Mesh) -> Callable:
-    """Run the model's `attn_fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale)` (the
-    K/V write and attention, `llama.paged_attention`) once per
+    """Run the model's `attn_fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale,
+    sliding_window=None, logit_softcap=None)` (the K/V write and attention, `llama.paged_attention`;
+    the window a traced scalar, replicated) once per
     device on its own heads under `jax.shard_map`: q [T, H, D], k/v [T, KVH, D] and the pools split over
     heads, the batch metadata replicated. Heads never talk to each other in attention, so no collective
     runs inside. `check_vma=False`: a `pallas_call` inside shard_map needs it (JAX 0.10.2).
@@ -114,15 +115,18 @@ def shard_attention(attn_fn: Callable, mesh: Mesh) -> Callable:
     heads = P(None, "tensor", None)
     pool = P(None, None, "tensor", None, None)
 
-    def sharded(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale):
-        fn = jax.shard_map(
-            lambda *a: attn_fn(*a, sm_scale),
-            mesh=mesh,
-            in_specs=(heads, heads, heads, pool, pool, P(), P(), P()),
-            out_specs=(heads, pool, pool),
-            check_vma=False,
-        )
-        return fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta)
+    def sharded(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale, sliding_window=None, logit_softcap=None):
+        args, specs = [q, k, v, k_pool, v_pool, layer, slot_mapping, meta], [heads, heads, heads, pool, pool, P(), P(), P()]
+        if sliding_window is not None:  # a traced scalar, replicated
+            args.append(sliding_window)
+            specs.append(P())
+
+        def local(*a):
+            window = a[8] if len(a) > 8 else None
+            return attn_fn(*a[:8], sm_scale, sliding_window=window, logit_softcap=logit_softcap)
+
+        fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=(heads, pool, pool), check_vma=False)
+        return fn(*args)
 
     sharded.writes_kv = True
     return sharded

@@ -499,9 +499,11 @@ class ModelRunner:
         if self.layer_loop == "scan":
             return {"step": self._step_jit[input_logprobs].lower(self.params, self.k_pool, self.v_pool, batch)}
         outer = llama.outer_params(self.params)
-        num_tokens, dtype = batch.input_ids.shape[0], jax.tree.leaves(outer)[0].dtype
-        h = jax.ShapeDtypeStruct((self.config.hidden_size, num_tokens), dtype, sharding=self._replicated)
-        rope = jax.ShapeDtypeStruct((num_tokens, self.config.head_dim), dtype, sharding=self._replicated)
+        # the residual stream and RoPE tables as the embed program makes them ([E, T]; [T, D], or
+        # [R, T, D] for a model with R RoPE bases, Gemma 3)
+        (h, rope, _), _ = jax.eval_shape(functools.partial(embed_step, config=self.config), outer, batch)
+        h = jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=self._replicated)
+        rope = jax.ShapeDtypeStruct(rope.shape, rope.dtype, sharding=self._replicated)
         lower = {
             "embed": lambda: self._embed_jit.lower(outer, batch),
             "layer": lambda: self._layers_jit.lower(

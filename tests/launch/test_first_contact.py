@@ -60,6 +60,6 @@ def test_unsupported_architecture_is_refused_before_any_loading(tmp_path):
     (hf_dir / "model.safetensors").write_bytes(b"")
     gguf_line, hf_line = _serve_all([["--model-path", str(gguf_file)], ["--model-path", str(hf_dir)]])
     assert gguf_line == (f"jaxserve: cannot start: --model-path {gguf_file}: unsupported GGUF architecture 'phi3'; "
-                         "supported: llama, qwen2, qwen3")
+                         "supported: gemma2, gemma3, llama, qwen2, qwen3")
     assert hf_line == (f"jaxserve: cannot start: --model-path {hf_dir}: unsupported architecture 'GPT2LMHeadModel'; "
-                       "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
+                       "supported: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")

@@ -117,6 +117,16 @@ ARCH_CASES = {
         "original_max_position_embeddings": 64})),
     "llama-linear-rope": ("LlamaForCausalLM", dict(TINY, rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "mistral": ("MistralForCausalLM", dict(TINY, head_dim=16, sliding_window=None)),
+    # windows far shorter than the 200-token prompt (and than the host loop's 120-token chunk)
+    "mistral-window": ("MistralForCausalLM", dict(TINY, head_dim=16, sliding_window=24)),
+    "gemma2": ("Gemma2ForCausalLM", dict(TINY, num_hidden_layers=4, head_dim=16, sliding_window=24,
+                                         query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                         final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        TINY, num_hidden_layers=4, head_dim=16, sliding_window=24, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 
 
@@ -125,7 +135,7 @@ def test_tiny_checkpoints_match_transformers(tmp_path, case):
     import transformers
 
     arch, cfg = ARCH_CASES[case]
-    path = make_hf_checkpoint(tmp_path / case, arch, cfg, seed=1)
+    path = make_hf_checkpoint(tmp_path / case, arch, cfg, seed=1, norm_noise=0.5 if "gemma" in case else 0.0)
     config, params = load_model(path, "float32", use_weights_cache=False)
     assert config.architecture == arch
     ids = list(np.random.default_rng(0).integers(0, cfg["vocab_size"], size=200))

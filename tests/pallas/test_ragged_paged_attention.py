@@ -33,8 +33,8 @@ NUM_LAYERS = 2
 NUM_KV_HEADS = 2
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
-_pallas = jax.jit(ragged_paged_attention, static_argnames=("sm_scale", "interpret"))
-_xla = jax.jit(ragged_paged_attention_xla, static_argnames=("sm_scale",))
+_pallas = jax.jit(ragged_paged_attention, static_argnames=("sm_scale", "interpret", "logit_softcap"))
+_xla = jax.jit(ragged_paged_attention_xla, static_argnames=("sm_scale", "kv_block", "logit_softcap"))
 
 
 def _pow2(n: int) -> int:
@@ -90,8 +90,9 @@ def _make_batch(seqs, *, page_size, group, head_dim, dtype, block_q, seed, layer
     return as_dtype(q), as_dtype(k_pool), as_dtype(v_pool), jnp.int32(layer), meta, seq_kv
 
 
-def _numpy_attention(q, seqs, seq_kv, sm_scale):
-    """Brute force in float64: each sequence's new tokens attend causally to its contiguous K/V."""
+def _numpy_attention(q, seqs, seq_kv, sm_scale, window=None, softcap=None):
+    """Brute force in float64: each sequence's new tokens attend causally to its contiguous K/V (only
+    to the last `window` positions up to their own, with `window`; scores soft-capped with `softcap`)."""
     q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
     num_heads = q.shape[1]
     out, t = [], 0
@@ -100,8 +101,12 @@ def _numpy_attention(q, seqs, seq_kv, sm_scale):
         k = np.repeat(k, group, axis=1)
         v = np.repeat(v, group, axis=1)
         scores = np.einsum("qhd,khd->hqk", q[t : t + ext], k) * sm_scale
-        q_pos = pre + np.arange(ext)
-        scores = np.where(np.arange(pre + ext)[None, None, :] <= q_pos[None, :, None], scores, -np.inf)
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
+        q_pos = pre + np.arange(ext)[None, :, None]
+        kv_pos = np.arange(pre + ext)[None, None, :]
+        visible = (kv_pos <= q_pos) & (kv_pos > q_pos - (window or np.inf))
+        scores = np.where(visible, scores, -np.inf)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         out.append(np.einsum("hqk,khd->qhd", probs, v))
@@ -123,19 +128,22 @@ def _assert_close(out, ref, tol):
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max())
 
 
-def _check(seqs, *, page_size, group, head_dim, dtype, block_q, seed):
+def _check(seqs, *, page_size, group, head_dim, dtype, block_q, seed, window=None, softcap=None, kv_block=None):
     q, k_pool, v_pool, layer, host_meta, seq_kv = _make_batch(
         seqs, page_size=page_size, group=group, head_dim=head_dim, dtype=dtype, block_q=block_q, seed=seed
     )
     _assert_in_range(k_pool, layer, host_meta)
     meta = host_meta.to_device()
     sm_scale = head_dim**-0.5
-    out = _pallas(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, interpret=True)
+    # the window traced (one program for every layer's window), the soft-cap static
+    extra = {} if window is None else dict(sliding_window=jnp.int32(window), logit_softcap=softcap)
+    out = _pallas(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, interpret=True, **extra)
     assert out.shape == q.shape and out.dtype == q.dtype
     num_new = sum(ext for _, ext in seqs)
     tol = TOLERANCE[dtype]
-    _assert_close(out[:num_new], _numpy_attention(q, seqs, seq_kv, sm_scale), tol)
-    ref = _xla(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale)
+    _assert_close(out[:num_new], _numpy_attention(q, seqs, seq_kv, sm_scale, window, softcap), tol)
+    xla_block = {} if kv_block is None else dict(kv_block=kv_block)
+    ref = _xla(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, **xla_block, **extra)
     _assert_close(out[:num_new], ref[:num_new], tol)
     # Padding tokens map to a valid row: their output is finite too.
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
@@ -177,6 +185,18 @@ def test_mixed_extends_and_decodes(page_size, dtype):
     """A fixed batch with every shape of sequence: fresh prefill, prefix + extend, decodes, page edges."""
     seqs = [(0, 70), (300, 1), (15, 1), (16, 33), (0, 1), (129, 64), (300, 70), (47, 2)]
     _check(seqs, page_size=page_size, group=3, head_dim=64, dtype=dtype, block_q=16, seed=0)
+
+
+@pytest.mark.parametrize("window,softcap,block_q,kv_block", [
+    (1, None, 16, None), (5, None, 1, 8), (16, 30.0, 16, 8), (40, None, 4, 16), (100, 20.0, 16, None),
+])
+def test_sliding_window_and_softcap(window, softcap, block_q, kv_block):
+    """Windows shorter than a page, than a query block and than the prefixes, with and without
+    Gemma 2's soft-capping, in both backends against brute force; `kv_block` small enough that the XLA
+    path skips whole chunks before the window."""
+    seqs = [(0, 70), (300, 1), (15, 1), (16, 33), (129, 64), (47, 2)]
+    _check(seqs, page_size=8, group=2, head_dim=64, dtype="float32", block_q=block_q, seed=window,
+           window=window, softcap=softcap, kv_block=kv_block)
 
 
 def test_softmax_scale_may_be_traced():
