@@ -273,9 +273,9 @@ class Engine:
             self.grammar_backend.compile(spec)
 
     # the checks of a request against the model (validation/validator.py); thread-safe, read-only
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text or of a list (`RequestValidator.tokenize`; RequestError "prompt")."""
-        return self.validator.tokenize(prompt)
+        return self.validator.tokenize(prompt, add_special_tokens)
 
     def validate_logit_bias(self, params: SamplingParams) -> None:
         self.validator.validate_logit_bias(params)

@@ -164,10 +164,11 @@ class EngineLoop:
         """The devices the model runs on ("platform:id", one per tensor-parallel shard)."""
         return self.engine.devices
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text (no special tokens added), or a validated copy of a list of ids
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text (the tokenizer's special tokens added unless `add_special_tokens` is
+        False: text a chat template rendered), or a validated copy of a list of ids
         (`validator.tokenize_for_submit`; RequestError for a list of non-integers)."""
-        return tokenize_for_submit(self.engine, prompt)
+        return tokenize_for_submit(self.engine, prompt, add_special_tokens)
 
     def add_output_observer(self, observer: OutputCallback) -> None:
         """Also hand every delivered `StepOutput` to `observer` (on the loop thread; metrics use it),

@@ -4,7 +4,7 @@ A separate process because the number of host devices is fixed when jax starts:
 
     JAX_NUM_CPU_DEVICES=4 python -m tests.parallel.tp_worker MODEL_DIR... --tp 1 2 4 [--backend xla|pallas]
                                                              [--precompile] [--num-prompts N] [--lower-cuda]
-                                                             [--retract]
+                                                             [--retract] [--disable-radix-cache]
 
 For each tp size: greedy outputs of 16 mixed-length requests through the Engine (radix cache, chunked
 prefill, the release policy aggressive with soft release and coalescing), compiles after warm-up, free
@@ -42,7 +42,7 @@ def prompts(vocab_size: int) -> list[list[int]]:
     return out
 
 
-def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: int) -> dict:
+def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: int, disable_radix_cache: bool = False) -> dict:
     import jax
 
     from jaxserve.engine.engine import Engine
@@ -51,7 +51,8 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
     engine = Engine(
         model_path=model_dir, tp_size=tp, attention_backend=backend, max_total_tokens=1024,
         max_running_requests=8, chunked_prefill_size=32, context_length=128, page_size=8,
-        disable_precompile=not precompile, **AGGRESSIVE,
+        disable_precompile=not precompile, disable_radix_cache=disable_radix_cache,
+        **({} if disable_radix_cache else AGGRESSIVE),
     )
     ps = prompts(engine.model_config.vocab_size)[:num_prompts]
     greedy = {"max_new_tokens": 6, "temperature": 0}
@@ -63,7 +64,7 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
     compiles = engine.runner.num_compiles_after_warmup
     sampled = [o["output_ids"] for o in engine.generate(ps[:2], seeded)]  # compiles its sampler variant
     engine.cache.check_integrity([])
-    stats = engine.radix_cache_stats()
+    stats = engine.radix_cache_stats() if not disable_radix_cache else None
     engine.flush_cache()
     runner = engine.runner
     prefill = ps[1][:30]  # one chunk
@@ -78,8 +79,8 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
         "compiles_after_warmup": compiles if precompile else None,
         "free_pages": engine.allocator.num_free,
         "usable_pages": engine.allocator.num_usable,
-        "num_recalls": stats.num_recalls,
-        "cow_hit_tokens": stats.cow_hit_tokens,
+        "num_recalls": stats.num_recalls if stats else 0,
+        "cow_hit_tokens": stats.cow_hit_tokens if stats else 0,
         "logits": logits.tolist(),
         "jax_devices": len(jax.devices()),
     }
@@ -146,6 +147,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--lower-cuda", action="store_true")
     ap.add_argument("--retract", action="store_true")
+    ap.add_argument("--disable-radix-cache", action="store_true")
     args = ap.parse_args()
     if args.lower_cuda:
         results = [lower_cuda(d, tp) for d in args.model_dirs for tp in args.tp]
@@ -153,7 +155,7 @@ def main() -> None:
         results = [run_retract(d, tp, args.backend) for d in args.model_dirs for tp in args.tp]
     else:
         results = [
-            {"model_dir": d, **run(d, tp, args.backend, args.precompile, args.num_prompts)}
+            {"model_dir": d, **run(d, tp, args.backend, args.precompile, args.num_prompts, args.disable_radix_cache)}
             for d in args.model_dirs for tp in args.tp
         ]
     sys.stdout.write("\nRESULT " + json.dumps(results) + "\n")

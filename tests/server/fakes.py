@@ -36,7 +36,7 @@ class FakeEngine:
         self.devices = ["cpu:0"]
         self.args = ServerArgs(model_path="/models/fake-model")
 
-    def tokenize(self, prompt):
+    def tokenize(self, prompt, add_special_tokens=True):
         return [ord(c) % 50 + 1 for c in prompt] if isinstance(prompt, str) else list(prompt)
 
     def validate_input_ids(self, ids, max_new_tokens=0):

@@ -137,11 +137,11 @@ def test_a_slow_request_preparation_does_not_block_the_server(engine_loop):
     released_in_time = []
     fast_tokenize = engine_loop.engine.tokenize
 
-    def tokenize(prompt):
+    def tokenize(prompt, add_special_tokens=True):
         if prompt == "slow":
             started.set()
             released_in_time.append(release.wait(10))  # the test releases it once the other request is served
-        return fast_tokenize(prompt)
+        return fast_tokenize(prompt, add_special_tokens)
 
     engine_loop.engine.tokenize = tokenize
     body = {"sampling_params": {"max_new_tokens": 2}}

@@ -84,8 +84,10 @@ class RequestValidator:
             check_logprob_start_len(request.logprob_start_len, len(input_ids))
         return CheckedInput(request, input_ids, params)
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a text (no special tokens added), or the ids of a list as ints.
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text, or the ids of a list as ints. `add_special_tokens`: the tokenizer's own
+        (a BOS where the model wants one, as Gemma does; none for SmolLM2 or Qwen), as SGLang encodes a
+        text prompt; False for text a chat template rendered, which holds them already.
 
         Raises:
             RequestError: a text so long that it cannot fit the context whatever its tokens (field
@@ -108,7 +110,7 @@ class RequestValidator:
                     f"the prompt has at least {at_least} tokens ({len(prompt)} characters), the context length "
                     f"is {self.context_length}",
                 )
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         return [int(t) for t in prompt]
 
     @functools.cached_property
@@ -160,14 +162,14 @@ def _tokens(n: int, noun: str = "token") -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def tokenize_for_submit(engine: Any, prompt: str | Sequence[int]) -> list[int]:
-    """Token ids of a text (no special tokens added), or a validated copy of a list of ids.
+def tokenize_for_submit(engine: Any, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a text (`RequestValidator.tokenize`), or a validated copy of a list of ids.
 
     Raises:
         RequestError: a list holding something other than integers (field "input_ids").
     """
     if isinstance(prompt, str):
-        return engine.tokenize(prompt)
+        return engine.tokenize(prompt, add_special_tokens)
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise RequestError("input_ids", "token ids must be integers")
     return list(prompt)

@@ -169,9 +169,9 @@ def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[li
         raise
 
 
-def _tokenize(engine_loop, prompt: str | list[int], field: str) -> list[int]:
+def _tokenize(engine_loop, prompt: str | list[int], field: str, add_special_tokens: bool = True) -> list[int]:
     try:
-        return engine_loop.tokenize(prompt)
+        return engine_loop.tokenize(prompt, add_special_tokens)
     except RequestError as e:
         raise from_engine_error(e, {"input_ids": field, "prompt": field}) from None
 
@@ -468,7 +468,7 @@ def _chat_prompt_ids(request: Request, req: ChatCompletionRequest, plan: ToolPla
     """The prompt token ids of a chat: its template rendered with the plan's tools, then tokenized."""
     engine_loop = request.app.state.engine_loop
     prompt = chat_prompt(engine_loop.tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
-    return _tokenize(engine_loop, prompt, "messages")
+    return _tokenize(engine_loop, prompt, "messages", add_special_tokens=False)  # the template wrote them
 
 
 async def chat_prompt_tokens(request: Request, req: ChatCompletionRequest) -> int:

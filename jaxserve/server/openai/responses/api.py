@@ -181,7 +181,7 @@ async def _instructions_alone_too_long(request: Request, req: ResponsesRequest, 
     if not req.instructions:
         return False
     try:
-        ids = await preprocess(request, lambda: request.app.state.engine_loop.tokenize(req.instructions))
+        ids = await preprocess(request, lambda: request.app.state.engine_loop.tokenize(req.instructions, False))
     except RequestError:  # refused by its length in characters before it is tokenized
         return True
     return len(ids) >= limit
