@@ -138,8 +138,14 @@ def test_bad_dtype(tmp_path):
         load_model(path, dtype="float8")
 
 
-def test_weights_cache_roundtrip(tmp_path):
-    path = make_hf_checkpoint(tmp_path / "m", "LlamaForCausalLM", TINY)
+@pytest.mark.parametrize("arch,extra", [
+    ("LlamaForCausalLM", {}),
+    # a config with tuples (layer_types) and the window fields, and two more norms a layer
+    ("Gemma3ForCausalLM", dict(num_hidden_layers=2, head_dim=16, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention"])),
+])
+def test_weights_cache_roundtrip(tmp_path, arch, extra):
+    path = make_hf_checkpoint(tmp_path / "m", arch, dict(TINY, **extra))
     cache = tmp_path / "cache"
     cfg1, p1 = load_model(path, "float32", weights_cache_dir=str(cache))
     assert any(cache.iterdir()), "first load writes the cache"
