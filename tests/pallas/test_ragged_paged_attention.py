@@ -319,6 +319,17 @@ def test_lowers_for_cuda(block_q, head_dim, group):
 
 
 @needs_embedded_triton_ir
+def test_windowed_softcapped_kernel_lowers_for_cuda():
+    """The window (a traced scalar input) and the soft-cap (tanh) lower into the one Triton kernel."""
+    f = functools.partial(ragged_paged_attention, sm_scale=0.0625, interpret=False, logit_softcap=50.0)
+    args = _abstract_args(64, 8, 16, 16, 4, 256, jnp.bfloat16)
+    lowered = jax.jit(f).trace(*args, sliding_window=jax.ShapeDtypeStruct((), jnp.int32)).lower(
+        lowering_platforms=("cuda",))
+    [(ir_text, dots)] = _triton_kernels(lowered)
+    assert len(dots) == 2 and "tanh" in ir_text
+
+
+@needs_embedded_triton_ir
 def test_pool_over_4gib_gathers_with_64_bit_offsets():
     """A pool past 4 GiB (here 33 layers x 16385 pages of 8 KiB) is gathered with 64-bit offsets."""
     f = functools.partial(ragged_paged_attention, sm_scale=128**-0.5, interpret=False)
