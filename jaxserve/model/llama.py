@@ -101,7 +101,8 @@ def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> np.ndarray
 
 def layer_sliding_window(config: ModelConfig, layer: Int32[Array, ""]) -> Int32[Array, ""] | None:
     """The sliding window of layer `layer` (a traced int32 scalar; `NO_WINDOW` for a full-attention
-    layer among windowed ones), or None when no layer of the model has a window (static)."""
+    layer among windowed ones), or None when no layer of the model has a window (static). The window
+    masks attention only: every layer keeps all its pages in the pool (D-42)."""
     windows = config.layer_sliding_windows()
     if all(w is None for w in windows):
         return None
