@@ -1,8 +1,9 @@
 """The Llama-family decoder as flax.nnx Modules behind a functional boundary.
 
-One definition covers LlamaForCausalLM (Llama 2/3.x, SmolLM2), MistralForCausalLM (same graph; sliding
-windows are not applied), Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (RMSNorm on q and k per
-head), switched by `ModelConfig` flags. Modules: `Attention`, `MLP`, `DecoderLayer`, `Llama` (embedding,
+One definition covers LlamaForCausalLM (Llama 2/3.x, SmolLM2), MistralForCausalLM (same graph, with its
+sliding window: `layer_sliding_window`, D-42), Qwen2ForCausalLM (q/k/v bias) and Qwen3ForCausalLM (RMSNorm
+on q and k per head), switched by `ModelConfig` flags; Gemma 2/3 subclass these Modules
+(jaxserve/model/gemma.py). Modules: `Attention`, `MLP`, `DecoderLayer`, `Llama` (embedding,
 layers, final norm, output head). Each declares its own `nnx.Param` shapes with logical axis names
 (`embed`, `q_heads`, `kv_heads`, `mlp`, `vocab`, ...), which `jaxserve.parallel` maps to the mesh.
 
