@@ -330,7 +330,7 @@ class ServerArgs:
     # the storage tier below the host tier (jaxserve/cache/storage.py, storage_tier.py; SGLang's HiCache L3 names)
     hicache_storage_backend: str | None = _flag(
         None, "file: keep KV pages in files that survive a restart and are shared by every process using the "
-        "directory SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR (default /tmp/hicache); its size is bounded by "
+        "directory SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR (/tmp/hicache when unset); its size is bounded by "
         "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE or the extra config's max_size (200G, 1Gi, bytes; least recently used "
         "files are evicted down to SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO, 0.9, of it). A directory that cannot "
         "be written is an error at start-up (default: none)", choices=("file",), group="radix_cache")

@@ -36,6 +36,9 @@ class FakeEngine:
         self.devices = ["cpu:0"]
         self.args = ServerArgs(model_path="/models/fake-model")
 
+    def close(self) -> None:
+        """Engine.close: nothing to flush (no storage tier)."""
+
     def tokenize(self, prompt, add_special_tokens=True):
         return [ord(c) % 50 + 1 for c in prompt] if isinstance(prompt, str) else list(prompt)
 
