@@ -48,7 +48,7 @@ class ScriptedEngine(FakeEngine):
         self.tokenizer = tokenizer
         self.prompts: list = []
 
-    def tokenize(self, prompt):
+    def tokenize(self, prompt, add_special_tokens=True):
         self.prompts.append(prompt)
         return super().tokenize(prompt)
 
