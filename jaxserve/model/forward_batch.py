@@ -31,6 +31,8 @@ class ForwardBatch:
             padding sequences 0.
         target_ids: [T] the token that follows each token in its sequence (-1 where unknown); read
             only by steps that return prompt logprobs.
+        lora_ids: [T] the LoRA slot each token runs under (0: the base model; padding 0), or None when
+            the model has no LoRA slots (`jaxserve.model.lora`).
     """
 
     input_ids: Int32[Array, " T"]
@@ -39,3 +41,4 @@ class ForwardBatch:
     attn: AttentionMetadata
     logits_idx: Int32[Array, " S"]
     target_ids: Int32[Array, " T"]
+    lora_ids: Int32[Array, " T"] | None = None

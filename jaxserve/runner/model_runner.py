@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from jaxserve import parallel
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
+from jaxserve.model import lora as lora_lib
 from jaxserve.model.forward_batch import ForwardBatch
 from jaxserve.pallas.metadata import build_attention_metadata
 from jaxserve.runner import sampler as sampler_lib
@@ -220,6 +221,7 @@ class BatchEntry:
     # logits rows for the last num_logits new tokens (speculative verification needs K + 1); each
     # takes one row of the bucket's S logits rows, in order
     num_logits: int = 1
+    lora_slot: int = 0  # the LoRA slot its tokens run under (0: the base model)
 
 
 class ModelRunner:
@@ -240,6 +242,7 @@ class ModelRunner:
         max_layers_per_call: int = MAX_LAYERS_PER_CALL,
         min_extend_tokens: int = EXTEND_BLOCK_Q,
         mesh: Mesh | None = None,
+        lora: lora_lib.LoraConfig | None = None,
     ):
         """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
         runs it as a `HostLayerLoop`, with the layer weights split into per-layer buffers (stacked
@@ -252,7 +255,8 @@ class ModelRunner:
         smallest extend bucket (speculative verification adds 2, 4 and 8 tokens: a sequence's last
         token + its draft in one query block of the bucket's size; at batch 1 on CPU a verification costs
         1.25x (4-token bucket) to 2.1x (16-token bucket) a decode step, D-17;
-        today's costs: docs/results.md, "Other current numbers").
+        today's costs: docs/results.md, "Other current numbers"). `lora`: LoRA slots added to every
+        layer's params (zeros; `write_lora_slot` fills them), and each batch carries its tokens' slots.
 
         Raises:
             ValueError: `layer_loop` is neither "scan" nor "host"."""
@@ -262,12 +266,22 @@ class ModelRunner:
         self.layer_loop = layer_loop
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.tp_size = 1 if self.mesh is None else parallel.sharding.tp_size(self.mesh)
+        self.lora = lora
+        if params is not None and lora is not None:
+            if config.quantization is not None:
+                raise ValueError("LoRA adapters are not supported with quantization")
+            if llama.model_class(config).layer_cls is not llama.DecoderLayer:
+                raise ValueError(f"LoRA adapters are served for the Llama family only, not {config.architecture}")
+            was_stacked = llama.is_stacked(params["layers"])
+            params = lora_lib.with_lora_slots(llama.unstack_layers(params), config, lora)
+            params = llama.stack_layers(params) if was_stacked else params
         if params is not None:
             params = llama.unstack_layers(params) if layer_loop == "host" else params
         attn_fn = llama.paged_attention(attn_fn)
         shardings: dict[str, object] = {}
         if self.mesh is not None:
-            params = parallel.shard_params(params, llama.logical_axes(config), self.mesh)
+            axes = llama.logical_axes(config)
+            params = parallel.shard_params(params, lora_lib.with_lora_axes(axes, lora) if lora else axes, self.mesh)
             pool = parallel.pool_sharding(self.mesh, k_pool.shape[2])
             k_pool, v_pool = parallel.sharding.put(k_pool, pool), parallel.sharding.put(v_pool, pool)
             attn_fn = parallel.shard_attention(attn_fn, self.mesh)
@@ -310,6 +324,7 @@ class ModelRunner:
             if jax.process_count() > 1 and self.mesh is not None:  # one process's scalar is no global input
                 self._first_layer_ids = [parallel.sharding.put(np.int32(i), self._replicated)
                                          for i in range(0, config.num_layers, self.layers_per_call)]
+        self._write_lora_jit = {}  # slot axis (0 per-layer, 1 stacked) -> the jitted slot write
         # several processes: rank 0 reads the sampled ids, so they must be whole on its devices
         multi = {"out_shardings": self._replicated} if jax.process_count() > 1 and self.mesh is not None else {}
         self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,), **multi)
@@ -378,6 +393,7 @@ class ModelRunner:
         slot_mapping = np.zeros(t_pad, np.int32)
         logits_idx = np.zeros(s_pad, np.int32)
         target_ids = np.full(t_pad, -1, np.int32)
+        lora_ids = np.zeros(t_pad, np.int32) if self.lora is not None else None
         ps = self.page_size
         t = row = 0
         if sum(e.num_logits for e in entries) > s_pad:
@@ -393,6 +409,10 @@ class ModelRunner:
             row += e.num_logits
             if e.target_ids is not None:
                 target_ids[t : t + len(e.target_ids)] = e.target_ids
+            if lora_ids is not None:
+                lora_ids[t : t + n] = e.lora_slot
+            elif e.lora_slot:
+                raise ValueError("a LoRA slot was given, but the runner has no LoRA slots")
             t += n
         meta = build_attention_metadata(
             extend_lens,
@@ -410,6 +430,7 @@ class ModelRunner:
             attn=meta.tree(),
             logits_idx=logits_idx,
             target_ids=target_ids,
+            lora_ids=lora_ids,
         )
         return batch, key
 
@@ -604,6 +625,45 @@ class ModelRunner:
 
     def mark_warmed_up(self) -> None:
         self.warmed_up = True
+
+    # ---- LoRA slots -------------------------------------------------------------------------------
+    def write_lora_slot(self, slot: int, adapter: lora_lib.LoraAdapter | None) -> None:
+        """Write `adapter`'s host arrays (None: zeros) into LoRA slot `slot` of every layer: one donated
+        device update of the slot arrays, compiled once for any slot (the slot index is traced).
+
+        Raises:
+            ValueError: no LoRA slots, or `slot` is 0 (the base model's) or out of range.
+        """
+        if self.lora is None:
+            raise ValueError("the runner has no LoRA slots")
+        if not 0 < slot < self.lora.num_slots:
+            raise ValueError(f"LoRA slot {slot} out of range 1..{self.lora.num_slots - 1}")
+        layers = self.params["layers"]
+        stacked = llama.is_stacked(layers)
+        empty = lora_lib.empty_slots(self.config, self.lora)
+        per_layer = adapter.layers if adapter is not None else [
+            {k: np.zeros(v.shape[1:], v.dtype) for k, v in empty.items()}] * self.config.num_layers
+        if stacked:
+            tree = layers["lora"]
+            values = {k: np.stack([p[k] for p in per_layer]) for k in tree}
+        else:
+            tree = {i: layers[i]["lora"] for i in layers}
+            values = {i: per_layer[i] for i in layers}
+        axis = 1 if stacked else 0
+        fn = self._write_lora_jit.get(axis)
+        if fn is None:
+            def write(tree, slot, values):
+                return jax.tree.map(
+                    lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), slot, axis), tree, values)
+            shardings = jax.tree.map(lambda x: x.sharding, tree) if self.mesh is not None else None
+            fn = jax.jit(write, donate_argnums=(0,), out_shardings=shardings)
+            self._write_lora_jit[axis] = fn
+        tree = fn(tree, np.int32(slot), values)
+        if stacked:
+            layers = {**layers, "lora": tree}
+        else:
+            layers = {i: {**layers[i], "lora": tree[i]} for i in layers}
+        self.params = {**self.params, "layers": layers}
 
     # ---- KV page copies (release policy, D-36) ---------------------------------------------------
     # `KVPageIO` (jaxserve/cache/page_io.py) over the device pools, through the page-copy jits above.
