@@ -246,6 +246,7 @@ FLAG_GROUPS = {
     "structured_output": "structured output",
     "parallelism": "parallelism",
     "speculative": "speculative decoding",
+    "lora": "LoRA adapters",
     "observability": "observability",
     "other": "other",
 }
@@ -387,6 +388,14 @@ class ServerArgs:
     speculative_max_batch_size: int = _flag(8, "verify drafts only in decode steps of at most this many requests; larger batches decode one token per step (speculation costs FLOPs that a full batch lacks). With the adaptive draft policy, 8 gained on both copy-heavy (1.36x output tok/s) and random prompts (1.11x) at 8 concurrent (D-30)", group="speculative")
     disable_speculative_adaptive: bool = _flag(False, "verify every draft; by default a request's draft is verified only where its measured acceptance pays for the measured cost of verifying it, so speculation turns itself off on text it cannot predict (jaxserve/speculative/policy.py)", group="speculative")
     speculative_ngram_capacity: int = _flag(10_000_000, "tokens of recent finished requests (prompt + output) kept for drafts from other requests: a request's suffix is also matched there, and the longer of its own match and the store's is drafted; the oldest are evicted first; 0 turns the store off (jaxserve/speculative/ngram_store.py)", group="speculative")
+    # LoRA adapters (SGLang's names; jaxserve/model/lora.py, jaxserve/scheduler/lora_slots.py)
+    enable_lora: bool | None = _flag(None, "serve LoRA adapters: requests name one with lora_path, or OpenAI's model \"<served-name>:<adapter>\" (default: on when --lora-paths is given)", group="lora")
+    lora_paths: tuple[str, ...] | None = _flag(None, "adapters to load at start-up, each PATH, NAME=PATH or JSON {\"lora_name\": ..., \"lora_path\": ..., \"pinned\": false} (PEFT directories)", group="lora", nargs="*")
+    max_lora_rank: int | None = _flag(None, "largest adapter rank; the device slots are padded to it (default: the largest rank of --lora-paths, else 16)", group="lora")
+    lora_target_modules: tuple[str, ...] | None = _flag(None, "projections the slots adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all (default: the union of --lora-paths' targets, else all)", group="lora", nargs="*")
+    max_loras_per_batch: int = _flag(8, "distinct adapters in one batch, the base model counting as one; also the number of device slots beside the base model's", group="lora")
+    max_loaded_loras: int | None = _flag(None, "adapters kept loaded on the host; loading one more unloads the least recently used unpinned one (default: no limit)", group="lora")
+    lora_eviction_policy: str = _flag("lru", "which device slot an adapter that needs one takes: lru (the least recently used one no running request uses)", choices=("lru",), group="lora")
     # scale out: data-parallel replicas behind sglang-router (jaxserve/launch/data_parallel.py, D-35)
     dp_size: int = _flag(
         1, "data parallelism: run this many worker processes, each with its share of the devices (CPU: of the cores) "
@@ -448,6 +457,7 @@ class ServerArgs:
             enable_mixed_chunk=on_cpu if self.enable_mixed_chunk is None else self.enable_mixed_chunk,
             disable_overlap_schedule=on_cpu if self.disable_overlap_schedule is None else self.disable_overlap_schedule,
             speculative_num_draft_tokens=self.speculative_num_draft_tokens or (15 if self.speculative_algorithm else None),
+            enable_lora=bool(self.lora_paths) if self.enable_lora is None else self.enable_lora,
         )
         args.validate()
         args.check_platform_flags(platform)
@@ -524,6 +534,16 @@ class ServerArgs:
                              "--quantization out")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--page-size must be a power of two >= 1, got {self.page_size}")
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"--max-loras-per-batch must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"--max-loaded-loras must be >= --max-loras-per-batch ({self.max_loras_per_batch}), got {self.max_loaded_loras}")
+        if self.enable_lora is False and self.lora_paths:
+            raise ValueError("--lora-paths needs LoRA: leave out --no-enable-lora")
+        if self.enable_lora and self.quantization is not None:
+            raise ValueError(f"--enable-lora runs on float weights: leave --quantization {self.quantization} out")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"--max-total-tokens must be at least 2 pages ({2 * self.page_size}), got {self.max_total_tokens}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -653,6 +673,8 @@ class ServerArgs:
             kwargs = {"type": kind, "default": f.default, "help": help_}
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
+            if "nargs" in f.metadata:
+                kwargs["nargs"] = f.metadata["nargs"]
             group.add_argument(*flags, dest=f.name, **kwargs)
 
     @staticmethod
@@ -671,7 +693,7 @@ class ServerArgs:
             if choices and action.dest in choices:
                 action.choices = choices[action.dest]
         ns = parser.parse_args(argv)
-        args = ServerArgs(**vars(ns))
+        args = ServerArgs(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items()})
         try:
             args.validate()
         except ValueError as e:

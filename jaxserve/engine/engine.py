@@ -46,6 +46,7 @@ from jaxserve.engine.stats_log import prefill_line, prefill_stats
 from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
 from jaxserve.model import llama
+from jaxserve.model import lora as lora_lib
 from jaxserve.model.architecture import check_architecture
 from jaxserve.model.loader import load_model, replicate_kv_heads
 from jaxserve.model.quant import quantize_params
@@ -56,6 +57,7 @@ from jaxserve.runner import sampler as sampler_lib
 from jaxserve.runner.buckets import EXTEND_BLOCK_Q
 from jaxserve.runner.model_runner import BatchEntry, ModelRunner
 from jaxserve.scheduler.cache_manager import CacheManager
+from jaxserve.scheduler.lora_slots import LoraSlots
 from jaxserve.scheduler.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
 from jaxserve.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts
 
@@ -132,6 +134,7 @@ class Engine:
             )
         self.validator = RequestValidator(self.tokenizer, cfg.vocab_size, self.context_length, self.pool_limits,
                                           args.chunked_prefill_size, args.max_prefill_tokens)
+        self.lora_config, self.lora_slots, lora_sources = self._lora_setup(args, plan.kv_replicas)
         k_pool, v_pool = allocate_pools(self.pool_shape)
         self.allocator = PageAllocator(self.pool_shape.num_pages)
         self.tree = RadixCache(page_size=args.page_size, disable=args.disable_radix_cache)
@@ -153,6 +156,7 @@ class Engine:
             context_length=self.context_length,
             min_extend_tokens=2 if args.speculative_algorithm else EXTEND_BLOCK_Q,
             mesh=self.mesh,
+            lora=self.lora_config,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -171,7 +175,10 @@ class Engine:
                 extend_token_buckets=tuple(self.runner.extend_tokens),
             ),
             self.cache,
+            self.lora_slots,
         )
+        for source in lora_sources:
+            self.load_lora_adapter(source.lora_name, source.lora_path, source.pinned)
         if self.release_policy is not None:
             self.release_policy.attach_io(self.runner)  # host tier and copy-on-write copy through the runner
         self.grammar_backend = get_grammar_backend(
@@ -235,6 +242,8 @@ class Engine:
         else:
             checked = self.validator.check(GenerateInput.of(request, sampling_params, **fields))
         request, input_ids, params = checked.request, checked.input_ids, checked.params
+        if request.lora_path is not None:
+            self.validate_lora_path(request.lora_path)
         base = request.rid or new_rid()
         if base in self.processor.reqs or any(f"{base}-{i}" in self.processor.reqs for i in range(params.n)):
             raise RequestError("rid", f"request id {base!r} is already in use")
@@ -242,9 +251,13 @@ class Engine:
         now = time.perf_counter()
         for i, r in enumerate(rids):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
+            lora_id = None if request.lora_path is None else self.lora_slots.acquire(request.lora_path)
+            # the radix cache keys on the adapter: KV computed under one adapter is never another's
+            namespace = request.namespace if lora_id is None else ("lora", lora_id, request.namespace)
             req = Req(r, list(input_ids), params, request.return_logprob or request.top_logprobs_num > 0,
                       request.top_logprobs_num, request.logprob_start_len, tuple(request.token_ids_logprob),
-                      request.namespace, arrival_time=now, seed=seed, think_end_ids=tuple(request.think_end_ids))
+                      namespace, arrival_time=now, seed=seed, think_end_ids=tuple(request.think_end_ids),
+                      lora_id=lora_id)
             self.processor.track(req, IncrementalDetokenizer(self.tokenizer, input_ids, params, self.eos_token_ids))
             self.stats.num_requests += 1
             self.stats.prompt_tokens += len(input_ids)
@@ -285,6 +298,75 @@ class Engine:
 
     def validate_input_ids(self, input_ids: Sequence[int], max_new_tokens: int = 0) -> None:
         self.validator.validate_input_ids(input_ids, max_new_tokens)
+
+    # ---- LoRA adapters (thread-safe: the server calls these off the engine thread) ---------------
+    def _lora_setup(self, args: ServerArgs, kv_replicas: int):
+        """The LoRA slots' config, their table and the --lora-paths adapters (None, None, [] without LoRA)."""
+        if not args.enable_lora:
+            return None, None, []
+        if jax.process_count() > 1:
+            raise ValueError("--enable-lora runs in one process: give --nnodes 1")
+        sources = lora_lib.parse_lora_paths(args.lora_paths)
+        rank, targets = lora_lib.infer_rank_and_targets(sources)
+        config = lora_lib.LoraConfig.of(args.max_loras_per_batch + 1, args.max_lora_rank or rank or 16,
+                                        args.lora_target_modules or targets, kv_replicas)
+        slots = LoraSlots(config.num_slots, args.max_loras_per_batch, args.max_loaded_loras)
+        return config, slots, sources
+
+    def validate_lora_path(self, name: str) -> None:
+        """Raises RequestError (naming lora_path) unless adapter `name` is loaded."""
+        if self.lora_slots is None:
+            raise RequestError("lora_path", "LoRA is not enabled; start the server with --enable-lora")
+        if not isinstance(name, str) or not self.lora_slots.has(name):
+            raise RequestError("lora_path", f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.lora_slots.loaded())}")
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> list[str]:
+        """Read a PEFT adapter into host memory and make `lora_name` servable (its device slot is
+        written when a request under it is first admitted). Returns the names unloaded to stay within
+        --max-loaded-loras.
+
+        Raises:
+            ValueError: LoRA is not enabled, the name is loaded already, or `lora.LoraError` (the adapter
+                cannot serve this model: files, rank, shapes, targets).
+        """
+        if self.lora_slots is None:
+            raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if not lora_name or not isinstance(lora_name, str):
+            raise ValueError(f"lora_name must be a non-empty string, got {lora_name!r}")
+        if not isinstance(lora_path, str) or not lora_path:
+            raise ValueError(f"lora_path must be a non-empty string, got {lora_path!r}")
+        if self.lora_slots.has(lora_name):
+            raise ValueError(f"LoRA adapter {lora_name!r} is already loaded")
+        adapter = lora_lib.load_adapter(lora_path, self.model_config, self.lora_config)
+        _, evicted = self.lora_slots.register(lora_name, lora_path, adapter, bool(pinned))
+        logger.info("loaded LoRA adapter %s from %s (rank %d, %s)%s", lora_name, lora_path, adapter.rank,
+                    ", ".join(adapter.targets), f"; unloaded {', '.join(evicted)}" if evicted else "")
+        return evicted
+
+    def unload_lora_adapter(self, lora_name: str) -> str:
+        """Stop serving `lora_name`: new requests naming it are refused at once; its running requests
+        finish under it, then its slot and host memory are freed (`lora_in_use` says when). Returns the
+        adapter's lora_id.
+
+        Raises:
+            ValueError: LoRA is not enabled, or the name is not loaded.
+        """
+        if self.lora_slots is None:
+            raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        return self.lora_slots.unregister(lora_name)
+
+    def lora_in_use(self, lora_id: str) -> bool:
+        return self.lora_slots is not None and self.lora_slots.is_in_use(lora_id)
+
+    def loaded_lora_adapters(self) -> dict[str, str]:
+        """name -> path of the loaded adapters ({} without LoRA)."""
+        return {} if self.lora_slots is None else self.lora_slots.loaded()
+
+    def _write_lora_slots(self) -> None:
+        """Write the adapters the scheduler gave slots to into the device slots, before the step runs."""
+        if self.lora_slots is not None:
+            for write in self.lora_slots.take_writes():
+                self.runner.write_lora_slot(write.slot, write.payload)
 
     def validate_token_ids_logprob(self, ids: Sequence[int]) -> None:
         self.validator.validate_token_ids_logprob(ids)
@@ -377,6 +459,7 @@ class Engine:
         the speculator proposes some. The sampled tokens stay on the device under the overlap schedule."""
         if batch is None:
             return None
+        self._write_lora_slots()
         started = time.perf_counter()
         if logger.isEnabledFor(logging.INFO) and not batch.is_decode:
             # SGLang's Prefill batch line (engine/stats_log.py); the snapshot only when it is logged
@@ -404,8 +487,8 @@ class Engine:
         reqs, bitmask = batch.reqs, None
         if any(r.grammar is not None for r in reqs):
             drafts, bitmask = constrain_drafts(reqs, drafts, self.model_config.vocab_size)
-        entries = [BatchEntry([r.fill_ids[r.kv_len]] + d, r.kv_len, r.page_table, num_logits=1 + len(d))
-                   for r, d in zip(reqs, drafts)]
+        entries = [BatchEntry([r.fill_ids[r.kv_len]] + d, r.kv_len, r.page_table, num_logits=1 + len(d),
+                              lora_slot=r.lora_slot) for r, d in zip(reqs, drafts)]
         logits = self.runner.forward(entries)
         sampling, flags = self._sampling_rows([(r, d[:j]) for r, d in zip(reqs, drafts) for j in range(len(d) + 1)],
                                               bitmask, logits.shape[0])
@@ -427,7 +510,7 @@ class Engine:
             return None
         started = time.perf_counter()
         # the token ids are on the device: the entries carry a placeholder
-        entries = [BatchEntry([0], r.kv_len, r.page_table) for r in batch.reqs]
+        entries = [BatchEntry([0], r.kv_len, r.page_table, lora_slot=r.lora_slot) for r in batch.reqs]
         logits = self.runner.forward(entries, input_ids=launched.sampled.next_tokens)
         # the row of a request's token after the one in flight: position len(output_ids) + 1
         sampling, flags = self._sampling_rows([(r, (0,)) for r in batch.reqs], None, logits.shape[0])
@@ -541,18 +624,24 @@ class Engine:
         *,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        lora_path: str | Sequence[str | None] | None = None,
     ) -> dict | list[dict]:
         """Run prompts to completion (blocking). A single prompt gives one dict (a list when n > 1);
         a list of prompts gives a list with n dicts per prompt, in order. Each dict has `text`,
-        `output_ids` and `meta_info` (SGLang's shape)."""
+        `output_ids` and `meta_info` (SGLang's shape). `lora_path`: a loaded LoRA adapter's name for
+        every prompt, or one per prompt (None: the base model)."""
         single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer)))
         prompts = [prompt] if single else list(prompt)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError("sampling_params", "one sampling_params per prompt is required")
+        loras = list(lora_path) if isinstance(lora_path, (list, tuple)) else [lora_path] * len(prompts)
+        if len(loras) != len(prompts):
+            raise RequestError("lora_path", "one lora_path per prompt is required")
         rids = [
-            self.add_request(GenerateInput(p, sp, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num))
-            for p, sp in zip(prompts, params)
+            self.add_request(GenerateInput(p, sp, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                                           lora_path=lo))
+            for p, sp, lo in zip(prompts, params, loras)
         ]
         results: dict[str, dict] = {}
         wanted = {r for group in rids for r in group}

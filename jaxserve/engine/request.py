@@ -149,6 +149,8 @@ class Req:
     grammar: Any = None
     num_forced_tokens: int = 0
     draft_state: Any = None  # speculative decoding's acceptance history (speculative.policy.DraftState)
+    lora_id: str | None = None  # the LoRA adapter it runs under (scheduler/lora_slots.py); None: the base model
+    lora_slot: int = 0  # its adapter's device slot while admitted (0: the base model, or not admitted)
 
     first_token_time: float | None = None
     last_token_time: float | None = None

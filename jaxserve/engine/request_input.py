@@ -24,6 +24,7 @@ class GenerateInput:
     positions) and `token_ids_logprob` are SGLang's logprob fields. `namespace`: the prefix cache shares
     KV only between requests of one namespace (SGLang's `cache_salt`). `think_end_ids` (with a grammar):
     the reply reasons first and the grammar applies only after these tokens (constrained/reasoner.py).
+    `lora_path`: the name of a loaded LoRA adapter to run under (SGLang's field; None: the base model).
     """
 
     prompt: str | Sequence[int]
@@ -35,6 +36,7 @@ class GenerateInput:
     token_ids_logprob: Sequence[int] = ()
     namespace: Hashable = None
     think_end_ids: tuple[int, ...] = ()
+    lora_path: str | None = None
 
     @staticmethod
     def of(prompt: "GenerateInput | str | Sequence[int]", sampling_params: SamplingParams | Mapping[str, Any] | None = None,

@@ -266,3 +266,59 @@ def _replicate_kv_rows(w: np.ndarray, factor: int, head_dim: int) -> np.ndarray:
     if factor == 1 or w.shape[0] % head_dim:
         return w
     return np.repeat(w.reshape(-1, head_dim, w.shape[1]), factor, axis=0).reshape(-1, w.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSource:
+    """One adapter to load: `lora_name`, `lora_path`, `pinned` (SGLang's LoRARef fields)."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+def parse_lora_paths(values) -> list[LoraSource]:
+    """`--lora-paths` entries in SGLang's forms: PATH (named by its path), NAME=PATH, or JSON
+    {"lora_name": ..., "lora_path": ..., "pinned": ...}.
+
+    Raises:
+        ValueError: a JSON entry without lora_name and lora_path, or a name given twice.
+    """
+    out: list[LoraSource] = []
+    for value in values or ():
+        value = value.strip()
+        if value.startswith("{") and value.endswith("}"):
+            obj = json.loads(value)
+            if not isinstance(obj, dict) or "lora_name" not in obj or "lora_path" not in obj:
+                raise ValueError(f"--lora-paths {value!r}: a JSON entry needs lora_name and lora_path")
+            out.append(LoraSource(str(obj["lora_name"]), str(obj["lora_path"]), bool(obj.get("pinned", False))))
+        elif "=" in value:
+            name, path = value.split("=", 1)
+            out.append(LoraSource(name.strip(), path.strip()))
+        else:
+            out.append(LoraSource(value, value))
+    names = [s.lora_name for s in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-paths names an adapter twice: {names}")
+    return out
+
+
+def infer_rank_and_targets(sources: list[LoraSource]) -> tuple[int | None, tuple[str, ...] | None]:
+    """The largest rank and the union of target modules (PEFT names) of `sources`' adapter configs
+    (None, None without sources), as SGLang infers --max-lora-rank and --lora-target-modules.
+
+    Raises:
+        LoraError: an adapter's config is missing or unreadable.
+    """
+    if not sources:
+        return None, None
+    ranks, targets = [], set()
+    for s in sources:
+        cfg = read_adapter_config(s.lora_path)
+        ranks.append(int(cfg.get("r", 0)))
+        modules = cfg.get("target_modules") or []
+        if isinstance(modules, str):  # a regex or "all-linear": not a list to take the union of
+            return max(ranks + [int(c.get("r", 0)) for c in map(read_adapter_config, [x.lora_path for x in sources])]), None
+        targets |= set(modules)
+    known = tuple(m for m in TARGET_MODULES if m in targets)
+    return max(ranks), (known + tuple(sorted(targets - set(known))) if targets else None)

@@ -24,6 +24,7 @@ from typing import Sequence
 from jaxserve.engine.request import Req, ReqStatus
 from jaxserve.runner.model_runner import BatchEntry
 from jaxserve.scheduler.cache_manager import CacheManager
+from jaxserve.scheduler.lora_slots import LoraSlots
 from jaxserve.scheduler.prefill_adder import AddResult, PrefillAdder
 from jaxserve.scheduler.prefill_budget import PrefillBudget
 from jaxserve.scheduler.schedule_policy import get_policy
@@ -72,7 +73,8 @@ class ScheduleBatch:
         out = []
         for r, n in zip(self.reqs, self.extend_lens):
             targets = r.fill_slice(r.kv_len + 1, r.kv_len + n + 1) if with_targets else None
-            out.append(BatchEntry(r.fill_slice(r.kv_len, r.kv_len + n), r.kv_len, r.page_table, targets))
+            out.append(BatchEntry(r.fill_slice(r.kv_len, r.kv_len + n), r.kv_len, r.page_table, targets,
+                                  lora_slot=r.lora_slot))
         return out
 
 
@@ -98,9 +100,12 @@ class Scheduler:
     """Queues + batch selection. The engine calls `schedule()`, runs the batch, then
     `advance(batch)` and `finish(req)` for requests that are done."""
 
-    def __init__(self, config: SchedulerConfig, cache: CacheManager):
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, lora: LoraSlots | None = None):
+        """`lora`: the LoRA adapters' slots (None: no LoRA); a request joins a batch only where its adapter
+        fits (`LoraSlots.can_admit`), and holds its slot while admitted."""
         self.config = config
         self.cache = cache
+        self.lora = lora
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding
         self.chunked_req: Req | None = None
@@ -234,16 +239,22 @@ class Scheduler:
     def _admit_waiting(self, adder: PrefillAdder) -> None:
         admitted_prompts: list[list[int]] = []
         order = self._policy(self.waiting, self.cache.peek_prefix_len, self._rng)
+        active_loras = {r.lora_id for r in self.live_reqs()} | {r.lora_id for r, _ in adder.entries}
         for req in order:
             if self.num_running + len(adder.entries) >= self.config.max_running_requests:
                 break
             if self._shares_uncached_prefix(req, admitted_prompts) or not self.cache.is_prefetch_ready(req):
                 continue
+            if self.lora is not None and not self.lora.can_admit(req.lora_id, active_loras):
+                continue  # its adapter would exceed --max-loras-per-batch or finds no free slot: it waits
             first_admission = req.num_retractions == 0 and not req.output_ids
             result = adder.add_new(req)
             if result in (AddResult.NO_KV, AddResult.NO_TOKEN_BUDGET):
                 break
             self.waiting.remove(req)
+            if self.lora is not None:
+                req.lora_slot = self.lora.assign_slot(req.lora_id)
+                active_loras.add(req.lora_id)
             if first_admission:
                 req.cached_tokens = req.kv_len
             admitted_prompts.append(req.fill_ids)
@@ -308,6 +319,7 @@ class Scheduler:
         else:
             self.running.remove(req)
         self.cache.release(req)
+        self._leave_lora_slot(req)
         req.num_retractions += 1
         self.num_retractions += 1
         self.add(req)
@@ -335,14 +347,23 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.cache.release(req)
+            self._leave_lora_slot(req)
         elif req is self.chunked_req:
             self.chunked_req = None
             self.cache.release(req)
+            self._leave_lora_slot(req)
         elif req in self.waiting:
             self.waiting.remove(req)
             self.cache.cancel_prefetch(req)
         self.prefill_budget.finish_request(req.rid, len(req.output_ids))
+        if self.lora is not None and req.lora_id is not None:
+            self.lora.release(req.lora_id)
         req.status = ReqStatus.FINISHED
+
+    def _leave_lora_slot(self, req: Req) -> None:
+        if self.lora is not None:
+            self.lora.leave_slot(req.lora_slot)
+            req.lora_slot = 0
 
 
 def _new_token_lens(reqs: list[Req]) -> list[int]:

@@ -192,6 +192,8 @@ def check_submit(engine: Any, request: GenerateInput) -> CheckedInput:
     params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
     explicit_max = isinstance(sampling_params, SamplingParams) or (sampling_params or {}).get("max_new_tokens") is not None
     input_ids = tokenize_for_submit(engine, request.prompt)
+    if request.lora_path is not None:
+        engine.validate_lora_path(request.lora_path)
     engine.validate_input_ids(input_ids, params.max_new_tokens)
     if params.logit_bias:
         engine.validate_logit_bias(params)

@@ -1,0 +1,169 @@
+"""Multi-LoRA serving in the engine on the tiny checkpoint: greedy ids against PEFT, mixed batches,
+the radix cache keyed on the adapter, the per-batch adapter limit, and load/unload during traffic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.outputs import RequestError
+from jaxserve.engine.request_input import GenerateInput
+from jaxserve.model.lora import LoraError
+from tests.model.lora_helpers import make_peft_adapter, peft_greedy, peft_model
+
+NEW = 8
+GREEDY = {"max_new_tokens": NEW, "temperature": 0}
+PROMPTS = [[5, 17, 301, 42, 9, 77, 1003, 12], [88, 7, 1200, 3, 3, 14, 60], [400, 401, 402, 403, 404, 405, 406, 407, 408]]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_adapters")
+    return {
+        "a": make_peft_adapter(tiny_model_dir, str(root / "a"), seed=11, rank=8, alpha=16),
+        "b": make_peft_adapter(tiny_model_dir, str(root / "b"), seed=12, rank=8, alpha=32, use_rslora=True),
+        "c": make_peft_adapter(tiny_model_dir, str(root / "c"), seed=13, rank=4, alpha=8,
+                               targets=("q_proj", "v_proj", "o_proj", "down_proj")),
+    }
+
+
+def make_engine(model_dir, adapters=None, **kwargs) -> Engine:
+    base = dict(model_path=model_dir, max_total_tokens=2048, max_running_requests=8, chunked_prefill_size=64,
+                context_length=128, page_size=4, disable_precompile=True, prefill_decode_itl_ratio=0,
+                enable_lora=True, max_lora_rank=8,
+                lora_paths=tuple(f"{k}={v}" for k, v in (adapters or {}).items()))
+    base.update(kwargs)
+    return Engine(**base)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, adapters):
+    return make_engine(tiny_model_dir, adapters)
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """Each (prompt, adapter) run alone: the ids every other test compares with."""
+    out = {}
+    for i, prompt in enumerate(PROMPTS):
+        for name in (None, "a", "b", "c"):
+            out[i, name] = engine.generate(prompt, GREEDY, lora_path=name)["output_ids"]
+    return out
+
+
+def assert_no_leak(engine: Engine) -> None:
+    assert engine.lora_slots.num_slot_users == 0
+    freed = engine.tree.reset()
+    engine.allocator.free(freed)
+    assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+def test_greedy_matches_peft(tiny_model_dir, adapters, alone):
+    ref = peft_model(tiny_model_dir, adapters)
+    for i, prompt in enumerate(PROMPTS):
+        for name in (None, "a", "b", "c"):
+            assert alone[i, name] == peft_greedy(ref, name, prompt, NEW), (i, name)
+    # the adapters change what is generated (else the test would pass on the base model)
+    assert all(alone[i, "a"] != alone[i, None] for i in range(len(PROMPTS)))
+
+
+def test_mixed_batch_gives_what_each_gets_alone(engine, alone):
+    prompts, names = [], []
+    for i, prompt in enumerate(PROMPTS):
+        for name in (None, "a", "b"):
+            prompts.append(prompt)
+            names.append(name)
+    outs = engine.generate(prompts, GREEDY, lora_path=names)
+    for i, (prompt, name, out) in enumerate(zip(prompts, names, outs)):
+        assert out["output_ids"] == alone[PROMPTS.index(prompt), name], (i, name)
+
+
+def test_base_requests_unchanged_by_loaded_adapters(tiny_model_dir, alone):
+    plain = make_engine(tiny_model_dir, enable_lora=False, lora_paths=None)
+    for i, prompt in enumerate(PROMPTS):
+        assert plain.generate(prompt, GREEDY)["output_ids"] == alone[i, None]
+
+
+def test_radix_cache_keys_on_the_adapter(engine, alone):
+    engine.flush_cache()
+    prompt = PROMPTS[0] * 3  # 24 tokens: whole pages to share
+    first = engine.generate(prompt, GREEDY, lora_path="a")
+    other = engine.generate(prompt, GREEDY, lora_path="b")
+    same = engine.generate(prompt, GREEDY, lora_path="a")
+    base = engine.generate(prompt, GREEDY)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert other["meta_info"]["cached_tokens"] == 0  # same text, other adapter: no shared KV
+    assert base["meta_info"]["cached_tokens"] == 0
+    assert same["meta_info"]["cached_tokens"] >= 20  # same adapter: shared
+    assert same["output_ids"] == first["output_ids"]
+    assert other["output_ids"] != first["output_ids"]
+
+
+def test_batch_holds_at_most_max_loras_per_batch(tiny_model_dir, adapters, alone):
+    eng = make_engine(tiny_model_dir, adapters, max_loras_per_batch=2)
+    seen = []
+    forward = eng.runner.forward
+
+    def spy(entries, *args, **kwargs):
+        seen.append({e.lora_slot for e in entries})
+        return forward(entries, *args, **kwargs)
+
+    eng.runner.forward = spy
+    names = [None, "a", "b", "c"] * 2
+    prompts = [PROMPTS[i % 3] for i in range(len(names))]
+    outs = eng.generate(prompts, GREEDY, lora_path=names)
+    for prompt, name, out in zip(prompts, names, outs):
+        assert out["output_ids"] == alone[PROMPTS.index(prompt), name]
+    assert max(len(s) for s in seen) == 2
+    assert_no_leak(eng)
+
+
+def test_unknown_adapter_is_refused_naming_lora_path(engine):
+    with pytest.raises(RequestError) as e:
+        engine.add_request(GenerateInput([1, 2, 3], GREEDY, lora_path="nope"))
+    assert e.value.field == "lora_path"
+
+
+def test_load_errors_leave_the_engine_serving(engine, adapters, tmp_path, alone):
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_lora_adapter("a", adapters["a"])
+    with pytest.raises(LoraError, match="not found"):
+        engine.load_lora_adapter("x", str(tmp_path / "missing"))
+    assert engine.generate(PROMPTS[0], GREEDY, lora_path="a")["output_ids"] == alone[0, "a"]
+
+
+def test_load_unload_storm_during_traffic(tiny_model_dir, adapters, alone):
+    """Adapters loaded and unloaded between steps while requests under them run: every request
+    finishes with what it gets alone, unloaded names are refused, nothing leaks."""
+    eng = make_engine(tiny_model_dir, {"a": adapters["a"]}, max_loras_per_batch=2, max_loaded_loras=3)
+    rng = np.random.default_rng(0)
+    expected, done = {}, {}
+    loaded = {"a"}
+    for step in range(60):
+        if step % 3 == 0 and step < 45:
+            name = rng.choice(sorted(loaded | {None}, key=str))
+            i = int(rng.integers(len(PROMPTS)))
+            rids = eng.add_request(GenerateInput(PROMPTS[i], GREEDY, lora_path=name))
+            expected[rids[0]] = alone[i, name]
+        if step % 4 == 1:
+            name = ["a", "b", "c"][int(rng.integers(3))]
+            if name in loaded:
+                lora_id = eng.unload_lora_adapter(name)
+                loaded.discard(name)
+                with pytest.raises(RequestError):
+                    eng.add_request(GenerateInput([1, 2], GREEDY, lora_path=name))
+                assert isinstance(lora_id, str)
+            else:
+                evicted = eng.load_lora_adapter(name, adapters[name])
+                loaded = (loaded | {name}) - set(evicted)
+        for out in eng.step():
+            if out.finished:
+                done[out.rid] = out.output_ids
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.rid] = out.output_ids
+    assert done == expected
+    assert_no_leak(eng)
+    assert set(eng.loaded_lora_adapters()) == loaded
