@@ -390,7 +390,7 @@ class ServerArgs:
     speculative_ngram_capacity: int = _flag(10_000_000, "tokens of recent finished requests (prompt + output) kept for drafts from other requests: a request's suffix is also matched there, and the longer of its own match and the store's is drafted; the oldest are evicted first; 0 turns the store off (jaxserve/speculative/ngram_store.py)", group="speculative")
     # LoRA adapters (SGLang's names; jaxserve/model/lora.py, jaxserve/scheduler/lora_slots.py)
     enable_lora: bool | None = _flag(None, "serve LoRA adapters: requests name one with lora_path, or OpenAI's model \"<served-name>:<adapter>\" (default: on when --lora-paths is given)", group="lora")
-    lora_paths: tuple[str, ...] | None = _flag(None, "adapters to load at start-up, each PATH, NAME=PATH or JSON {\"lora_name\": ..., \"lora_path\": ..., \"pinned\": false} (PEFT directories)", group="lora", nargs="*")
+    lora_paths: tuple[str, ...] | None = _flag(None, "adapters to load at start-up, each PATH, NAME=PATH or JSON {\"lora_name\": ..., \"lora_path\": ..., \"pinned\": false}, PEFT directories (default: none; /load_lora_adapter loads more at run time)", group="lora", nargs="*")
     max_lora_rank: int | None = _flag(None, "largest adapter rank; the device slots are padded to it (default: the largest rank of --lora-paths, else 16)", group="lora")
     lora_target_modules: tuple[str, ...] | None = _flag(None, "projections the slots adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all (default: the union of --lora-paths' targets, else all)", group="lora", nargs="*")
     max_loras_per_batch: int = _flag(8, "distinct adapters in one batch, the base model counting as one; also the number of device slots beside the base model's", group="lora")

@@ -170,6 +170,21 @@ class EngineLoop:
         (`validator.tokenize_for_submit`; RequestError for a list of non-integers)."""
         return tokenize_for_submit(self.engine, prompt, add_special_tokens)
 
+    # LoRA adapters: the engine's registry is thread-safe (scheduler/lora_slots.py); these run in the caller's thread
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> list[str]:
+        """`Engine.load_lora_adapter` (reads the adapter's files in the caller's thread)."""
+        return self.engine.load_lora_adapter(lora_name, lora_path, pinned)
+
+    def unload_lora_adapter(self, lora_name: str) -> str:
+        """`Engine.unload_lora_adapter`: the adapter's lora_id; `lora_in_use` says when it is gone."""
+        return self.engine.unload_lora_adapter(lora_name)
+
+    def lora_in_use(self, lora_id: str) -> bool:
+        return self.engine.lora_in_use(lora_id)
+
+    def loaded_lora_adapters(self) -> dict[str, str]:
+        return self.engine.loaded_lora_adapters()
+
     def add_output_observer(self, observer: OutputCallback) -> None:
         """Also hand every delivered `StepOutput` to `observer` (on the loop thread; metrics use it),
         from the next output on."""

@@ -64,7 +64,7 @@ from jaxserve.server.errors import (
     unavailable_response,
 )
 from jaxserve.server.metrics import mark_unlogged
-from jaxserve.server.native import generate
+from jaxserve.server.native import generate, lora_adapters
 from jaxserve.server.openai import chat_completions, models
 from jaxserve.server.openai.chat_template import load_chat_template
 from jaxserve.server.openai.reasoning import reasoning_format
@@ -353,6 +353,8 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/get_load", get_load, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/load_lora_adapter", lora_adapters.load_lora_adapter, methods=["POST"]),
+        Route("/unload_lora_adapter", lora_adapters.unload_lora_adapter, methods=["POST"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
     get_parser(server_args.tool_call_parser)  # an unknown --tool-call-parser fails at start-up (ValueError)

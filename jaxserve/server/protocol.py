@@ -38,8 +38,8 @@ class _Request(BaseModel):
 class GenerateRequest(_Request):
     """POST /generate. One prompt (`text` or `input_ids`) or a batch (a list of them); per-prompt
     `sampling_params`, `rid`, `return_logprob`, `top_logprobs_num`, `logprob_start_len` and
-    `token_ids_logprob` (a list of id lists), `cache_salt` and `extra_key` may be lists of the same
-    length. These are the IMPLEMENTED rows of
+    `token_ids_logprob` (a list of id lists), `cache_salt`, `extra_key` and `lora_path` may be lists of
+    the same length. These are the IMPLEMENTED rows of
     `sglang_fields.REQUEST_FIELDS`; the handler drops SGLang's other accepted fields before this
     model sees the body."""
 
@@ -60,6 +60,7 @@ class GenerateRequest(_Request):
     # SGLang's: the reply reasons first, so under --reasoning-parser a grammar applies after </think>
     require_reasoning: bool = False
     extra_key: str | list[str] | None = None
+    lora_path: str | list[str | None] | None = None
     rid: str | list[str] | None = None
 
 
@@ -144,6 +145,8 @@ class OpenAISampling(_Request):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     rid: str | None = None
+    # SGLang's: a loaded LoRA adapter (one, or one per prompt); `model: "<served>:<adapter>"` wins over it
+    lora_path: str | list[str | None] | None = None
 
 
 class CompletionRequest(OpenAISampling):
@@ -502,6 +505,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jaxserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's card: the served model it adapts
     max_model_len: int | None = None
 
 

@@ -118,3 +118,17 @@ def test_unsupported_target(tiny_model_dir, tmp_path):
     path = make_peft_adapter(tiny_model_dir, str(tmp_path / "head"), seed=3, targets=("q_proj", "lm_head"))
     with pytest.raises(lora_lib.LoraError, match="lm_head"):
         lora_lib.load_adapter(path, config, lora_lib.LoraConfig.of(2, 8, None))
+
+
+def test_lora_flags_in_sglang_forms():
+    from jaxserve.config import ServerArgs
+
+    args = ServerArgs.from_cli(["--lora-paths", "a=/x", "/y", '{"lora_name": "c", "lora_path": "/z", "pinned": true}',
+                                "--lora-target-modules", "q_proj", "v_proj", "--max-loras-per-batch", "4"])
+    assert args.lora_target_modules == ("q_proj", "v_proj") and args.max_loras_per_batch == 4
+    assert lora_lib.parse_lora_paths(args.lora_paths) == [
+        lora_lib.LoraSource("a", "/x"), lora_lib.LoraSource("/y", "/y"), lora_lib.LoraSource("c", "/z", True)]
+    with pytest.raises(ValueError, match="twice"):
+        lora_lib.parse_lora_paths(["a=/x", "a=/y"])
+    with pytest.raises(ValueError, match="not supported"):
+        lora_lib.LoraConfig.of(2, 8, ("lm_head",))

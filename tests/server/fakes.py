@@ -49,6 +49,12 @@ class FakeEngine:
     def validate_token_ids_logprob(self, ids):
         pass
 
+    def validate_lora_path(self, name):
+        raise RequestError("lora_path", "LoRA is not enabled; start the server with --enable-lora")
+
+    def loaded_lora_adapters(self):
+        return {}
+
     def validate_stop_token_ids(self, params):
         pass
 

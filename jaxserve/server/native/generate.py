@@ -74,7 +74,7 @@ def _expand(req: GenerateRequest, think_end_ids: tuple[int, ...] = ()) -> tuple[
     rid = [f"{req.rid}_{i}" for i in range(num)] if is_batch and isinstance(req.rid, str) else req.rid
     fields = {"rid": rid, "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num,
               "logprob_start_len": req.logprob_start_len, "cache_salt": req.cache_salt, "extra_key": req.extra_key,
-              "sampling_params": req.sampling_params}
+              "lora_path": req.lora_path, "sampling_params": req.sampling_params}
     if not _takes_lists(req, is_batch):
         for name, v in fields.items():
             if isinstance(v, list):
@@ -98,7 +98,8 @@ def _expand(req: GenerateRequest, think_end_ids: tuple[int, ...] = ()) -> tuple[
     namespaces = [None if salt is None and key is None else (salt, key) for salt, key in zip(cols["cache_salt"], cols["extra_key"])]
     rows = zip(prompts, map(dict, params), cols["rid"], cols["return_logprob"], cols["top_logprobs_num"],
                cols["logprob_start_len"], ids, namespaces)
-    return [GenerateInput(*row, think_end_ids=think_end_ids) for row in rows], is_batch, field
+    return ([GenerateInput(*row, think_end_ids=think_end_ids, lora_path=lora) for row, lora in zip(rows, cols["lora_path"])],
+            is_batch, field)
 
 
 def sampling_param_path(name: str, index: int | None) -> str:

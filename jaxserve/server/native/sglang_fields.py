@@ -9,7 +9,7 @@ Handling (`Handling`):
   (e.g. `routing_key`, `conversation_id`).
 - NEUTRAL_ONLY: accepted at its neutral value (null, false, 0, empty, or the listed default); any
   other value is a 400 naming the field (code `unsupported_parameter`).
-- REFUSED: a capability jaxserve does not have (images, LoRA, disaggregation): accepted at its
+- REFUSED: a capability jaxserve does not have (images, disaggregation): accepted at its
   neutral value, otherwise a 400 naming the field with the reason.
 
 A field in no row is a 400 too: it is passed on, and `GenerateRequest` (top level) or
@@ -104,8 +104,8 @@ REQUEST_FIELDS: tuple[Field, ...] = (
     _neutral("return_indexer_topk", "no sparse-attention indexer"),
     _refused("modalities", _NO_MM),
     _refused("session_params", "no sessions (continual prompting)"),
-    _refused("lora_path", "LoRA adapters are not supported"),
-    _refused("lora_id", "LoRA adapters are not supported"),
+    _impl("lora_path", "a loaded LoRA adapter's name (one, or one per prompt; null: the base model); needs --enable-lora"),
+    _neutral("lora_id", "SGLang-internal (the id of a loaded adapter); give lora_path"),
     _refused("custom_logit_processor", "custom logit processors are not supported"),
     _refused("positional_embed_overrides", "input embeddings are not supported"),
     _refused("bootstrap_host", _NO_PD),

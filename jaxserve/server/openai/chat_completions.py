@@ -45,6 +45,7 @@ from jaxserve.server.openai.checks import (
     check_tool_messages,
 )
 from jaxserve.server.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from jaxserve.server.openai.lora import resolve_lora_paths
 from jaxserve.server.openai.reasoning import ReasoningFormat, ReasoningSplitter, grammar_think_end_ids, split_reasoning
 from jaxserve.server.openai.tools.plan import ToolPlan, tool_calls_out, tool_plan
 from jaxserve.server.openai.tools.streaming import CallStart, Content, StreamEvent, ToolCallStreamer, read_reply
@@ -151,16 +152,24 @@ def _renames(req: OpenAISampling, prompt_field: str, max_field: str, top_field: 
 
 def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[list[int], str | None, int]],
             req: OpenAISampling, return_logprob: bool, top_logprobs_num: int, *,
-            logprob_start_len: int = -1, ebnf: str | None = None, think_end_ids: tuple[int, ...] = ()) -> None:
+            logprob_start_len: int = -1, ebnf: str | None = None, think_end_ids: tuple[int, ...] = (),
+            served_model_name: str = "") -> None:
     """Submit (token ids, rid, max_new_tokens) per prompt; a validation error aborts the ones before it.
-    `think_end_ids`: the grammar applies after these tokens (`reasoning.grammar_think_end_ids`)."""
+    `think_end_ids`: the grammar applies after these tokens (`reasoning.grammar_think_end_ids`). The
+    LoRA adapter of each prompt: `model`'s "<served>:<adapter>", else `lora_path` (`lora.resolve_lora_paths`)."""
     n = req.n if isinstance(req.n, int) and 1 <= req.n <= MAX_N else 1  # an invalid n: its submit refuses it
     try:
+        loras, lora_field = resolve_lora_paths(req.model, req.lora_path, served_model_name, len(prompts))
+    except ValueError as e:
+        raise APIError(str(e), 400, param="lora_path", code="invalid_value") from None
+    renames = {**renames, "lora_path": lora_field}
+    try:
         with group.reserved(len(prompts) * n, "n" if len(prompts) == 1 else "prompt"):
-            for ids, rid, max_new_tokens in prompts:
+            for (ids, rid, max_new_tokens), lora in zip(prompts, loras):
                 group.submit(GenerateInput(ids, sampling_params_of(req, max_new_tokens, ebnf), rid=rid,
                                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                                           logprob_start_len=logprob_start_len, think_end_ids=think_end_ids))
+                                           logprob_start_len=logprob_start_len, think_end_ids=think_end_ids,
+                                           lora_path=lora))
     except (SamplingParamsError, RequestError) as e:
         group.abort()
         raise from_engine_error(e, renames) from None
@@ -260,7 +269,8 @@ async def completions(request: Request) -> Response:
             max_new = max_tokens if max_tokens is not None else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
             prompts.append((ids, rid if len(raw_prompts) == 1 else f"{rid}-p{i}", 1 if drop_output else max_new))
         _submit(group, _renames(req, "prompt", max_field, "logprobs"), prompts, req,
-                req.logprobs is not None, req.logprobs or 0, logprob_start_len=0 if prompt_logprobs else -1)
+                req.logprobs is not None, req.logprobs or 0, logprob_start_len=0 if prompt_logprobs else -1,
+                served_model_name=request.app.state.model_name)
 
     await preprocess(request, prepare)
     tokenizer = engine_loop.tokenizer
@@ -457,7 +467,7 @@ async def _submit_chat(request: Request, req: ChatCompletionRequest, rename: dic
         ids = _chat_prompt_ids(request, req, plan)
         max_new = max_tokens if max_tokens is not None else max(1, engine_loop.context_length - len(ids))
         _submit(group, renames, [(ids, rid, max_new)], req, req.logprobs, req.top_logprobs or 0, ebnf=plan.grammar,
-                think_end_ids=think_end_ids)
+                think_end_ids=think_end_ids, served_model_name=request.app.state.model_name)
 
     await preprocess(request, prepare)
     reasoning = fmt if req.separate_reasoning and (not constrained or think_end_ids) else None

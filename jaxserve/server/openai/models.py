@@ -19,9 +19,16 @@ def _served_card(request: Request) -> ModelCard:
     return ModelCard(id=request.app.state.model_name, root=engine_loop.model_path, max_model_len=engine_loop.context_length)
 
 
+def _adapter_cards(request: Request) -> list[ModelCard]:
+    """A card per loaded LoRA adapter (SGLang's: id the adapter's name, root its path, parent the
+    served model)."""
+    adapters = request.app.state.engine_loop.loaded_lora_adapters()
+    return [ModelCard(id=name, root=path, parent=request.app.state.model_name) for name, path in adapters.items()]
+
+
 async def models(request: Request) -> Response:
-    """GET /v1/models: a list of the one served model's card."""
-    return JSONResponse(ModelList(data=[_served_card(request)]).model_dump())
+    """GET /v1/models: the served model's card, then one per loaded LoRA adapter."""
+    return JSONResponse(ModelList(data=[_served_card(request), *_adapter_cards(request)]).model_dump())
 
 
 async def retrieve_model(request: Request) -> Response:

@@ -106,7 +106,7 @@ def test_metadata_fields_check_their_type():
 
 
 def test_unknown_and_implemented_fields_pass_through():
-    body = {"text": "x", "not_a_field": 1, "lora_path": None}
+    body = {"text": "x", "not_a_field": 1, "lora_id": None}
     assert check_request(body) == {"text": "x", "not_a_field": 1}
     assert check_sampling_params({"temperature": 0, "bogus": 1, "custom_params": {}}) == {"temperature": 0, "bogus": 1}
 
@@ -132,7 +132,7 @@ def test_all_neutral_values_in_one_request_match_a_plain_one(http):
     "body, param, code",
     [
         ({"image_data": "http://x/cat.png"}, "image_data", "unsupported_parameter"),
-        ({"lora_path": "adapter-1"}, "lora_path", "unsupported_parameter"),
+        ({"lora_id": "adapter-1"}, "lora_id", "unsupported_parameter"),
         ({"return_hidden_states": True}, "return_hidden_states", "unsupported_parameter"),
         ({"sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag", "unsupported_parameter"),
         ({"sampling_params": {"beam_width": 4}}, "sampling_params.beam_width", "unsupported_parameter"),
