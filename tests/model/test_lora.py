@@ -132,3 +132,20 @@ def test_lora_flags_in_sglang_forms():
         lora_lib.parse_lora_paths(["a=/x", "a=/y"])
     with pytest.raises(ValueError, match="not supported"):
         lora_lib.LoraConfig.of(2, 8, ("lm_head",))
+
+
+def test_kv_heads_replicated_for_tp_keep_the_adapter(tiny_model_dir, adapters):
+    """With kv heads copied (tp above the kv-head count: loader.replicate_kv_heads), the adapter's k/v
+    rows are copied the same way: logits still PEFT's."""
+    from jaxserve.model.loader import replicate_kv_heads
+
+    config, params = load_model(tiny_model_dir, "float32", use_weights_cache=False)
+    config, params = replicate_kv_heads(config, params, 2)
+    lora = lora_lib.LoraConfig.of(num_slots=2, max_rank=8, target_modules=None, kv_replicas=2)
+    shape = PoolShape(config.num_layers, 16, PAGE, config.num_kv_heads, config.head_dim, "float32").shape
+    runner = ModelRunner(config, params, jnp.zeros(shape), jnp.zeros(shape), attn_fn=ragged_paged_attention_xla,
+                         max_running_requests=2, max_extend_tokens=16, context_length=32, layer_loop="host", lora=lora)
+    runner.write_lora_slot(1, lora_lib.load_adapter(adapters["a"], config, lora))
+    prompt = [5, 17, 301, 42, 9]
+    got = np.asarray(runner.forward([BatchEntry(prompt, 0, [1, 2], lora_slot=1)]))[0]
+    np.testing.assert_allclose(got, peft_last_logits(peft_model(tiny_model_dir, adapters), "a", prompt), atol=1e-4, rtol=0)

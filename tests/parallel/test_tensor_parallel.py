@@ -27,10 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_QWEN3 = dict(TINY_LLAMA, num_key_value_heads=4, head_dim=16, rope_theta=1e6, tie_word_embeddings=False)
 
 
-def run_worker(*args: str, devices: int = 4, timeout: float = 900) -> list[dict]:
+def run_worker(*args: str, devices: int = 4, timeout: float = 900, module: str = "tests.parallel.tp_worker") -> list[dict]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.parallel.tp_worker", *args], cwd=REPO, env=env,
+        [sys.executable, "-m", module, *args], cwd=REPO, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
