@@ -18,6 +18,14 @@ from jaxserve.lang.choices import ChoiceScores, token_length_normalized, tokeniz
 # select asks for one new token: jaxserve finishes a max_new_tokens=0 request without running its
 # prompt (so it would return no prompt logprobs and cache nothing); SGLang's server accepts either.
 SCORING_MAX_NEW_TOKENS = 1
+# `gen` parameters that are /generate request fields, not sampling params
+REQUEST_FIELDS = ("lora_path",)
+
+
+def split_request_fields(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A `gen`'s params as (sampling params, request fields such as `lora_path`)."""
+    sampling = {k: v for k, v in params.items() if k not in REQUEST_FIELDS}
+    return sampling, {k: v for k, v in params.items() if k in REQUEST_FIELDS}
 
 
 @dataclasses.dataclass(frozen=True)

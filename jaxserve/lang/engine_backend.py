@@ -20,7 +20,7 @@ from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.engine.outputs import RequestError, StepOutput, sglang_meta_info
 from jaxserve.engine.request import SamplingParamsError
 from jaxserve.engine.request_input import GenerateInput
-from jaxserve.lang.backend import SCORING_MAX_NEW_TOKENS, Backend, GenChunk, GenResult
+from jaxserve.lang.backend import SCORING_MAX_NEW_TOKENS, Backend, GenChunk, GenResult, split_request_fields
 from jaxserve.lang.chat_template import ChatTemplate
 from jaxserve.lang.errors import BackendError
 
@@ -85,6 +85,8 @@ class EngineBackend(Backend):
         self.generate(prompt, {"max_new_tokens": SCORING_MAX_NEW_TOKENS, "temperature": 0})
 
     def _submit(self, prompt: str | Sequence[int], params: dict[str, Any], **fields: Any) -> "queue.SimpleQueue[StepOutput]":
+        params, request_fields = split_request_fields(params)
+        fields = {**request_fields, **fields}
         outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
         try:
             self.loop.submit(GenerateInput(prompt, params, **fields), on_output=outputs.put)

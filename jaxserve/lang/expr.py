@@ -108,6 +108,7 @@ def gen(
     json_schema: str | dict | None = None,
     choices: Sequence[str] | None = None,
     dtype: type | str | None = None,
+    lora_path: str | None = None,
 ) -> Gen | Select:
     """Generate into variable `name` (None: append without storing). Unset parameters take the
     program's defaults (`run(temperature=...)`), then the server's (SGLang: 128 tokens, temperature 1).
@@ -115,6 +116,8 @@ def gen(
     `json_schema` is a JSON Schema (a string, or a dict that is serialised); `regex` a regular
     expression; `choices` turns the call into `select(name, choices)`; `dtype` int / float / str /
     bool constrains with SGLang's regex for that type (int and float also stop at a space or newline).
+    `lora_path`: generate under this loaded LoRA adapter (the server's --lora-paths or
+    /load_lora_adapter name; `run(lora_path=...)` sets it for every `gen` of a program).
 
     Raises:
         ValueError: two constraints at once, an unknown dtype, or an empty `choices`.
@@ -144,6 +147,7 @@ def gen(
         "ignore_eos": ignore_eos,
         "regex": regex,
         "json_schema": json_schema,
+        "lora_path": lora_path,
     }
     return Gen(name, {k: v for k, v in given.items() if v is not None})
 

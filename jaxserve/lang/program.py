@@ -30,6 +30,7 @@ from jaxserve.lang.state import ProgramContext, ProgramState
 SAMPLING_DEFAULTS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
     "frequency_penalty", "presence_penalty", "ignore_eos",
+    "lora_path",  # a request field, not a sampling param: the LoRA adapter of every `gen`
 )
 MAX_AUTO_THREADS = 64
 

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import httpx
 
-from jaxserve.lang.backend import SCORING_MAX_NEW_TOKENS, Backend, GenChunk, GenResult
+from jaxserve.lang.backend import SCORING_MAX_NEW_TOKENS, Backend, GenChunk, GenResult, split_request_fields
 from jaxserve.lang.chat_template import ChatTemplate
 from jaxserve.lang.errors import BackendError
 
@@ -112,11 +112,13 @@ class RuntimeEndpoint(Backend):
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
-        obj = self._request("POST", "/generate", {"text": prompt, "sampling_params": params})
+        params, fields = split_request_fields(params)
+        obj = self._request("POST", "/generate", {"text": prompt, "sampling_params": params, **fields})
         return GenResult(obj["text"], list(obj.get("output_ids") or []), obj.get("meta_info") or {})
 
     def generate_stream(self, prompt: str, params: dict[str, Any]) -> Iterator[GenChunk]:
-        body = {"text": prompt, "sampling_params": params, "stream": True}
+        params, fields = split_request_fields(params)
+        body = {"text": prompt, "sampling_params": params, "stream": True, **fields}
         text, last = "", None
         try:
             with self._client.stream("POST", "/generate", json=body) as response:

@@ -134,3 +134,30 @@ def test_unload_while_requests_run_lets_them_finish(http, adapters, expected):
     assert unload.status_code == 200
     assert all(o.status_code == 200 and o.json()["output_ids"][:NEW] == expected["b"] for o in outs)
     wait_idle(http)
+
+
+def test_frontend_gen_with_lora_path(lora_server, http):
+    """The frontend language's `gen(lora_path=...)` (and `run(lora_path=...)`), plain and streamed,
+    over HTTP: the same text as /generate under the adapter."""
+    from jaxserve.lang import RuntimeEndpoint, function, gen
+
+    question = "Name a color:"
+
+    @function
+    def ask(s, adapter):
+        s += question + gen("answer", max_tokens=NEW, lora_path=adapter)
+
+    @function
+    def ask_default(s):
+        s += question + gen("answer", max_tokens=NEW)
+
+    def by_hand(adapter):
+        body = {"text": question, "sampling_params": {**GREEDY}, "lora_path": adapter}
+        return http.post("/generate", json=body).json()["text"]
+
+    with RuntimeEndpoint(lora_server.url) as remote:
+        under_a = ask.run("a", backend=remote, temperature=0)
+        assert under_a["answer"] == by_hand("a") != by_hand(None)
+        streamed = ask.run("a", backend=remote, temperature=0, stream=True)
+        assert "".join(streamed.text_iter()) == question + by_hand("a")
+        assert ask_default.run(backend=remote, temperature=0, lora_path="a")["answer"] == by_hand("a")
