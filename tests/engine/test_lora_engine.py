@@ -167,3 +167,34 @@ def test_load_unload_storm_during_traffic(tiny_model_dir, adapters, alone):
     assert done == expected
     assert_no_leak(eng)
     assert set(eng.loaded_lora_adapters()) == loaded
+
+
+def test_speculative_decoding_verifies_under_the_adapter(tiny_model_dir, adapters, engine):
+    """NGRAM drafts (from the prompt's repeats and the earlier requests' outputs, under any adapter) are
+    verified under each request's adapter: the greedy ids are those of plain decoding."""
+    eng = make_engine(tiny_model_dir, adapters, speculative_algorithm="NGRAM", speculative_num_draft_tokens=3,
+                      disable_speculative_adaptive=True)
+    names = [None, "a", "b", "c"]
+    prompt = [5, 17, 301, 42] * 4
+    want = [engine.generate(prompt, GREEDY, lora_path=n)["output_ids"] for n in names]
+    for _ in range(2):  # the second round drafts from the first round's outputs
+        outs = eng.generate([prompt] * 4, GREEDY, lora_path=names)
+        assert [o["output_ids"] for o in outs] == want
+    assert eng.stats.num_spec_verifications > 0  # drafts were verified (under the adapters)
+    assert_no_leak(eng)
+
+
+def test_overlap_retraction_and_n_under_adapters(tiny_model_dir, adapters, alone):
+    """The overlap schedule, n > 1 and retraction (a pool too small for every request at once) keep
+    each sequence on its adapter."""
+    eng = make_engine(tiny_model_dir, adapters, disable_overlap_schedule=False, max_total_tokens=48,
+                      page_size=4, max_running_requests=8)
+    names = ["a", "b", None, "c", "a", "b"]
+    prompts = [PROMPTS[i % 3] for i in range(len(names))]
+    outs = eng.generate(prompts, [{**GREEDY, "n": 2}] * len(names), lora_path=names)
+    for k, (prompt, name) in enumerate(zip(prompts, names)):
+        for seq in outs[2 * k : 2 * k + 2]:
+            assert seq["output_ids"] == alone[PROMPTS.index(prompt), name], (k, name)
+    assert eng.scheduler.num_retractions > 0
+    assert eng.stats.num_overlapped_steps > 0
+    assert_no_leak(eng)
