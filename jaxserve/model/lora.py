@@ -1,14 +1,15 @@
 """LoRA adapters (Hu et al. 2021) for the Llama family: PEFT directories read into host arrays, the
 stacked device slots they are written into, and the per-token low-rank update the model adds.
 
-Slots. Every adapted projection of every layer holds `A [S, r_max, in]` and `B [S, out, r_max]` for S
-slots (`LoraConfig.num_slots`); slot 0 stays zero, the base model's slot. They live in each layer's
-params under "lora" (`params["layers"][i]["lora"]["q_a"]`, stacked on a leading L axis under scan, so the
-stacked form is `[L, S, r_max, in]`), so they shard, stack and unstack with the layer they belong to.
-The step takes a slot per token (`ForwardBatch.lora_ids`) and adds `B[s] @ A[s] @ x` for each token's
-slot s. It computes the product for every slot and masks it with a one-hot of the token's slot: one
-compiled step serves any mix of adapters and the base model, and writing a slot is a device update of
-these arrays, never a compile.
+Slots. Every adapted projection of every layer holds A [S, r_max, in] and B [out, S, r_max] for S slots
+(`LoraConfig.num_slots`); slot 0 stays zero, the base model's slot. Targets that share an input are
+fused like the weights they adapt (q/k/v as `wqkv`, gate/up as `w_gate_up`; `slot_layout`). The arrays
+live in each layer's params under "lora" (`params["layers"][i]["lora"]["qkv_a"]`; stacked on a leading
+L axis under scan), so they shard, stack and unstack with the layer they belong to. The step takes a
+slot per token (`ForwardBatch.lora_ids`) and adds `B[s] @ A[s] @ x` for each token's slot s: it
+computes A @ x for every slot, masks it with a one-hot of the token's slot and applies B in one
+contraction over (slot, rank). One compiled step serves any mix of adapters and the base model, and
+writing a slot is a device update of these arrays, never a compile.
 
 Adapters are PEFT directories (`adapter_config.json` + `adapter_model.safetensors`), targets q/k/v/o
 and gate/up/down projections, rank up to `r_max` (zero-padded), the PEFT scaling `lora_alpha / r` (or
@@ -83,43 +84,63 @@ def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"q": (hd, e), "k": (kvd, e), "v": (kvd, e), "o": (e, hd), "gate": (i, e), "up": (i, e), "down": (e, i)}
 
 
-# logical axes of each target's input and output features (like the weight it adapts: q/k/v and
-# gate/up are column-parallel, o and down row-parallel; jaxserve/parallel/rules.py)
-_IN_AXIS = {"q": "embed", "k": "embed", "v": "embed", "o": "q_heads", "gate": "embed", "up": "embed", "down": "mlp"}
-_OUT_AXIS = {"q": "q_heads", "k": "kv_heads", "v": "kv_heads", "o": "embed", "gate": "mlp", "up": "mlp", "down": "embed"}
+# The slot arrays of one layer, one pair per group of targets that share an input, fused like the
+# weights they adapt (`wqkv`, `w_gate_up`): group -> its targets in order. A group's A stacks its
+# targets' A's along the rank axis; its B is block-structured (target j's rows read only ranks
+# [j R, (j + 1) R)), so a group costs one matmul for A and one for B.
+GROUPS: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 
-def slot_axes(lora: LoraConfig) -> dict[str, tuple[str | None, ...]]:
-    """Logical axis names of one layer's slot arrays: `<t>_a` [S, r, in], `<t>_b` [S, out, r]."""
-    axes = {}
-    for t in lora.targets:
-        axes[f"{t}_a"] = (None, None, _IN_AXIS[t])
-        axes[f"{t}_b"] = (None, _OUT_AXIS[t], None)
-    return axes
+def groups(lora: LoraConfig) -> tuple[str, ...]:
+    """The groups with at least one target in `lora.targets`."""
+    return tuple(g for g, members in GROUPS.items() if any(t in lora.targets for t in members))
 
 
-def empty_slots(config: ModelConfig, lora: LoraConfig, dtype=jnp.float32) -> dict[str, np.ndarray]:
-    """One layer's zero slot arrays (host numpy): `<t>_a` [S, r, in], `<t>_b` [S, out, r]."""
-    shapes, s, r = target_shapes(config), lora.num_slots, lora.max_rank
-    out = {}
-    for t in lora.targets:
-        o, i = shapes[t]
-        out[f"{t}_a"] = np.zeros((s, r, i), dtype)
-        out[f"{t}_b"] = np.zeros((s, o, r), dtype)
-    return out
+def slot_layout(config: ModelConfig, lora: LoraConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], int]]:
+    """One layer's slot arrays: name -> (shape, logical axes, slot axis). S slots, R = r_max:
+
+    - `qkv_a` [S, 3R, E], `qkv_b` [KVH, (G + 2) D, S, 3R] (wqkv's grouped rows: split over kv heads);
+    - `o_a` [S, R, H D] (split over heads, as wo's input), `o_b` [E, S, R];
+    - `gate_up_a` [S, 2R, E], `gate_up_b` [2, I, S, 2R] (split over I, as w_gate_up);
+    - `down_a` [S, R, I] (split over I, as w_down's input), `down_b` [E, S, R].
+
+    B keeps (S, R) last and contiguous, so B @ (A x) is one matmul with no transpose; A and B of
+    column-parallel weights split B's outputs, of row-parallel ones A's inputs (parallel/rules.py).
+    """
+    s, r, e, d, i = lora.num_slots, lora.max_rank, config.hidden_size, config.head_dim, config.intermediate_size
+    nkv, g, hd = config.num_kv_heads, config.group_size, config.num_heads * config.head_dim
+    layout = {
+        "qkv": {"qkv_a": ((s, 3 * r, e), (None, None, "embed"), 0),
+                "qkv_b": ((nkv, (g + 2) * d, s, 3 * r), ("kv_heads", "qkv", None, None), 2)},
+        "o": {"o_a": ((s, r, hd), (None, None, "q_heads"), 0), "o_b": ((e, s, r), ("embed", None, None), 1)},
+        "gate_up": {"gate_up_a": ((s, 2 * r, e), (None, None, "embed"), 0),
+                    "gate_up_b": ((2, i, s, 2 * r), ("gate_up", "mlp", None, None), 2)},
+        "down": {"down_a": ((s, r, i), (None, None, "mlp"), 0), "down_b": ((e, s, r), ("embed", None, None), 1)},
+    }
+    return {name: spec for grp in groups(lora) for name, spec in layout[grp].items()}
+
+
+def slot_axes(config: ModelConfig, lora: LoraConfig) -> dict[str, tuple[str | None, ...]]:
+    """Logical axis names of one layer's slot arrays (`slot_layout`)."""
+    return {name: axes for name, (_, axes, _) in slot_layout(config, lora).items()}
+
+
+def empty_slots(config: ModelConfig, lora: LoraConfig, dtype=np.float32) -> dict[str, np.ndarray]:
+    """One layer's zero slot arrays (host numpy), in `slot_layout`."""
+    return {name: np.zeros(shape, dtype) for name, (shape, _, _) in slot_layout(config, lora).items()}
 
 
 def with_lora_slots(params: dict, config: ModelConfig, lora: LoraConfig) -> dict:
     """`params` (per-layer storage) with zero slot arrays under each layer's "lora"."""
     dtype = jax.tree.leaves(params)[0].dtype
-    layers = {i: {**p, "lora": jax.tree.map(jnp.asarray, empty_slots(config, lora, dtype))}
+    layers = {i: {**p, "lora": {k: jnp.zeros(v.shape, dtype) for k, v in empty_slots(config, lora).items()}}
               for i, p in params["layers"].items()}
     return {**params, "layers": layers}
 
 
-def with_lora_axes(axes: dict, lora: LoraConfig) -> dict:
+def with_lora_axes(axes: dict, config: ModelConfig, lora: LoraConfig) -> dict:
     """`llama.logical_axes(config)` with each layer's slot arrays' axes added."""
-    layers = {i: {**a, "lora": slot_axes(lora)} for i, a in axes["layers"].items()}
+    layers = {i: {**a, "lora": slot_axes(config, lora)} for i, a in axes["layers"].items()}
     return {**axes, "layers": layers}
 
 
@@ -135,28 +156,21 @@ def slot_one_hot(lora_ids: Int32[Array, " T"], num_slots: int, dtype) -> Float[A
     return (lora_ids[None, :] == jnp.arange(num_slots, dtype=lora_ids.dtype)[:, None]).astype(dtype)
 
 
-def lora_delta(
-    a: Float[Array, "S R I"], b: Float[Array, "S O R"], x: Float[Array, "I T"], one_hot: Float[Array, "S T"]
-) -> Float[Array, "O T"]:
-    """B[s] @ A[s] @ x[:, t] for each token t's slot s (feature-major, as the layers' W @ x). Every
-    slot's A @ x is computed and masked, then one contraction over (slot, rank) applies B: the cost is
-    S * r * (in + out) per token, against in * out for the base weight."""
-    xa = jnp.einsum("sri,it->srt", a, x) * one_hot[:, None, :]  # [S, R, T]
-    return jnp.einsum("sor,srt->ot", b, xa)
-
-
-def delta_or_zeros(lora: Mapping[str, Any], target: str, x, one_hot, out_features: int):
-    """`lora_delta` of `target`, or zeros [out, T] where the slots do not adapt it."""
-    if f"{target}_a" not in lora:
-        return jnp.zeros((out_features, x.shape[1]), x.dtype)
-    return lora_delta(lora[f"{target}_a"], lora[f"{target}_b"], x, one_hot)
+def group_delta(lora: Mapping[str, Any], group: str, x: Float[Array, "I T"], one_hot: Float[Array, "S T"]) -> jax.Array:
+    """B[s] @ A[s] @ x[:, t] of `group` for each token t's slot s (feature-major, as the layers' W @ x):
+    [..., T] with B's leading (output) axes. Every slot's A @ x is computed and masked by the token's
+    slot, then one contraction over (slot, rank) applies B: the cost is S * R * (in + out) per token
+    and group member, against in * out for the base weight."""
+    a, b = lora[f"{group}_a"], lora[f"{group}_b"]
+    xa = jnp.einsum("sri,it->srt", a, x) * one_hot[:, None, :]  # [S, R', T]
+    return jnp.einsum("...sr,srt->...t", b, xa)
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraAdapter:
-    """One adapter in host memory, in slot layout: per layer, `<t>_a` [r_max, in] and `<t>_b` [out, r_max]
-    (zero-padded, the scaling folded into B) for every target of the slots (zeros where the adapter
-    does not adapt it). `rank`, `scaling` and `targets` (PEFT names) as read."""
+    """One adapter in host memory, in one slot of `slot_layout` per layer (the slot axis dropped; zeros
+    where the adapter does not adapt a target; ranks zero-padded to r_max; the scaling folded into B).
+    `rank`, `scaling` and `targets` (PEFT names) as read."""
 
     path: str
     rank: int
@@ -213,8 +227,9 @@ def load_adapter(path: str, config: ModelConfig, lora: LoraConfig, dtype=np.floa
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     tensors = _read_tensors(path)
     shapes = target_shapes(config)
-    layers = [{name: np.zeros(x.shape[1:], dtype) for name, x in empty_slots(config, lora).items()}
-              for _ in range(config.num_layers)]
+    layout = slot_layout(config, lora)
+    layers = [{name: np.zeros(tuple(n for k, n in enumerate(shape) if k != axis), dtype)
+               for name, (shape, _, axis) in layout.items()} for _ in range(config.num_layers)]
     seen: set[str] = set()
     for key, w in tensors.items():
         m = _KEY.search(key)
@@ -235,16 +250,43 @@ def load_adapter(path: str, config: ModelConfig, lora: LoraConfig, dtype=np.floa
         if ab == "A":
             if w.shape != (rank, in_f):
                 raise LoraError(f"{path!r}: {key} has shape {w.shape}, expected {(rank, in_f)} for this base model")
-            layers[layer][f"{target}_a"][:rank] = w
+            _place_a(layers[layer], target, w, lora.max_rank)
         else:
             if target in ("k", "v"):
                 w = _replicate_kv_rows(w, lora.kv_replicas, config.head_dim)
             if w.shape != (out_f, rank):
                 raise LoraError(f"{path!r}: {key} has shape {w.shape}, expected {(out_f, rank)} for this base model")
-            layers[layer][f"{target}_b"][:, :rank] = w * scaling
+            _place_b(layers[layer], target, w * scaling, lora.max_rank, config)
     if not seen:
         raise LoraError(f"{path!r}: no LoRA tensors found")
     return LoraAdapter(path, rank, scaling, tuple(sorted(seen)), tuple(layers))
+
+
+def _group_of(target: str) -> tuple[str, int]:
+    """The group of `target` and its index in it."""
+    return next((g, members.index(target)) for g, members in GROUPS.items() if target in members)
+
+
+def _place_a(layer: dict[str, np.ndarray], target: str, a: np.ndarray, max_rank: int) -> None:
+    """A [r, in] into its group's A [members R, in], at ranks [j R, j R + r)."""
+    group, j = _group_of(target)
+    layer[f"{group}_a"][j * max_rank : j * max_rank + a.shape[0]] = a
+
+
+def _place_b(layer: dict[str, np.ndarray], target: str, b: np.ndarray, max_rank: int, config: ModelConfig) -> None:
+    """B [out, r] into its group's B at ranks [j R, j R + r): q/k/v into wqkv's grouped rows (per kv
+    head its G query heads' rows, then K's, then V's), gate/up into their half of [2, I, ...]."""
+    group, j = _group_of(target)
+    ranks = slice(j * max_rank, j * max_rank + b.shape[1])
+    out = layer[f"{group}_b"]
+    if group == "qkv":
+        nkv, d, g = config.num_kv_heads, config.head_dim, config.group_size
+        rows = {"q": slice(0, g * d), "k": slice(g * d, (g + 1) * d), "v": slice((g + 1) * d, (g + 2) * d)}[target]
+        out[:, rows, ranks] = b.reshape(nkv, -1, b.shape[1])
+    elif group == "gate_up":
+        out[j, :, ranks] = b
+    else:
+        out[:, ranks] = b
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:

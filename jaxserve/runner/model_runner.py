@@ -281,7 +281,7 @@ class ModelRunner:
         shardings: dict[str, object] = {}
         if self.mesh is not None:
             axes = llama.logical_axes(config)
-            params = parallel.shard_params(params, lora_lib.with_lora_axes(axes, lora) if lora else axes, self.mesh)
+            params = parallel.shard_params(params, lora_lib.with_lora_axes(axes, config, lora) if lora else axes, self.mesh)
             pool = parallel.pool_sharding(self.mesh, k_pool.shape[2])
             k_pool, v_pool = parallel.sharding.put(k_pool, pool), parallel.sharding.put(v_pool, pool)
             attn_fn = parallel.shard_attention(attn_fn, self.mesh)
@@ -324,7 +324,7 @@ class ModelRunner:
             if jax.process_count() > 1 and self.mesh is not None:  # one process's scalar is no global input
                 self._first_layer_ids = [parallel.sharding.put(np.int32(i), self._replicated)
                                          for i in range(0, config.num_layers, self.layers_per_call)]
-        self._write_lora_jit = {}  # slot axis (0 per-layer, 1 stacked) -> the jitted slot write
+        self._write_lora_jit = {}  # whether the layers are stacked -> the jitted slot write
         # several processes: rank 0 reads the sampled ids, so they must be whole on its devices
         multi = {"out_shardings": self._replicated} if jax.process_count() > 1 and self.mesh is not None else {}
         self._sample_jit = jax.jit(sampler_lib.sample, static_argnums=(2,), **multi)
@@ -640,24 +640,32 @@ class ModelRunner:
             raise ValueError(f"LoRA slot {slot} out of range 1..{self.lora.num_slots - 1}")
         layers = self.params["layers"]
         stacked = llama.is_stacked(layers)
-        empty = lora_lib.empty_slots(self.config, self.lora)
+        layout = lora_lib.slot_layout(self.config, self.lora)
         per_layer = adapter.layers if adapter is not None else [
-            {k: np.zeros(v.shape[1:], v.dtype) for k, v in empty.items()}] * self.config.num_layers
+            {k: np.zeros(tuple(n for j, n in enumerate(shape) if j != axis), np.float32)
+             for k, (shape, _, axis) in layout.items()}] * self.config.num_layers
+        # the slot axis of each array (one further in under a stacked L axis)
+        slot_axes = {k: axis + stacked for k, (_, _, axis) in layout.items()}
         if stacked:
             tree = layers["lora"]
             values = {k: np.stack([p[k] for p in per_layer]) for k in tree}
         else:
             tree = {i: layers[i]["lora"] for i in layers}
             values = {i: per_layer[i] for i in layers}
-        axis = 1 if stacked else 0
-        fn = self._write_lora_jit.get(axis)
+        fn = self._write_lora_jit.get(stacked)
         if fn is None:
+            def write_one(x, v, slot, axis):
+                return jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), slot, axis)
+
             def write(tree, slot, values):
-                return jax.tree.map(
-                    lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), slot, axis), tree, values)
+                if stacked:
+                    return {k: write_one(x, values[k], slot, slot_axes[k]) for k, x in tree.items()}
+                return {i: {k: write_one(x, values[i][k], slot, slot_axes[k]) for k, x in t.items()}
+                        for i, t in tree.items()}
+
             shardings = jax.tree.map(lambda x: x.sharding, tree) if self.mesh is not None else None
             fn = jax.jit(write, donate_argnums=(0,), out_shardings=shardings)
-            self._write_lora_jit[axis] = fn
+            self._write_lora_jit[stacked] = fn
         tree = fn(tree, np.int32(slot), values)
         if stacked:
             layers = {**layers, "lora": tree}

@@ -34,6 +34,7 @@ def test_tp3_mixed_adapters_match_tp1_and_peft(model_and_adapters):
     assert tp1["outputs"] == want
     assert tp3["outputs"] == want
     specs = tp3["specs"]
-    assert specs["q_b"] == specs["gate_b"] == "P(None, 'tensor', None)"
-    assert specs["o_a"] == specs["down_a"] == "P(None, None, 'tensor')"
-    assert "tensor" not in specs["q_a"] + specs["o_b"]  # replicated: the embed axis is not split
+    assert specs["qkv_b"] == "P('tensor', None, None, None)"  # over kv heads, as wqkv
+    assert specs["gate_up_b"] == "P(None, 'tensor', None, None)"  # over I, as w_gate_up
+    assert specs["o_a"] == specs["down_a"] == "P(None, None, 'tensor')"  # over their inputs, as wo and w_down
+    assert "tensor" not in specs["qkv_a"] + specs["o_b"] + specs["down_b"]  # replicated: the embed axis is not split
