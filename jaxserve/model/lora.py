@@ -9,7 +9,7 @@ L axis under scan), so they shard, stack and unstack with the layer they belong 
 slot per token (`ForwardBatch.lora_ids`) and adds `B[s] @ A[s] @ x` for each token's slot s: it
 computes A @ x for every slot, masks it with a one-hot of the token's slot and applies B in one
 contraction over (slot, rank). One compiled step serves any mix of adapters and the base model, and
-writing a slot is a device update of these arrays, never a compile.
+writing a slot is a device update of these arrays, never a compile (D-43).
 
 Adapters are PEFT directories (`adapter_config.json` + `adapter_model.safetensors`), targets q/k/v/o
 and gate/up/down projections, rank up to `r_max` (zero-padded), the PEFT scaling `lora_alpha / r` (or
