@@ -38,6 +38,10 @@ _OPERATIONS: tuple[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] 
     ("get", "/get_load", "SGLang's per-rank load list (requests, KV tokens), polled by sglang-router", None, None),
     ("post", "/flush_cache", "empty the prefix cache", None, None),
     ("post", "/abort_request", "stop a request by rid, or every request (abort_all)", None, None),
+    ("post", "/load_lora_adapter", "load a PEFT LoRA adapter (needs --enable-lora); 400 with success false when it "
+     "cannot serve this model", protocol.LoadLoRAAdapterRequest, protocol.LoRAUpdateOutput),
+    ("post", "/unload_lora_adapter", "unload a LoRA adapter; answers once its running requests finished",
+     protocol.UnloadLoRAAdapterRequest, protocol.LoRAUpdateOutput),
 )
 
 _ABORT_BODY = {"type": "object", "properties": {"rid": {"type": "string", "minLength": 1}, "abort_all": {"type": "boolean"}},

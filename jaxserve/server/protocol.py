@@ -64,6 +64,34 @@ class GenerateRequest(_Request):
     rid: str | list[str] | None = None
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """POST /load_lora_adapter (SGLang's LoadLoRAAdapterReqInput; `lora_id` is SGLang-internal, ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """POST /unload_lora_adapter (SGLang's UnloadLoRAAdapterReqInput)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_id: str | None = None
+
+
+class LoRAUpdateOutput(BaseModel):
+    """The reply of both (SGLang's): `loaded_adapters` maps each loaded adapter's name to its path."""
+
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] | None = None
+
+
 class MetaInfo(BaseModel):
     """SGLang's meta_info. Lengths in tokens, latency in seconds. Logprobs are
     `[logprob, token_id, token_text or null]` triples (top: a list of them per output token).

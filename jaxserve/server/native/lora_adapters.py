@@ -2,8 +2,10 @@
 /unload_lora_adapter {lora_name}.
 
 Both answer SGLang 0.5.23's `LoRAUpdateOutput`: `{"success", "error_message", "loaded_adapters": {name:
-path}}`, 200 on success and 400 on failure (a bad body, LoRA not enabled, an adapter that cannot serve
-this model, an unknown name), and the server keeps serving. As SGLang, an unload stops new requests
+path}}`, 200 on success and 400 on failure (LoRA not enabled, an adapter that cannot serve this model,
+an unknown name), and the server keeps serving. A failure also carries jaxserve's error object
+(`error`: message, type, param, code), as every 400 does; a body of the wrong shape gets that object
+alone. As SGLang, an unload stops new requests
 naming the adapter at once (a 400 naming lora_path) and answers once the requests already running
 under it have finished (they finish normally, under the adapter).
 """
@@ -17,14 +19,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.engine.validation.field_types import describe
-from jaxserve.server.errors import APIError, parse_json_body
+from jaxserve.model.lora import LoraError
+from jaxserve.server.errors import APIError, ErrorJSONResponse, error_body, parse_json_body
 
 UNLOAD_POLL_S = 0.01  # how often an unload checks that the adapter's last request finished
 
 
-def _update_output(engine, success: bool, error_message: str = "") -> JSONResponse:
-    body = {"success": success, "error_message": error_message, "loaded_adapters": engine.loaded_lora_adapters()}
-    return JSONResponse(body, status_code=200 if success else 400)
+def _update_output(engine, error: ValueError | None = None, param: str | None = None) -> JSONResponse:
+    """SGLang's LoRAUpdateOutput: success, or the failure `error` (naming `param`) with the error object."""
+    body = {"success": error is None, "error_message": "" if error is None else str(error),
+            "loaded_adapters": engine.loaded_lora_adapters()}
+    if error is None:
+        return JSONResponse(body)
+    code = "lora_not_enabled" if "not enabled" in str(error) else "invalid_value"
+    return ErrorJSONResponse({**body, **error_body(str(error), 400, param=param, code=code)}, status_code=400)
 
 
 def _field(body: dict[str, Any], name: str, kind: type, required: bool = True) -> Any:
@@ -55,9 +63,11 @@ async def load_lora_adapter(request: Request) -> Response:
     pinned = _field(body, "pinned", bool, required=False) or False
     try:
         await asyncio.to_thread(engine.load_lora_adapter, name, path, pinned)
+    except LoraError as e:
+        return _update_output(engine, e, "lora_path")
     except ValueError as e:
-        return _update_output(engine, False, str(e))
-    return _update_output(engine, True)
+        return _update_output(engine, e, "lora_name")
+    return _update_output(engine)
 
 
 async def unload_lora_adapter(request: Request) -> Response:
@@ -68,7 +78,7 @@ async def unload_lora_adapter(request: Request) -> Response:
     try:
         lora_id = engine.unload_lora_adapter(name)
     except ValueError as e:
-        return _update_output(engine, False, str(e))
+        return _update_output(engine, e, "lora_name")
     while engine.lora_in_use(lora_id):
         await asyncio.sleep(UNLOAD_POLL_S)
-    return _update_output(engine, True)
+    return _update_output(engine)
