@@ -5,8 +5,11 @@ Two `Engine`s on the same model: one without LoRA (the baseline) and one with `-
 fixed lengths) three ways, in an order that rotates between rounds: the baseline engine, the LoRA
 engine with the batch spread over 4 adapters, and the LoRA engine with every request on the base model
 (what the LoRA path costs a request that uses no adapter). Printed: output tok/s per run (mean over the
-counted rounds, after one warm-up round that compiles) and the ratios to the baseline. Also the cost of
-loading an adapter at run time: reading the PEFT directory (`load_lora_adapter`) and writing its device
+counted rounds, after one warm-up round that compiles) and the ratios to the baseline. Then the same
+three as single compiled steps (`ModelRunner.forward`), interleaved `--step-repeats` times: a decode step
+of `--batch` sequences and a prefill step of `--prefill-tokens` tokens, minimum and median step times
+(the minimum is the steadier number on a shared machine). Also the cost of loading an adapter at run
+time: reading the PEFT directory (`load_lora_adapter`) and writing its device
 slot (`ModelRunner.write_lora_slot`), each the median of `--load-repeats` runs.
 
 The adapters are random PEFT directories written here with numpy and safetensors (rank `--rank`, all
@@ -69,6 +72,8 @@ def main(argv=None) -> None:
     p.add_argument("--num-adapters", type=int, default=4)
     p.add_argument("--load-repeats", type=int, default=5)
     p.add_argument("--max-total-tokens", type=int, default=8192)
+    p.add_argument("--step-repeats", type=int, default=15)
+    p.add_argument("--prefill-tokens", type=int, default=512)
     args = p.parse_args(argv)
 
     from jaxserve.engine.engine import Engine
@@ -107,6 +112,7 @@ def main(argv=None) -> None:
         print(f"  {k:32s} {mean:8.1f} output tok/s  ratio {mean / baseline:.2f}x  (runs: "
               f"{', '.join(f'{x:.1f}' for x in results[k])})")
 
+    step_times(base, lora, args, keys)
     load_s, write_s = [], []
     extra = write_random_adapter(os.path.join(tmp, "extra"), lora.model_config, args.rank, 99)
     for _ in range(args.load_repeats):
@@ -127,6 +133,41 @@ def main(argv=None) -> None:
     print(f"adapter load (rank {args.rank}, {mib:.1f} MiB in slot layout): read from disk "
           f"{statistics.median(load_s) * 1e3:.1f} ms, device slot write {statistics.median(write_s) * 1e3:.1f} ms "
           f"(medians of {args.load_repeats})")
+
+
+def step_times(base, lora, args, names) -> None:
+    """Decode and prefill step times of the three configurations, interleaved (see the docstring)."""
+    import dataclasses
+
+    import jax
+
+    from jaxserve.runner.buckets import BucketKey
+
+    num_slots = lora.lora_config.num_slots
+    decode = lora.runner.bucket_for([1] * args.batch, 1)
+    prefill = lora.runner.bucket_for([args.prefill_tokens // args.batch] * args.batch, 1)
+    for key in (decode, prefill):
+        key = BucketKey(key.num_tokens, key.num_seqs, max(key.pages_per_seq, 16), key.block_q)
+        configs = [(base, 0), (lora, 1), (lora, 0)]  # (engine, whether the rows spread over the adapters' slots)
+
+        def entries(engine, mixed):
+            return [dataclasses.replace(e, lora_slot=(1 + i % (num_slots - 1)) if mixed else 0)
+                    for i, e in enumerate(engine.runner.dummy_entries(key))]
+
+        times = [[] for _ in configs]
+        for rep in range(args.step_repeats + 2):
+            for j, (engine, mixed) in enumerate(configs):
+                batch = entries(engine, mixed)
+                start = time.perf_counter()
+                jax.block_until_ready(engine.runner.forward(batch))
+                if rep >= 2:  # two warm-up repeats (compiles)
+                    times[j].append(time.perf_counter() - start)
+        what = "decode" if key.block_q == 1 else "prefill"
+        print(f"{what} step, {key.num_tokens} tokens in {key.num_seqs} sequences:")
+        best = min(times[0])
+        for name, ts in zip(names, times):
+            print(f"  {name:32s} min {min(ts) * 1e3:7.1f} ms  median {statistics.median(ts) * 1e3:7.1f} ms  "
+                  f"ratio (min) {best / min(ts):.2f}x")
 
 
 def jax_block(tree) -> None:
