@@ -24,7 +24,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,19 +151,34 @@ def split_lora(p: Mapping[str, Any]) -> tuple[dict, dict | None]:
     return {k: v for k, v in p.items() if k != "lora"}, p["lora"]
 
 
-def slot_one_hot(lora_ids: Int32[Array, " T"], num_slots: int, dtype) -> Float[Array, "S T"]:
-    """[S, T]: 1 where token t runs under slot s."""
-    return (lora_ids[None, :] == jnp.arange(num_slots, dtype=lora_ids.dtype)[:, None]).astype(dtype)
+class SlotMask(NamedTuple):
+    """Which slot each token of a step runs under: `one_hot` [S, T] (1 where token t runs under slot
+    s), and `has_adapter`, whether any token runs under an adapter (slot > 0)."""
+
+    one_hot: Float[Array, "S T"]
+    has_adapter: jax.Array
 
 
-def group_delta(lora: Mapping[str, Any], group: str, x: Float[Array, "I T"], one_hot: Float[Array, "S T"]) -> jax.Array:
+def slot_mask(lora: Mapping[str, Any], lora_ids: Int32[Array, " T"], dtype) -> SlotMask:
+    """The `SlotMask` of a step's `lora_ids` for one layer's slot arrays `lora`."""
+    num_slots = next(v for k, v in lora.items() if k.endswith("_a")).shape[0]
+    one_hot = (lora_ids[None, :] == jnp.arange(num_slots, dtype=lora_ids.dtype)[:, None]).astype(dtype)
+    return SlotMask(one_hot, jnp.any(lora_ids > 0))
+
+
+def group_delta(lora: Mapping[str, Any], group: str, x: Float[Array, "I T"], mask: SlotMask) -> jax.Array:
     """B[s] @ A[s] @ x[:, t] of `group` for each token t's slot s (feature-major, as the layers' W @ x):
     [..., T] with B's leading (output) axes. Every slot's A @ x is computed and masked by the token's
     slot, then one contraction over (slot, rank) applies B: the cost is S * R * (in + out) per token
-    and group member, against in * out for the base weight."""
+    and group member, against in * out for the base weight. A step whose tokens all run under the base
+    model skips both (`lax.cond`): it returns zeros."""
     a, b = lora[f"{group}_a"], lora[f"{group}_b"]
-    xa = jnp.einsum("sri,it->srt", a, x) * one_hot[:, None, :]  # [S, R', T]
-    return jnp.einsum("...sr,srt->...t", b, xa)
+
+    def delta():
+        xa = jnp.einsum("sri,it->srt", a, x) * mask.one_hot[:, None, :]  # [S, R', T]
+        return jnp.einsum("...sr,srt->...t", b, xa)
+
+    return jax.lax.cond(mask.has_adapter, delta, lambda: jnp.zeros(b.shape[:-2] + x.shape[1:], x.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
