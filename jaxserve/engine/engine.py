@@ -615,6 +615,8 @@ class Engine:
     def _idle_checks(self) -> None:
         if self.args.enable_debug_checks and not self.scheduler.has_work():
             self.cache.check_integrity(self.scheduler.live_reqs())
+            if self.lora_slots is not None:
+                self.lora_slots.check_integrity((r.lora_id, r.lora_slot) for r in self.scheduler.live_reqs())
 
     # ---- convenience ----------------------------------------------------------------------------
     def generate(

@@ -136,7 +136,8 @@ def test_load_errors_leave_the_engine_serving(engine, adapters, tmp_path, alone)
 def test_load_unload_storm_during_traffic(tiny_model_dir, adapters, alone):
     """Adapters loaded and unloaded between steps while requests under them run: every request
     finishes with what it gets alone, unloaded names are refused, nothing leaks."""
-    eng = make_engine(tiny_model_dir, {"a": adapters["a"]}, max_loras_per_batch=2, max_loaded_loras=3)
+    eng = make_engine(tiny_model_dir, {"a": adapters["a"]}, max_loras_per_batch=2, max_loaded_loras=3,
+                      enable_debug_checks=True)  # the slot table checked whenever the engine is idle
     rng = np.random.default_rng(0)
     expected, done = {}, {}
     loaded = {"a"}
