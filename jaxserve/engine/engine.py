@@ -252,8 +252,9 @@ class Engine:
         for i, r in enumerate(rids):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
             lora_id = None if request.lora_path is None else self.lora_slots.acquire(request.lora_path)
-            # the radix cache keys on the adapter: KV computed under one adapter is never another's
-            namespace = request.namespace if lora_id is None else ("lora", lora_id, request.namespace)
+            # the KV caches key on the adapter's contents: KV computed under one adapter is never another's
+            namespace = (request.namespace if lora_id is None
+                         else ("lora", self.lora_slots.cache_key_of(lora_id), request.namespace))
             req = Req(r, list(input_ids), params, request.return_logprob or request.top_logprobs_num > 0,
                       request.top_logprobs_num, request.logprob_start_len, tuple(request.token_ids_logprob),
                       namespace, arrival_time=now, seed=seed, think_end_ids=tuple(request.think_end_ids),
@@ -338,7 +339,7 @@ class Engine:
         if self.lora_slots.has(lora_name):
             raise ValueError(f"LoRA adapter {lora_name!r} is already loaded")
         adapter = lora_lib.load_adapter(lora_path, self.model_config, self.lora_config)
-        _, evicted = self.lora_slots.register(lora_name, lora_path, adapter, bool(pinned))
+        _, evicted = self.lora_slots.register(lora_name, lora_path, adapter, bool(pinned), cache_key=adapter.digest)
         logger.info("loaded LoRA adapter %s from %s (rank %d, %s)%s", lora_name, lora_path, adapter.rank,
                     ", ".join(adapter.targets), f"; unloaded {', '.join(evicted)}" if evicted else "")
         return evicted

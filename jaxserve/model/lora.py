@@ -20,6 +20,7 @@ flags and targets follow SGLang 0.5.23 (`--lora-target-modules q_proj ... | all`
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -192,6 +193,7 @@ class LoraAdapter:
     scaling: float
     targets: tuple[str, ...]
     layers: tuple[dict[str, np.ndarray], ...]
+    digest: str = ""  # sha256 of adapter_config.json and adapter_model.safetensors: what the KV caches key on
 
     @property
     def nbytes(self) -> int:
@@ -274,7 +276,7 @@ def load_adapter(path: str, config: ModelConfig, lora: LoraConfig, dtype=np.floa
             _place_b(layers[layer], target, w * scaling, lora.max_rank, config)
     if not seen:
         raise LoraError(f"{path!r}: no LoRA tensors found")
-    return LoraAdapter(path, rank, scaling, tuple(sorted(seen)), tuple(layers))
+    return LoraAdapter(path, rank, scaling, tuple(sorted(seen)), tuple(layers), _digest(path))
 
 
 def _group_of(target: str) -> tuple[str, int]:
@@ -302,6 +304,17 @@ def _place_b(layer: dict[str, np.ndarray], target: str, b: np.ndarray, max_rank:
         out[j, :, ranks] = b
     else:
         out[:, ranks] = b
+
+
+def _digest(path: str) -> str:
+    """sha256 of the adapter's two files: the same adapter (under any name, in any process) has the same
+    digest, so KV computed under it may be shared and stored; a different one never collides."""
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        with open(os.path.join(path, name), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:

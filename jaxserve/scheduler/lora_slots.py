@@ -1,9 +1,10 @@
 """LoRA adapters on the host and in device slots: which are loaded, which slot each one holds, and
 which request may join a batch.
 
-Pure Python, no model: an adapter is an opaque payload (the engine's host arrays), named by the user
-and identified by a `lora_id` that is new on every load, so a name unloaded and loaded again never
-shares KV with its old self (the radix cache keys on the id: `Req.namespace`).
+Pure Python, no model: an adapter is an opaque payload (the engine's host arrays), named by the user,
+identified by a `lora_id` that is new on every load (what in-flight requests and slots count), and
+carrying a `cache_key` that the KV caches key on (`Req.namespace`; the engine's is a hash of the
+adapter's files, so the same adapter shares KV under any name and a different one never does).
 
 Two levels, as SGLang 0.5.23:
 - Host (`--max-loaded-loras`): loading one more than the limit unloads the least recently used
@@ -41,6 +42,7 @@ class LoraRef:
     lora_path: str
     pinned: bool
     payload: Any = dataclasses.field(repr=False, default=None)
+    cache_key: Hashable = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +80,10 @@ class LoraSlots:
         self._writes: list[SlotWrite] = []
 
     # ---- the registry (any thread) --------------------------------------------------------------
-    def register(self, name: str, path: str, payload: Any, pinned: bool = False) -> tuple[LoraRef, list[str]]:
+    def register(self, name: str, path: str, payload: Any, pinned: bool = False,
+                 cache_key: Hashable = None) -> tuple[LoraRef, list[str]]:
         """Load `name`; returns its ref and the names unloaded to stay within `max_loaded_loras`.
+        `cache_key` (None: the lora_id) is what KV computed under it is keyed on (`cache_key_of`).
 
         Raises:
             ValueError: `name` is loaded already, or pinning it would leave no slot for unpinned ones.
@@ -89,7 +93,8 @@ class LoraSlots:
                 raise ValueError(f"LoRA adapter {name!r} is already loaded")
             if pinned and sum(r.pinned for r in self._by_name.values()) + 1 > self.num_slots - 2:
                 raise ValueError(f"at most {self.num_slots - 2} pinned LoRA adapters (one slot stays for the others)")
-            ref = LoraRef(f"{name}#{next(self._ids)}", name, path, pinned, payload)
+            lora_id = f"{name}#{next(self._ids)}"
+            ref = LoraRef(lora_id, name, path, pinned, payload, lora_id if cache_key is None else cache_key)
             self._by_name[name] = ref
             self._refs[ref.lora_id] = ref
             self._num_requests.setdefault(ref.lora_id, 0)
@@ -118,6 +123,11 @@ class LoraSlots:
             raise LoraNotFoundError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self._by_name)}")
         self._forget_if_unused(ref.lora_id)
         return ref.lora_id
+
+    def cache_key_of(self, lora_id: str) -> Hashable:
+        """The cache key of a loaded (or unloaded but still used) adapter."""
+        with self._lock:
+            return self._refs[lora_id].cache_key
 
     def is_in_use(self, lora_id: str) -> bool:
         """Whether requests under `lora_id` are unfinished."""

@@ -98,6 +98,11 @@ def test_radix_cache_keys_on_the_adapter(engine, alone):
     assert same["meta_info"]["cached_tokens"] >= 20  # same adapter: shared
     assert same["output_ids"] == first["output_ids"]
     assert other["output_ids"] != first["output_ids"]
+    # the cache keys on the adapter's files, not its name: a copy under another name shares the KV
+    engine.load_lora_adapter("a-again", engine.loaded_lora_adapters()["a"])
+    again = engine.generate(prompt, GREEDY, lora_path="a-again")
+    engine.unload_lora_adapter("a-again")
+    assert again["meta_info"]["cached_tokens"] >= 20 and again["output_ids"] == first["output_ids"]
 
 
 def test_batch_holds_at_most_max_loras_per_batch(tiny_model_dir, adapters, alone):
@@ -199,3 +204,31 @@ def test_overlap_retraction_and_n_under_adapters(tiny_model_dir, adapters, alone
     assert eng.scheduler.num_retractions > 0
     assert eng.stats.num_overlapped_steps > 0
     assert_no_leak(eng)
+
+
+def test_storage_tier_keys_on_the_adapter_files(tiny_model_dir, adapters, tmp_path, monkeypatch):
+    """KV stored under one adapter is never read under another, even one loaded later under the same
+    name (a restart, other files); the same files under another name read it."""
+    from jaxserve.cache.storage import ENV_STORAGE_DIR
+
+    monkeypatch.setenv(ENV_STORAGE_DIR, str(tmp_path / "hicache"))
+    flags = dict(page_size=16, hicache_storage_backend="file", hicache_storage_backend_extra_config='{"prefetch_threshold": 16}')
+    prompt = PROMPTS[2] * 8  # 72 tokens: four whole pages to store
+
+    def serve(eng, name):
+        out = eng.generate(prompt, GREEDY, lora_path=name)
+        eng.step()  # an idle iteration: the engine loop runs one when it goes idle
+        eng.release_policy.storage.storage.flush_writes()
+        return out["output_ids"], out["meta_info"]["cached_tokens"]
+
+    first = make_engine(tiny_model_dir, {"a": adapters["a"]}, **flags)
+    out_a, cached = serve(first, "a")
+    assert cached == 0
+    first.close()
+    # a restart where the name "a" holds adapter b's files: a miss, b's own output
+    second = make_engine(tiny_model_dir, {"a": adapters["b"], "copy": adapters["a"]}, **flags)
+    out_b, cached = serve(second, "a")
+    assert cached == 0
+    assert out_b == make_engine(tiny_model_dir, {"b": adapters["b"]}).generate(prompt, GREEDY, lora_path="b")["output_ids"]
+    out_copy, cached = serve(second, "copy")  # adapter a's files under another name: a storage hit
+    assert cached >= 64 and out_copy == out_a
