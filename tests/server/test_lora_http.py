@@ -161,3 +161,20 @@ def test_frontend_gen_with_lora_path(lora_server, http):
         streamed = ask.run("a", backend=remote, temperature=0, stream=True)
         assert "".join(streamed.text_iter()) == question + by_hand("a")
         assert ask_default.run(backend=remote, temperature=0, lora_path="a")["answer"] == by_hand("a")
+
+
+def test_chat_and_responses_routes_take_model_colon_adapter(lora_server):
+    import openai
+
+    client = openai.OpenAI(base_url=lora_server.url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "Name a color."}]
+
+    def chat(model):
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=NEW, temperature=0).choices[0].message.content
+
+    def respond(model):
+        return client.responses.create(model=model, input="Name a color.", max_output_tokens=NEW, temperature=0).output_text
+
+    assert chat("tiny:a") == respond("tiny:a")
+    assert chat("tiny") == respond("tiny")
+    assert chat("tiny:a") != chat("tiny")

@@ -39,7 +39,7 @@ CHAT_ONLY_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": 
 # the one `include` value served: token logprobs of the reply's output_text parts
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # fields a chat request takes under the same name and meaning
-_CHAT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+_CHAT_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                 "stop", "seed", "user", "parallel_tool_calls")
 _INPUT_ITEMS = {"message": ResponseInputMessage, "reasoning": ResponseInputReasoning,
                 "function_call": ResponseFunctionCallInput, "function_call_output": ResponseFunctionCallOutput}
