@@ -192,7 +192,7 @@ class Attention(nnx.Module):
         lora_mask: lora_lib.SlotMask | None = None,
     ) -> tuple[Float[Array, "E T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
         """`lora` (this layer's LoRA slot arrays, `jaxserve.model.lora`) and `lora_mask` (each token's
-        slot, one-hot [S, T]): add every token's adapter to the q/k/v and o projections."""
+        slot, `lora.SlotMask`): add every token's adapter to the q/k/v and o projections."""
         q, k, v = self.project_qkv(x, lora, lora_mask)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
@@ -204,7 +204,7 @@ class Attention(nnx.Module):
         return self.project_out(o, lora, lora_mask), k_pool, v_pool
 
     def project_qkv(
-        self, x: Float[Array, "E T"], lora: dict | None = None, lora_mask: Float[Array, "S T"] | None = None
+        self, x: Float[Array, "E T"], lora: dict | None = None, lora_mask: lora_lib.SlotMask | None = None
     ) -> tuple[Float[Array, "T H D"], Float[Array, "T KVH D"], Float[Array, "T KVH D"]]:
         """Q, K, V of the tokens x [E, T] (+ bias, + the tokens' LoRA adapters, + q/k norm, before RoPE)."""
         cfg = self.config
@@ -243,7 +243,7 @@ class Attention(nnx.Module):
         return rms_norm(q, self.q_norm[...], eps), rms_norm(k, self.k_norm[...], eps)
 
     def project_out(
-        self, o: Float[Array, "T H D"], lora: dict | None = None, lora_mask: Float[Array, "S T"] | None = None
+        self, o: Float[Array, "T H D"], lora: dict | None = None, lora_mask: lora_lib.SlotMask | None = None
     ) -> Float[Array, "E T"]:
         """The output projection of the attention output o [T, H, D] (+ the tokens' LoRA adapters), back
         to [E, T]."""
