@@ -107,8 +107,8 @@ class GemmaMLP(llama.MLP):
         if self.w_gate_up_scale is None:
             gate_up = jnp.einsum("gie,et->git", self.w_gate_up[...], x)  # [2, I, T]
         else:
-            gate_up = llama._matmul(self.w_gate_up, self.w_gate_up_scale, x).reshape(2, -1, x.shape[1])
-        return llama._matmul(self.w_down, self.w_down_scale, jax.nn.gelu(gate_up[0], approximate=True) * gate_up[1])
+            gate_up = llama.projection_matmul(self.w_gate_up, self.w_gate_up_scale, x).reshape(2, -1, x.shape[1])
+        return llama.projection_matmul(self.w_down, self.w_down_scale, jax.nn.gelu(gate_up[0], approximate=True) * gate_up[1])
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -118,12 +118,12 @@ class GemmaDecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         e = config.hidden_size
         self.config = config
-        self.attn_norm = llama._param((e,), ("embed",), dtype)
+        self.attn_norm = llama.new_param((e,), ("embed",), dtype)
         self.attention = GemmaAttention(config, dtype)
-        self.post_attn_norm = llama._param((e,), ("embed",), dtype)
-        self.mlp_norm = llama._param((e,), ("embed",), dtype)
+        self.post_attn_norm = llama.new_param((e,), ("embed",), dtype)
+        self.mlp_norm = llama.new_param((e,), ("embed",), dtype)
         self.mlp = GemmaMLP(config, dtype)
-        self.post_mlp_norm = llama._param((e,), ("embed",), dtype)
+        self.post_mlp_norm = llama.new_param((e,), ("embed",), dtype)
 
     def __call__(
         self,

@@ -50,7 +50,8 @@ Params = dict[str, Any]  # the nested dict of arrays (nnx.to_pure_dict's form)
 AttentionFn = Callable[..., jax.Array]
 
 
-def _param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, init=jnp.zeros) -> nnx.Param:
+def new_param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, init=jnp.zeros) -> nnx.Param:
+    """A parameter of `shape` with logical `axes` (the rules table in jaxserve/parallel maps them)."""
     # eager_sharding off: the mesh is applied by jaxserve.parallel after loading, not at construction
     return nnx.Param(init(shape, dtype), out_sharding=axes, eager_sharding=False)
 
@@ -60,12 +61,12 @@ def _projection(config: ModelConfig, name: str, shape: tuple[int, ...], axes: tu
     weight is int8 in `quant.blocked_shape`'s block-major layout (blocks `quant.ACT_BLOCKS[name]`) and the scale float32 per flattened
     row; both replicated, unsharded axes: jaxserve refuses tensor parallelism with quantization)."""
     if config.quantization is None:
-        return _param(shape, axes, dtype), None
+        return new_param(shape, axes, dtype), None
     nb, out, block = blocked_shape(shape, ACT_BLOCKS[name])
-    return _param((nb, out, block), (None, None, None), jnp.int8), _param((out,), (None,), jnp.float32)
+    return new_param((nb, out, block), (None, None, None), jnp.int8), new_param((out,), (None,), jnp.float32)
 
 
-def _matmul(w: nnx.Param, scale: nnx.Param | None, x: Float[Array, "I T"]) -> Float[Array, "O T"]:
+def projection_matmul(w: nnx.Param, scale: nnx.Param | None, x: Float[Array, "I T"]) -> Float[Array, "O T"]:
     """W @ x with W [O, I]: the float product, or `int8_matmul` over the quantized layout."""
     if scale is None:
         return w[...] @ x
@@ -173,9 +174,9 @@ class Attention(nnx.Module):
         e, d, nkv, g = config.hidden_size, config.head_dim, config.num_kv_heads, config.group_size
         self.config = config
         self.wqkv, self.wqkv_scale = _projection(config, "wqkv", (nkv, (g + 2) * d, e), ("kv_heads", "qkv", "embed"), dtype)
-        self.bqkv = _param((nkv, (g + 2) * d), ("kv_heads", "qkv"), dtype) if config.attention_bias else None
-        self.q_norm = _param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
-        self.k_norm = _param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
+        self.bqkv = new_param((nkv, (g + 2) * d), ("kv_heads", "qkv"), dtype) if config.attention_bias else None
+        self.q_norm = new_param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
+        self.k_norm = new_param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
         self.wo, self.wo_scale = _projection(config, "wo", (e, config.num_heads * d), ("embed", "q_heads"), dtype)
 
     def __call__(
@@ -215,7 +216,7 @@ class Attention(nnx.Module):
             wqkv = self.wqkv[...]
             qkv = wqkv.reshape(-1, wqkv.shape[-1]) @ x  # [KVH (G + 2) D, T]
         else:
-            qkv = _matmul(self.wqkv, self.wqkv_scale, x)
+            qkv = projection_matmul(self.wqkv, self.wqkv_scale, x)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv[...].reshape(-1)[:, None]
         if lora is not None and "qkv_a" in lora:
@@ -248,7 +249,7 @@ class Attention(nnx.Module):
         """The output projection of the attention output o [T, H, D] (+ the tokens' LoRA adapters), back
         to [E, T]."""
         o = o.reshape(o.shape[0], -1).T  # [H D, T]
-        out = _matmul(self.wo, self.wo_scale, o)
+        out = projection_matmul(self.wo, self.wo_scale, o)
         if lora is not None and "o_a" in lora:
             out = out + lora_lib.group_delta(lora, "o", o, lora_mask)
         return out
@@ -269,11 +270,11 @@ class MLP(nnx.Module):
         if self.w_gate_up_scale is None:
             gate_up = jnp.einsum("gie,et->git", self.w_gate_up[...], x)  # [2, I, T]
         else:
-            gate_up = _matmul(self.w_gate_up, self.w_gate_up_scale, x).reshape(2, -1, x.shape[1])
+            gate_up = projection_matmul(self.w_gate_up, self.w_gate_up_scale, x).reshape(2, -1, x.shape[1])
         if lora is not None and "gate_up_a" in lora:
             gate_up = gate_up + lora_lib.group_delta(lora, "gate_up", x, lora_mask)  # [2, I, T]
         h = jax.nn.silu(gate_up[0]) * gate_up[1]
-        out = _matmul(self.w_down, self.w_down_scale, h)
+        out = projection_matmul(self.w_down, self.w_down_scale, h)
         if lora is not None and "down_a" in lora:
             out = out + lora_lib.group_delta(lora, "down", h, lora_mask)
         return out
@@ -284,9 +285,9 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         self.config = config
-        self.attn_norm = _param((config.hidden_size,), ("embed",), dtype, jnp.ones)
+        self.attn_norm = new_param((config.hidden_size,), ("embed",), dtype, jnp.ones)
         self.attention = Attention(config, dtype)
-        self.mlp_norm = _param((config.hidden_size,), ("embed",), dtype, jnp.ones)
+        self.mlp_norm = new_param((config.hidden_size,), ("embed",), dtype, jnp.ones)
         self.mlp = MLP(config, dtype)
 
     def __call__(
@@ -327,12 +328,12 @@ class Llama(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         self.config = config
-        self.embed = _param((config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
+        self.embed = new_param((config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
         self.layers = nnx.List([self.layer_cls(config, dtype) for _ in range(config.num_layers)])
-        self.final_norm = _param((config.hidden_size,), ("embed",), dtype, jnp.ones)
+        self.final_norm = new_param((config.hidden_size,), ("embed",), dtype, jnp.ones)
         self.lm_head = (
             None if config.tie_word_embeddings or config.quantization is not None
-            else _param((config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
+            else new_param((config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
         )
         # quantized: the head (untied, or a copy of the tied embedding) in int8 with a scale per vocab row
         self.head_q, self.head_scale = (
@@ -360,7 +361,7 @@ class Llama(nnx.Module):
         of `LOGITS_LAYOUTS`. Quantized (`head_q`): `int8_matmul` as [V, N], then transposed (`layout`
         is not used)."""
         if self.head_q is not None:
-            return jax.lax.optimization_barrier(_matmul(self.head_q, self.head_scale, hidden.T)).T
+            return jax.lax.optimization_barrier(projection_matmul(self.head_q, self.head_scale, hidden.T)).T
         head = self.embed[...] if self.lm_head is None else self.lm_head[...]
         return LOGITS_LAYOUTS[layout](hidden, head)
 
