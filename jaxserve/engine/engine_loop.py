@@ -292,6 +292,8 @@ class EngineLoop:
             try:
                 got = self.engine.add_request(checked)
                 assert got == rids, (got, rids)
+            except RequestError as e:  # true when checked, not now (its LoRA adapter was unloaded since)
+                self._fail(rids, str(e), status_code=400)
             except Exception as e:  # checked already: this is an engine bug, fail only this request
                 logger.exception("engine.add_request failed for %s", base)
                 self._fail(rids, f"the engine refused the request: {e}", status_code=500)

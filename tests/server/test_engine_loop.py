@@ -189,3 +189,19 @@ def test_shutdown_fails_pending_requests():
     assert got.finals()[0].meta.finish_reason.status_code == 503
     with pytest.raises(RuntimeError):
         loop.submit("a", {}, on_output=got)
+
+
+def test_a_request_no_longer_valid_when_queued_ends_with_a_400(engine_loop, monkeypatch):
+    """Checked in the caller's thread, the request met an engine that had changed (an adapter unloaded
+    between the check and the queueing): before, a 500 "engine bug"; now a 400 with the engine's message."""
+    from jaxserve.engine.outputs import RequestError
+
+    def refuse(checked):
+        raise RequestError("lora_path", "LoRA adapter 'x' is not loaded; loaded: []")
+
+    monkeypatch.setattr(engine_loop.engine, "add_request", refuse)
+    out = Collector()
+    engine_loop.submit("a", {"max_new_tokens": 2}, on_output=out)
+    assert out.done.wait(5)
+    reason = out.finals()[0].meta.finish_reason
+    assert reason.kind == "abort" and reason.status_code == 400 and "is not loaded" in reason.message, reason
