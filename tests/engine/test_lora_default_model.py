@@ -105,3 +105,34 @@ def test_default_model_adapters_match_peft_alone_and_mixed(adapters, reference):
         _assert_same_or_near_tie(batched["output_ids"], want, logits, (name, "mixed batch"))
     # the adapters change the output (else this would pass on the base model alone)
     assert mixed[1]["output_ids"] != mixed[0]["output_ids"] and mixed[2]["output_ids"] != mixed[0]["output_ids"]
+
+
+def test_default_model_logits_in_one_mixed_step_match_peft(adapters, reference):
+    """One step over base, adapter a and adapter b rows of the default model: each row's last logits
+    within 1e-4 relative L2 of PEFT's (the metric of the default model's own parity test)."""
+    import jax.numpy as jnp
+
+    from jaxserve.cache.kv_pool import PoolShape
+    from jaxserve.model import lora as lora_lib
+    from jaxserve.model.loader import load_model
+    from jaxserve.pallas.reference import ragged_paged_attention_xla
+    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+    from tests.model.lora_helpers import peft_last_logits
+
+    page = 16
+    config, params = load_model("default", "float32")
+    shape = PoolShape(config.num_layers, 8, page, config.num_kv_heads, config.head_dim, "float32").shape
+    lora = lora_lib.LoraConfig.of(num_slots=3, max_rank=8, target_modules=None)
+    runner = ModelRunner(config, params, jnp.zeros(shape), jnp.zeros(shape), attn_fn=ragged_paged_attention_xla,
+                         max_running_requests=4, max_extend_tokens=64, context_length=128, lora=lora)
+    for slot, name in ((1, "a"), (2, "b")):
+        runner.write_lora_slot(slot, lora_lib.load_adapter(adapters[name], config, lora))
+    tokenizer = load_tokenizer("default")
+    prompt = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    assert len(prompt) <= page
+    got = np.asarray(runner.forward([BatchEntry(prompt, 0, [1 + slot], lora_slot=slot) for slot in range(3)]))
+    for row, name in enumerate([None, "a", "b"]):
+        want = peft_last_logits(reference, name, prompt)
+        err = np.linalg.norm(got[row] - want) / np.linalg.norm(want)
+        assert err <= 1e-4, (name, float(err))
+    assert np.abs(got[0] - got[1]).max() > 1e-2  # the adapter changes the logits

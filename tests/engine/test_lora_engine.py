@@ -232,3 +232,18 @@ def test_storage_tier_keys_on_the_adapter_files(tiny_model_dir, adapters, tmp_pa
     assert out_b == make_engine(tiny_model_dir, {"b": adapters["b"]}).generate(prompt, GREEDY, lora_path="b")["output_ids"]
     out_copy, cached = serve(second, "copy")  # adapter a's files under another name: a storage hit
     assert cached >= 64 and out_copy == out_a
+
+
+def test_grammars_constrain_requests_under_adapters(engine):
+    """A regex constraint holds under every adapter, alone and in one mixed batch (the bitmask and the
+    slot index meet in the same step)."""
+    import re
+
+    params = {"regex": "(yes|no) [0-9]{2}", "max_new_tokens": 12, "temperature": 0}
+    names = [None, "a", "b", "c"]
+    alone = [engine.generate(PROMPTS[0], params, lora_path=name) for name in names]
+    mixed = engine.generate([PROMPTS[0]] * len(names), params, lora_path=names)
+    for name, one, batched in zip(names, alone, mixed):
+        assert re.fullmatch("(yes|no) [0-9]{2}", one["text"]), (name, one["text"])
+        assert batched["output_ids"] == one["output_ids"], name
+    assert_no_leak(engine)
