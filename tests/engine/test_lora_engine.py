@@ -247,3 +247,24 @@ def test_grammars_constrain_requests_under_adapters(engine):
         assert re.fullmatch("(yes|no) [0-9]{2}", one["text"]), (name, one["text"])
         assert batched["output_ids"] == one["output_ids"], name
     assert_no_leak(engine)
+
+
+def test_host_tier_recalls_keep_each_adapters_kv_apart(tiny_model_dir, adapters, engine):
+    """With the host tier on and every unlocked page released between requests, a prompt's KV under
+    adapter a comes back from the host as a cache hit for a, never for b or the base model, and every
+    output is what the plain LoRA engine gives."""
+    prompt = PROMPTS[0] * 3  # 24 tokens: whole pages
+    want = {name: engine.generate(prompt, GREEDY, lora_path=name)["output_ids"] for name in ("a", "b", None)}
+    tiered = make_engine(tiny_model_dir, adapters, enable_hierarchical_cache=True, radix_cache_soft_free_threshold=0.0,
+                         radix_cache_evict_threshold=0.0, release_conservative_batch_size=0,
+                         release_aggressive_batch_size=0)
+    cached = {}
+    for name in ("a", "a", "b", None):
+        out = tiered.generate(prompt, GREEDY, lora_path=name)
+        assert out["output_ids"] == want[name], name
+        cached.setdefault(name, []).append(out["meta_info"]["cached_tokens"])
+        tiered.step()  # an idle iteration: the release policy's tick moves the cold pages to the host
+    assert cached["a"][0] == 0 and cached["a"][1] >= 20  # a's own KV, recalled
+    assert cached["b"] == [0] and cached[None] == [0]  # the same text under another adapter: no hit
+    assert tiered.radix_cache_stats().num_recalls > 0
+    tiered.cache.check_integrity([])
