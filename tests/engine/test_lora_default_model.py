@@ -1,5 +1,5 @@
 """Random rank-8 PEFT adapters on the default model (SmolLM2-135M-Instruct): greedy ids as PeftModel
-gives them, alone and in one mixed batch with the base model (issue 41's numerics on the real model;
+gives them, alone and in one mixed batch with the base model (the adapters' numerics on the real model;
 tests/engine/test_lora_engine.py covers the rest on the tiny one)."""
 
 from __future__ import annotations

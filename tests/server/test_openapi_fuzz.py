@@ -122,7 +122,7 @@ def test_auto_parses_the_llama3_format(fuzz_server):
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"on": True, "level": 3, "mode": "high"}
 
 
-# Fields the server echoes back or stores, each with values it must refuse by name (issue: a lone
+# Fields the server echoes back or stores, each with values it must refuse by name (before: a lone
 # surrogate in one gave a 500 mid-stream, an oversize one was run and echoed).
 SURROGATE = "a\ud800b"
 HOSTILE_FIELDS = {
