@@ -53,7 +53,8 @@ def _launch(args: list[str], log_dir) -> ServerProcess:
         try:
             proc.ready_line = _wait_for_line(proc, "jaxserve ready")
         except RuntimeError:
-            if attempt < attempts - 1 and "cannot listen on" in proc.log():
+            log = proc.log()  # a port taken between the check and the bind: the launcher's, or the router's metrics
+            if attempt < attempts - 1 and ("cannot listen on" in log or "Address already in use" in log):
                 proc.stop()
                 continue
             raise
