@@ -310,6 +310,13 @@ class ServerArgs:
     decode_log_interval: int = _flag(40, "log serving stats every N decode steps", group="observability")
     disable_metrics: bool = _flag(False, "turn off /metrics", group="observability")
     enable_debug_checks: bool = _flag(False, "check the radix tree and allocator invariants whenever the engine is idle", group="observability")
+    gc_warning_threshold_secs: float = _flag(
+        0.0, "log a warning for every garbage collection longer than this many seconds; 0 turns it off "
+        "(the server freezes its start-up objects out of collection when ready, D-44; /freeze_gc does it again)",
+        group="observability")
+    gc_threshold: tuple[int, ...] | None = _flag(
+        None, "1 to 3 garbage collection thresholds (Python's gc.set_threshold), set when the server freezes its "
+        "start-up objects and on /freeze_gc (default: Python's)", group="observability", nargs="+")
     grammar_backend: str = _flag("llguidance", "llguidance | none", choices=("llguidance", "none"), group="structured_output")
     constrained_json_whitespace_pattern: str | None = _flag(None, "regex for whitespace allowed in constrained JSON (default: one optional line break plus up to 16 spaces or tabs)", group="structured_output")
     disable_jump_forward: bool = _flag(False, "sample every token of a constrained output instead of appending the tokens its grammar forces (jump-forward)", group="structured_output")
@@ -568,6 +575,10 @@ class ServerArgs:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.gc_threshold is not None and not (1 <= len(self.gc_threshold) <= 3 and min(self.gc_threshold) >= 0):
+            raise ValueError(f"--gc-threshold takes 1 to 3 integers >= 0, got {' '.join(map(str, self.gc_threshold))}")
+        if not self.gc_warning_threshold_secs >= 0:
+            raise ValueError(f"--gc-warning-threshold-secs must be >= 0, got {self.gc_warning_threshold_secs}")
         if self.decode_log_interval < 1:
             raise ValueError(f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         if self.constrained_json_whitespace_pattern is not None:
@@ -669,7 +680,7 @@ class ServerArgs:
                 group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
                 continue
             base = str(f.type).replace(" | None", "")
-            kind = {"int": int, "float": float}.get(base, str)
+            kind = {"int": int, "float": float, "tuple[int, ...]": int}.get(base, str)
             kwargs = {"type": kind, "default": f.default, "help": help_}
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]

@@ -43,6 +43,7 @@ import uvicorn
 from jaxserve.config import ServerArgs
 from jaxserve.launch.model_path_check import model_path_problem
 from jaxserve.log_safe import LogSafeFormatter
+from jaxserve.server.gc_pauses import freeze_gc, warn_on_long_gc
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,8 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
         SystemExit: the port cannot be bound or the model cannot be loaded (with the reason).
     """
     configure_logging(server_args.log_level)
+    if server_args.gc_warning_threshold_secs > 0:
+        warn_on_long_gc(server_args.gc_warning_threshold_secs)
     if (problem := model_path_problem(server_args.model_path)) is not None:
         raise SystemExit(f"jaxserve: cannot start: {problem}")
     tokenizer_path = server_args.tokenizer_path
@@ -182,6 +185,7 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
     if cluster is not None:
         cluster.watch(on_lost=engine_loop.die)
     app = create_app(engine_loop, server_args)
+    freeze_gc("server start-up", server_args.gc_threshold)  # D-44: /health must not wait for a full collection
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     ready = (
@@ -228,6 +232,8 @@ def join_cluster(server_args: ServerArgs):
     from jaxserve.parallel import distributed
 
     configure_logging(server_args.log_level)
+    if server_args.gc_warning_threshold_secs > 0:
+        warn_on_long_gc(server_args.gc_warning_threshold_secs)
     cluster = distributed.initialize(distributed.Topology.from_server_args(server_args))
     cluster.start_heartbeat()  # every rank: a start-up wait lasts as long as the awaited rank beats
     try:
@@ -281,6 +287,7 @@ def run_follower(server_args: ServerArgs, cluster) -> None:
     time.sleep(float(os.environ.get(FOLLOWER_START_DELAY_ENV, 0)))
     check_engine_config(cluster, engine)
     _return_freed_memory()
+    freeze_gc(f"rank {rank} start-up", server_args.gc_threshold)
     # SIGTERM of a follower alone would stall rank 0's next collective; rank 0's watchdog then fails it
     print(f"jaxserve follower ready: rank {rank} of --nnodes {server_args.nnodes} runs rank 0's steps "
           f"({server_args.dist_init_addr})", flush=True)

@@ -18,6 +18,7 @@ Routes:
     GET  /get_load                 SGLang's per-rank load list, which sglang-router polls
     POST /flush_cache              empty the prefix cache (400 while requests run)
     POST /abort_request            {"rid": ...}, or {"abort_all": true}
+    POST /freeze_gc                freeze the objects alive now out of garbage collection (gc_pauses.py)
     GET  /openapi.json             the OpenAPI document, generated from the pydantic models (openapi.py)
 Every error body has OpenAI's shape (errors.py). docs/api.md documents the fields.
 
@@ -41,7 +42,7 @@ from starlette.applications import Starlette
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -63,6 +64,7 @@ from jaxserve.server.errors import (
     parse_json_body,
     unavailable_response,
 )
+from jaxserve.server.gc_pauses import freeze_gc
 from jaxserve.server.metrics import mark_unlogged
 from jaxserve.server.native import generate, lora_adapters
 from jaxserve.server.openai import chat_completions, models
@@ -290,6 +292,13 @@ async def flush_cache(request: Request) -> Response:
     return JSONResponse({"success": True, "message": "the prefix cache is empty"})
 
 
+async def freeze_gc_endpoint(request: Request) -> Response:
+    """SGLang's /freeze_gc: the objects alive now leave garbage collection (`gc_pauses.freeze_gc`, with
+    --gc-threshold); one process holds the HTTP side and the engine, so this covers both."""
+    freeze_gc("/freeze_gc", request.app.state.engine_loop.server_args.gc_threshold)
+    return PlainTextResponse("Garbage collection frozen.\n")
+
+
 async def abort_request(request: Request) -> Response:
     """{"rid": "..."} -> {"success": whether a running or queued request had that id}.
     {"abort_all": true} (SGLang's `AbortReq` field) aborts every request (rid is then ignored, as
@@ -353,6 +362,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
         Route("/get_load", get_load, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/freeze_gc", freeze_gc_endpoint, methods=["GET", "POST"]),
         Route("/load_lora_adapter", lora_adapters.load_lora_adapter, methods=["POST"]),
         Route("/unload_lora_adapter", lora_adapters.unload_lora_adapter, methods=["POST"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
