@@ -284,6 +284,25 @@ class RadixCache:
         pages = np.concatenate(matched_pages) if matched_pages else _EMPTY_PAGES
         return MatchResult(pages, num_device_tokens, node, tuple(host_nodes))
 
+    def cached_prefix_len(self, key: Sequence[int], namespace: Hashable = None) -> int:
+        """Tokens of the longest cached prefix of `key` in whole pages, device and host tiers together:
+        `num_tokens + num_host_tokens` of `match_prefix`, read-only (no split, no access-time or hit
+        update), so a probe (a storage prefetch deciding where to start) is not counted as a use."""
+        if self.disable:
+            return 0
+        key = self._aligned_key(key)
+        parent, pos = self._root, 0
+        while pos < len(key):
+            child = parent.children.get(self._child_key(parent, key, pos, namespace))
+            if child is None:
+                break
+            match_len = self._match_len(child.key, key, pos)
+            pos += match_len
+            if match_len < len(child.key):
+                break
+            parent = child
+        return pos
+
     def continuation(self, key: Sequence[int], max_tokens: int, namespace: Hashable = None) -> list[int]:
         """Up to `max_tokens` tokens that the tree holds right after `key` (read-only: no split, no
         lock, no access-time or hit update). Where several cached sequences continue `key`, the most

@@ -360,8 +360,8 @@ class ReleasePolicy:
         and host tiers hold."""
         if self.storage is None:
             return
-        result = self.tree.match_prefix(key, namespace)
-        self.storage.start_prefetch(rid, key, namespace, result.num_tokens + result.num_host_tokens)
+        # a read-only probe: a prefetch deciding where to start is not a use of the cached prefix
+        self.storage.start_prefetch(rid, key, namespace, self.tree.cached_prefix_len(key, namespace))
 
     def is_prefetch_ready(self, rid: str) -> bool:
         return self.storage is None or self.storage.is_ready(rid)

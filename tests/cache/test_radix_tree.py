@@ -213,6 +213,19 @@ def test_hit_count_and_access_time():
     assert leaf.parent.hit_count == 2  # the split-off [1] was matched twice
 
 
+def test_cached_prefix_len_is_a_probe_that_counts_no_use():
+    clock = FakeClock()
+    cache = RadixCache(page_size=2, time_fn=clock)
+    leaf = cache.insert([1, 2, 3, 4, 5, 6], [1, 2, 3]).last_node
+    clock.advance(5.0)
+    assert cache.cached_prefix_len([1, 2, 3, 4, 9, 9, 7]) == 4  # ends inside the node, at a page boundary
+    assert cache.cached_prefix_len([1, 2, 3, 4, 5, 6, 7]) == 6
+    assert cache.cached_prefix_len([1, 2, 3, 4, 5, 6], namespace="lora-a") == 0
+    assert cache.num_nodes() == 1 and leaf.hit_count == 0 and leaf.last_access_time == 0.0
+    assert cache.match_prefix([1, 2, 3, 4, 9, 9]).num_tokens == 4  # the same length, now counted as a use
+    assert cache.num_nodes() == 2 and leaf.parent.hit_count == 1
+
+
 def test_numpy_inputs():
     cache = RadixCache(page_size=2)
     cache.insert(np.arange(6), np.array([4, 5, 6], dtype=np.int64))
@@ -464,8 +477,11 @@ def make_machine(page_size: int):
             self.clock.advance()
             namespace, key = self.make_key(namespace, pages, reuse)
             key += tail
-            result = self.cache.match_prefix(key, namespace=namespace)
             expected = self.model_match(namespace, key)
+            num_nodes = self.cache.num_nodes()
+            assert self.cache.cached_prefix_len(key, namespace) == len(expected) * page_size
+            assert self.cache.num_nodes() == num_nodes  # a probe splits nothing
+            result = self.cache.match_prefix(key, namespace=namespace)
             assert result.pages.tolist() == expected
             assert result.num_tokens == len(expected) * page_size
             for prefix in self.prefixes(namespace, key)[: len(expected)]:
