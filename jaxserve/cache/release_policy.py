@@ -33,7 +33,7 @@ from jaxserve.cache.kv_pool import PageAllocator, PoolShape
 from jaxserve.cache.page_io import KVPageIO
 from jaxserve.cache.radix_tree import InsertResult, MatchResult, RadixCache, TreeNode, path_pages, path_tokens
 from jaxserve.cache.soft_release import SoftRelease
-from jaxserve.cache.storage import Prefetch
+from jaxserve.cache.storage import Prefetch, StorageOp
 from jaxserve.cache.storage_tier import StorageTier
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,9 @@ class RadixCacheStats:
     Counts are nodes, tokens, pages ("blocks") or bytes as named; cumulative fields say so.
     `recall_latency_s` holds the latest (up to 1024) recall latencies in seconds, the time to issue the
     host -> device copy (the device finishes it before the next step); `num_recalls` is cumulative, so an
-    exporter observes the last `num_recalls - seen` entries.
+    exporter observes the last `num_recalls - seen` entries. `storage_prefetch_ops` and
+    `storage_backup_ops` hold the storage tier's latest operations in the same way (cumulative counts
+    `storage_num_prefetch_ops`, `storage_num_backup_ops`).
     """
 
     mode: str
@@ -120,6 +122,7 @@ class RadixCacheStats:
     num_frozen_waits: int  # cumulative admissions deferred by the frozen ratio
     has_storage_tier: bool = False
     storage_hit_tokens: int = 0  # cumulative, recalled from the storage tier
+    storage_prefetch_hit_tokens: int = 0  # cumulative, tokens prefetches found in storage before reading
     storage_prefetched_tokens: int = 0  # cumulative, tokens of the verified pages read (SGLang's prefetched)
     storage_backuped_tokens: int = 0  # cumulative, tokens of the page files this process wrote
     storage_hit_rate: float = 0.0  # the part of hit_rate recalled from the storage tier
@@ -127,10 +130,16 @@ class RadixCacheStats:
     storage_bytes_written: int = 0  # cumulative, page files written by this process
     storage_pages_backed_up: int = 0  # cumulative, pages handed to the writer
     storage_pages_dropped: int = 0  # cumulative, pages not written because the write queue was full
+    storage_backup_dropped_tokens: int = 0  # the same in tokens
+    storage_pages_failed: int = 0  # cumulative, pages whose write failed (tried again by a later backup)
     storage_prefetch_waits: int = 0  # cumulative, requests the prefetch policy held in the queue
     storage_prefetch_wait_s: float = 0.0  # cumulative seconds they were held
     storage_files_evicted: int = 0  # cumulative, by this process's bound enforcement
     storage_bad_files: int = 0  # cumulative, truncated / corrupted / foreign files met (misses)
+    storage_prefetch_ops: tuple[StorageOp, ...] = ()  # the latest prefetches that read pages
+    storage_num_prefetch_ops: int = 0  # cumulative
+    storage_backup_ops: tuple[StorageOp, ...] = ()  # the latest write batches that wrote pages
+    storage_num_backup_ops: int = 0  # cumulative
 
 
 class PolicyMatch(NamedTuple):
@@ -407,7 +416,7 @@ class ReleasePolicy:
         line = "[RadixCache] Nodes: %d, Shared: %d (%.1f%%), Frozen: %d, SoftFreed: %d, Merged: %d"
         values = [nodes, shared, 100.0 * shared / max(nodes, 1), frozen, host, self.num_merges]
         if self.storage is not None:
-            c = self.storage.storage.counters
+            c = self.storage.storage.snapshot()[0]
             line += ", Storage hits: %d tokens, read: %d B, written: %d B, prefetch waits: %d, files evicted: %d"
             values += [self.storage_hit_tokens, c.bytes_read, c.bytes_written, self.storage.num_prefetch_waits,
                        c.files_evicted]
@@ -466,10 +475,11 @@ class ReleasePolicy:
     def _storage_stats(self) -> dict:
         if self.storage is None:
             return {}
-        c = self.storage.storage.counters
+        c, prefetch_ops, backup_ops = self.storage.storage.snapshot()
         return dict(
             has_storage_tier=True,
             storage_hit_tokens=self.storage_hit_tokens,
+            storage_prefetch_hit_tokens=c.prefetch_hit_pages * self.page_size,
             storage_prefetched_tokens=c.pages_read * self.page_size,
             storage_backuped_tokens=c.pages_written * self.page_size,
             storage_hit_rate=self.storage_hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
@@ -477,10 +487,16 @@ class ReleasePolicy:
             storage_bytes_written=c.bytes_written,
             storage_pages_backed_up=self.storage.num_backup_pages,
             storage_pages_dropped=c.pages_dropped,
+            storage_backup_dropped_tokens=c.pages_dropped * self.page_size,
+            storage_pages_failed=c.pages_failed,
             storage_prefetch_waits=self.storage.num_prefetch_waits,
             storage_prefetch_wait_s=self.storage.prefetch_wait_s,
             storage_files_evicted=c.files_evicted,
             storage_bad_files=c.bad_files,
+            storage_prefetch_ops=prefetch_ops,
+            storage_num_prefetch_ops=c.num_prefetch_ops,
+            storage_backup_ops=backup_ops,
+            storage_num_backup_ops=c.num_backup_ops,
         )
 
     def flush(self) -> Int32[np.ndarray, " F"]:

@@ -33,6 +33,7 @@ request run on one reader thread (`prefetch`) while the request waits in the que
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -46,7 +47,7 @@ import threading
 import time
 import zlib
 from decimal import Decimal, InvalidOperation
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -70,6 +71,7 @@ _RESCAN_INTERVAL_S = 1.0
 _TMP_NAME = re.compile(r"\.(?P<key>[^.]+)\.(?P<host>.+)\.(?P<pid>\d+)\.(?P<rand>[0-9a-f]+)\.tmp")
 WRITE_QUEUE_BATCHES = 256
 WRITER_NICE = 19  # the writer thread's nice value (Linux), so page writes never take CPU from a step (D-41)
+MAX_OP_RECORDS = 1024  # the latest prefetch / backup operations kept for the per-operation histograms
 
 
 class StorageError(ValueError):
@@ -246,15 +248,33 @@ def page_keys(tokens: Sequence[int], page_size: int, fingerprint: str, namespace
 
 @dataclasses.dataclass
 class StorageCounters:
-    """Cumulative counts of one process's storage tier (pages, bytes, files)."""
+    """Cumulative counts of one process's storage tier (pages, bytes, files, operations)."""
 
+    prefetch_hit_pages: int = 0  # pages a prefetch found in storage (in a row from its first) before reading
     pages_read: int = 0  # verified pages read (prefetch hits)
     bytes_read: int = 0
     pages_written: int = 0
     bytes_written: int = 0
     pages_dropped: int = 0  # not written: the write queue was full
+    pages_failed: int = 0  # not written: the copy or the file system failed (a later backup tries again)
     files_evicted: int = 0
     bad_files: int = 0  # truncated, corrupted, foreign or unreadable: misses
+    num_prefetch_ops: int = 0  # prefetches that read at least one page
+    num_backup_ops: int = 0  # write batches that wrote at least one page
+
+
+class StorageOp(NamedTuple):
+    """One prefetch (a request's pages read in a row) or one write batch (a backup's new pages), for
+    SGLang's per-operation histograms: pages, bytes moved and the wall time of the file I/O alone."""
+
+    num_pages: int
+    num_bytes: int
+    seconds: float
+
+    @property
+    def gib_per_s(self) -> float:
+        """Bandwidth in GB/s as SGLang's storage backends compute it (bytes / 2**30 per second)."""
+        return self.num_bytes / (1 << 30) / max(self.seconds, 1e-9)
 
 
 class Prefetch:
@@ -305,6 +325,9 @@ class FileStorage:
         self.file_bytes = _HEADER.size + 2 * self.page_bytes
         self.counters = StorageCounters()
         self._lock = threading.Lock()
+        self._prefetch_ops: collections.deque[StorageOp] = collections.deque(maxlen=MAX_OP_RECORDS)
+        self._backup_ops: collections.deque[StorageOp] = collections.deque(maxlen=MAX_OP_RECORDS)
+        self._failed_keys: list[bytes] = []
         self._logged_bad: set[str] = set()
         self._host_tag = f"{socket.gethostname()}.{os.getpid()}"
         self._check_writable()
@@ -522,19 +545,7 @@ class FileStorage:
             try:
                 if item is None:
                     return
-                keys, read = item
-                k, v = read.result()
-                for i, key in enumerate(keys):
-                    try:
-                        n = self.write(key, k[:, i], v[:, i])
-                    except OSError as e:
-                        logger.warning("storage tier: writing a page to %s failed: %s", self.dir, e)
-                        break
-                    if n:
-                        with self._lock:
-                            self.counters.pages_written += 1
-                            self.counters.bytes_written += n
-                        self._approx_bytes += n
+                self._write_batch(*item)
                 bound = self.config.max_size_bytes
                 if bound and (self._approx_bytes > bound or time.monotonic() - self._last_scan > _RESCAN_INTERVAL_S):
                     self.enforce_bound()
@@ -543,6 +554,54 @@ class FileStorage:
             finally:
                 self._write_queue.task_done()
 
+    def _write_batch(self, keys: list[bytes], read: Any) -> None:
+        """Write one queued batch. Keys left unwritten by a failure (of the copy or the file system) are
+        handed back through `take_failed_keys`, so a later backup of them tries again."""
+        num_done = num_pages = num_bytes = 0
+        started = time.perf_counter()
+        try:
+            k, v = read.result()
+            started = time.perf_counter()
+            for i, key in enumerate(keys):
+                n = self.write(key, k[:, i], v[:, i])
+                num_done = i + 1
+                if n:
+                    num_pages, num_bytes = num_pages + 1, num_bytes + n
+                    with self._lock:
+                        self.counters.pages_written += 1
+                        self.counters.bytes_written += n
+                    self._approx_bytes += n
+        except OSError as e:
+            logger.warning("storage tier: writing a page to %s failed: %s", self.dir, e)
+        finally:
+            if num_pages:  # pages already on disk moved no bytes: not part of the operation (as SGLang's)
+                self._record_op(self._backup_ops, StorageOp(num_pages, num_bytes, time.perf_counter() - started))
+            if num_done < len(keys):
+                with self._lock:
+                    self.counters.pages_failed += len(keys) - num_done
+                    self._failed_keys.extend(keys[num_done:])
+
+    def take_failed_keys(self) -> list[bytes]:
+        """The keys whose writes failed since the last call (the caller may queue them again)."""
+        with self._lock:
+            failed, self._failed_keys = self._failed_keys, []
+        return failed
+
+    def _record_op(self, ops: collections.deque, op: StorageOp) -> None:
+        with self._lock:
+            ops.append(op)
+            if ops is self._prefetch_ops:
+                self.counters.num_prefetch_ops += 1
+            else:
+                self.counters.num_backup_ops += 1
+
+    def snapshot(self) -> tuple[StorageCounters, tuple[StorageOp, ...], tuple[StorageOp, ...]]:
+        """A consistent copy of the counters (the reader and writer threads update them) with the latest
+        (up to `MAX_OP_RECORDS`) prefetch and backup operations, oldest first: from the cumulative
+        `num_prefetch_ops` / `num_backup_ops` an exporter knows how many of those are new to it."""
+        with self._lock:
+            return dataclasses.replace(self.counters), tuple(self._prefetch_ops), tuple(self._backup_ops)
+
     def flush_writes(self) -> None:
         """Block until every queued write is on disk (tests, shutdown)."""
         self._write_queue.join()
@@ -550,8 +609,10 @@ class FileStorage:
     # -- asynchronous reads
 
     def prefetch(self, first_page: int, keys: list[bytes], min_pages: int = 0) -> Prefetch:
-        """Start reading `keys` in order on the reader thread, stopping at the first miss or bad file; when
-        fewer than `min_pages` of them exist (the prefetch threshold) nothing is read."""
+        """Start reading `keys` in order on the reader thread, stopping at the first miss or bad file. The
+        reader first asks how many of them exist in a row from the first (SGLang's storage hit query,
+        counted in `counters.prefetch_hit_pages`); when fewer than `min_pages` do (the prefetch
+        threshold) nothing is read."""
         pf = Prefetch(first_page, keys)
         self._read_queue.put((pf, min_pages))
         return pf
@@ -563,9 +624,15 @@ class FileStorage:
                 return
             pf, min_pages = item
             try:
-                if min_pages and not all(self.exists(key) for key in pf.keys[:min_pages]):
+                num_hit = 0
+                while num_hit < len(pf.keys) and not pf.is_cancelled and self.exists(pf.keys[num_hit]):
+                    num_hit += 1
+                with self._lock:
+                    self.counters.prefetch_hit_pages += num_hit
+                if num_hit < min_pages:
                     continue
-                for key in pf.keys:
+                started = time.perf_counter()
+                for key in pf.keys:  # on to the first miss: a page written since the query is read too
                     if pf.is_cancelled:
                         break
                     kv = self.read(key)
@@ -575,6 +642,9 @@ class FileStorage:
                     with self._lock:
                         self.counters.pages_read += 1
                         self.counters.bytes_read += self.file_bytes
+                if pf.pages:
+                    op = StorageOp(len(pf.pages), len(pf.pages) * self.file_bytes, time.perf_counter() - started)
+                    self._record_op(self._prefetch_ops, op)
             except Exception:
                 logger.exception("storage tier: prefetch failed")
             finally:

@@ -135,7 +135,7 @@ class StorageTier:
         """Start writing pages of `tokens` that this process has not written yet: device page `pages[i]`
         holds page `first_page + i`. The device -> host copy starts now; the writer thread finishes it."""
         keys = self.keys(tokens, namespace)[first_page : first_page + len(pages)]
-        new = [i for i, key in enumerate(keys) if key not in self._backed_up]
+        new = self._new(keys)
         if not new:
             return
         if len(self._backed_up) + len(new) > MAX_REMEMBERED_KEYS:
@@ -147,10 +147,18 @@ class StorageTier:
     def backup_host(self, tokens: Sequence[int], namespace: Hashable, first_page: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write pages already on the host: `k[:, i]` / `v[:, i]` hold page `first_page + i` of `tokens`."""
         keys = self.keys(tokens, namespace)[first_page : first_page + k.shape[1]]
-        new = [i for i, key in enumerate(keys) if key not in self._backed_up]
+        new = self._new(keys)
         if new:
             self._backed_up.update(keys[i] for i in new)
             self._submit([keys[i] for i in new], DoneRead(k[:, new], v[:, new]))
+
+    def _new(self, keys: list[bytes]) -> list[int]:
+        """Indices of `keys` this process has not written (nor queued); keys whose writes failed count as
+        not written, so a failed write is tried again by the next backup of its page."""
+        failed = self.storage.take_failed_keys()
+        if failed:
+            self._backed_up.difference_update(failed)
+        return [i for i, key in enumerate(keys) if key not in self._backed_up]
 
     def _submit(self, keys: list[bytes], read: PendingRead) -> None:
         if self.storage.submit_read(keys, read):

@@ -204,7 +204,13 @@ def test_prefetch_reads_up_to_the_first_miss_and_honours_the_threshold(tmp_path)
         np.testing.assert_array_equal(pf.pages[i][1], page_of(keys[i])[1])
     short = s.prefetch(0, keys, min_pages=4)  # only 3 pages in a row exist
     assert short.done.wait(10) and short.num_pages_ready == 0
-    assert s.counters.pages_read == 3 and s.counters.bytes_read == 3 * s.file_bytes
+    counters, prefetch_ops, backup_ops = s.snapshot()
+    assert counters.pages_read == 3 and counters.bytes_read == 3 * s.file_bytes
+    assert counters.prefetch_hit_pages == 3 + 3  # both queries found 3 pages in a row; one read them
+    assert counters.num_prefetch_ops == 1 and backup_ops == ()
+    [op] = prefetch_ops
+    assert op.num_pages == 3 and op.num_bytes == 3 * s.file_bytes and op.seconds > 0
+    assert op.gib_per_s == pytest.approx(3 * s.file_bytes / 2**30 / op.seconds)
     s.close()
 
 

@@ -127,6 +127,8 @@ def test_storage_continues_a_device_match(tmp_path):
     b = make_server(tmp_path)
     b.compute(TOKENS[:6])  # the first 3 pages are on b's device already
     assert b.prefetch("r", TOKENS).first_page == 3
+    # finding where the read starts is a probe, not a use of the cached prefix
+    assert [node.hit_count for node in b.tree.iter_nodes()] == [0]
     match = b.admit("r", TOKENS)
     assert (match.num_tokens, match.num_storage_tokens) == (20, 14)
     assert_all_kv(b)
@@ -178,8 +180,40 @@ def test_removed_and_corrupted_files_are_misses(tmp_path):
     assert_all_kv(b)
     b.tree.dec_lock_ref(match.last_node)
     b.check()
-    assert b.policy.stats().storage_bad_files == 1
+    stats = b.policy.stats()
+    assert stats.storage_bad_files == 1
+    # the hit query found pages 0-5 (page 6 is gone); the read stopped at the corrupted page 3
+    assert (stats.storage_prefetch_hit_tokens, stats.storage_prefetched_tokens) == (12, 6)
+    assert stats.storage_prefetch_ops == (stats.storage_prefetch_ops[0],) and stats.storage_num_prefetch_ops == 1
+    assert stats.storage_prefetch_ops[0][:2] == (3, 3 * b.storage.storage.file_bytes)
     a.close(), b.close()
+
+
+def test_a_failed_write_is_tried_again_by_the_next_backup(tmp_path):
+    a = make_server(tmp_path)
+    files = a.storage.storage
+    write, calls = files.write, []
+
+    def full_disk_once(key, k, v):
+        calls.append(key)
+        if len(calls) == 4:
+            raise OSError(28, "No space left on device")
+        return write(key, k, v)
+
+    files.write = full_disk_once
+    a.compute(TOKENS)
+    a.sync()
+    stats = a.policy.stats()
+    assert num_files(tmp_path) == 3 and stats.storage_pages_failed == 7  # the batch stops at the failure
+    assert (stats.storage_num_backup_ops, stats.storage_backup_ops[0][0]) == (1, 3)
+    a.compute(TOKENS)  # the prefix is inserted again (a request reused it): its backup writes the rest
+    a.sync()
+    assert num_files(tmp_path) == 10
+    stats = a.policy.stats()
+    assert stats.storage_backuped_tokens == 20 and stats.storage_num_backup_ops == 2
+    assert stats.storage_backup_ops[1][:2] == (7, 7 * files.file_bytes)
+    a.check()
+    a.close()
 
 
 def test_write_through_selective_writes_a_prefix_when_it_is_matched_again(tmp_path):
