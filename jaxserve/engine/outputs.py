@@ -6,11 +6,14 @@ import dataclasses
 import time
 from typing import Any
 
-from jaxserve.engine.request import FinishReason, Req
+from jaxserve.engine.request import CachedTokensDetails, FinishReason, Req
 from jaxserve.engine.validation.errors import ContextLengthError, RequestError
 
-__all__ = ["ContextLengthError", "EngineSnapshot", "EngineStats", "RequestError", "RequestMeta", "StepOutput",
-           "request_meta", "sglang_finish_reason", "sglang_meta_info"]
+__all__ = ["CachedTokensDetails", "ContextLengthError", "EngineSnapshot", "EngineStats", "RequestError", "RequestMeta",
+           "StepOutput", "request_meta", "sglang_cached_tokens_details", "sglang_finish_reason", "sglang_meta_info"]
+
+# SGLang reports its storage backend's class name; jaxserve's file backend is SGLang's `HiCacheFile`
+STORAGE_BACKEND_NAME = "HiCacheFile"
 
 
 @dataclasses.dataclass
@@ -23,6 +26,7 @@ class RequestMeta:
     cached_tokens: int
     finish_reason: FinishReason | None
     e2e_latency: float
+    cached_tokens_details: CachedTokensDetails | None = None  # None when nothing was cached
     num_forced_tokens: int = 0
     ttft: float | None = None
     output_token_logprobs: list | None = None
@@ -111,10 +115,24 @@ def sglang_finish_reason(reason: FinishReason | None) -> dict[str, Any] | None:
     return wire
 
 
+def sglang_cached_tokens_details(details: CachedTokensDetails | None) -> dict[str, Any] | None:
+    """`details` in SGLang's meta_info shape (its `SchedulerOutputStreamer.get_cached_tokens_details`):
+    {"device": n, "host": n}, plus "storage" and "storage_backend" with a storage tier; None stays None."""
+    if details is None:
+        return None
+    wire: dict[str, Any] = {"device": details.device, "host": details.host}
+    if details.storage is not None:
+        wire["storage"] = details.storage
+        wire["storage_backend"] = STORAGE_BACKEND_NAME
+    return wire
+
+
 def sglang_meta_info(meta: RequestMeta) -> dict[str, Any]:
-    """`meta` as a dict of SGLang's meta_info fields, its finish reason in SGLang's shape (the research
-    API `Engine.generate` and jaxserve.lang's engine backend answer so, as /generate does)."""
-    return {**dataclasses.asdict(meta), "finish_reason": sglang_finish_reason(meta.finish_reason)}
+    """`meta` as a dict of SGLang's meta_info fields, its finish reason and cached-token details in
+    SGLang's shapes (the research API `Engine.generate` and jaxserve.lang's engine backend answer so,
+    as /generate does)."""
+    return {**dataclasses.asdict(meta), "finish_reason": sglang_finish_reason(meta.finish_reason),
+            "cached_tokens_details": sglang_cached_tokens_details(meta.cached_tokens_details)}
 
 
 def request_meta(req: Req) -> RequestMeta:
@@ -128,6 +146,7 @@ def request_meta(req: Req) -> RequestMeta:
         cached_tokens=req.cached_tokens,
         finish_reason=req.finish_reason,
         e2e_latency=end - req.arrival_time,
+        cached_tokens_details=req.cached_tokens_details if req.cached_tokens else None,
         num_forced_tokens=req.num_forced_tokens,
         ttft=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
         output_token_logprobs=[(lp, t) for lp, t in zip(req.output_token_logprobs, req.output_ids)] if logprobs else None,

@@ -112,6 +112,18 @@ def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class CachedTokensDetails:
+    """Cached prompt tokens of one prefix match by the tier they came from (SGLang's
+    `cached_tokens_details`; they sum to the match's tokens): already in the device pool (a partly
+    matched page copied on write included), recalled from the host tier, read from the storage tier
+    (None without a storage tier)."""
+
+    device: int = 0
+    host: int = 0
+    storage: int | None = None
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -123,7 +135,9 @@ class Req:
     """One sequence being served (host side).
 
     KV bookkeeping: `page_table` covers positions [0, kv_len); `kv_len` tokens of `fill_ids` have their
-    K/V in the pool. `cached_tokens` is how many prompt tokens were reused from the prefix cache.
+    K/V in the pool. `cached_tokens` is how many prompt tokens were reused from the prefix cache, and
+    `cached_tokens_details` by tier (both of the first admission); `match_tiers` is the tier split of
+    the current match (reset on release).
     """
 
     rid: str
@@ -143,6 +157,8 @@ class Req:
     page_table: list[int] = dataclasses.field(default_factory=list)
     kv_len: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: CachedTokensDetails | None = None
+    match_tiers: CachedTokensDetails = CachedTokensDetails()
     last_node: Any = None
     num_retractions: int = 0
     seed: int = 0

@@ -22,7 +22,7 @@ from jaxserve.cache.freezing import path_len
 from jaxserve.cache.kv_pool import PageAllocator
 from jaxserve.cache.radix_tree import RadixCache, path_pages
 from jaxserve.cache.release_policy import PolicyMatch, RadixCacheStats, ReleasePolicy
-from jaxserve.engine.request import Req
+from jaxserve.engine.request import CachedTokensDetails, Req
 
 
 class CacheManager:
@@ -54,7 +54,8 @@ class CacheManager:
     def match(self, req: Req) -> int:
         """Reuse the longest cached prefix of `req.fill_ids` (at least one token is left to compute).
 
-        Locks the matched path and sets `req.page_table`, `req.kv_len`. Returns the matched tokens.
+        Locks the matched path and sets `req.page_table`, `req.kv_len` and `req.match_tiers` (where the
+        matched tokens came from). Returns the matched tokens.
         """
         assert not req.page_table and req.last_node is None
         key = _match_key(req)
@@ -63,11 +64,17 @@ class CacheManager:
         req.last_node = result.last_node
         req.page_table = [int(p) for p in result.pages]
         req.kv_len = result.num_tokens
+        req.match_tiers = CachedTokensDetails(device=result.num_tokens)
         if self.policy is not None:
             m = self.policy.extend_match(result, key, req.namespace, self.policy.take_prefetch(req.rid))
             req.last_node = m.last_node
             req.page_table = [int(p) for p in m.pages] + ([int(m.cow_page)] if m.cow_page is not None else [])
             req.kv_len = m.num_tokens + m.num_cow_tokens
+            req.match_tiers = CachedTokensDetails(
+                device=req.kv_len - m.num_host_tokens - m.num_storage_tokens,
+                host=m.num_host_tokens,
+                storage=m.num_storage_tokens if self.policy.storage is not None else None,
+            )
             self._unadmitted[req.rid] = (len(key), m)
         return req.kv_len
 
@@ -147,6 +154,7 @@ class CacheManager:
         req.last_node = None
         req.page_table = []
         req.kv_len = 0
+        req.match_tiers = CachedTokensDetails()
 
     def _insert(self, req: Req, keep_tail: bool) -> None:
         if self.tree.disable:

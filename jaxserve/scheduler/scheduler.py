@@ -257,6 +257,7 @@ class Scheduler:
                 active_loras.add(req.lora_id)
             if first_admission:
                 req.cached_tokens = req.kv_len
+                req.cached_tokens_details = req.match_tiers
             admitted_prompts.append(req.fill_ids)
             if result is AddResult.CHUNKED:
                 break

@@ -373,7 +373,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     model_name = served_model_name(server_args, engine_loop.model_path)
     metrics = None
     if not server_args.disable_metrics and engine_loop.load().snapshot is not None:
-        metrics, endpoint = _metrics_endpoint(engine_loop, model_name)
+        metrics, endpoint = _metrics_endpoint(engine_loop, model_name, server_args.hicache_storage_backend is not None)
         routes.append(Route("/metrics", endpoint, methods=["GET"]))
     middleware = [Middleware(APIKeyMiddleware, api_key=server_args.api_key)] if server_args.api_key else []
     middleware.append(Middleware(BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes))
@@ -394,12 +394,13 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     return app
 
 
-def _metrics_endpoint(engine_loop: EngineLoop, model_name: str):
+def _metrics_endpoint(engine_loop: EngineLoop, model_name: str, has_storage_tier: bool):
     """(the ServingMetrics, GET /metrics over the snapshot the engine loop publishes after every step);
     latency histograms observe every output on the loop thread."""
     from jaxserve.server.metrics import CONTENT_TYPE, ServingMetrics
 
-    metrics = ServingMetrics(lambda: engine_loop.load().snapshot, model_name, lambda: engine_loop.load().radix_cache)
+    metrics = ServingMetrics(lambda: engine_loop.load().snapshot, model_name, lambda: engine_loop.load().radix_cache,
+                             has_storage_tier=has_storage_tier)
     engine_loop.add_output_observer(metrics.observe)
     metrics.registry.register(_AdmissionCollector(engine_loop, model_name))
 

@@ -83,13 +83,14 @@ class RadixCacheExporter:
     exact names; merges and evictions are counters (`_merge_count_total`, `_eviction_count_total`);
     cached tokens by tier are `jaxserve_radix_cache_cached_tokens_total{tier="device"|"host"|"storage"}`.
     Recall latencies feed the `_recall_latency_seconds` histogram at scrape time. With a storage tier,
-    `jaxserve_radix_cache_storage_*` and SGLang's `sglang:prefetched_tokens_total` /
-    `sglang:backuped_tokens_total` (`sglang_metrics.storage_families`) join them.
+    `jaxserve_radix_cache_storage_*` and SGLang's storage metrics (`sglang_metrics.STORAGE_METRICS`,
+    `StorageExporter`) join them.
     """
 
     def __init__(self, stats_fn: Callable, registry: CollectorRegistry, model_name: str):
         self._stats_fn = stats_fn
         self._seen_recalls = 0
+        self._storage = sglang_metrics.StorageExporter()
         self._recall = Histogram(
             "jaxserve_radix_cache_recall_latency_seconds", "Host -> device recall latency",
             labelnames=["model_name"], buckets=_RECALL_BUCKETS, registry=registry,
@@ -111,7 +112,7 @@ class RadixCacheExporter:
             if sglang_copy is not None:
                 yield sglang_copy
         if s.has_storage_tier:
-            yield from sglang_metrics.storage_families(s, labels[0])
+            yield from self._storage.families(s)
 
     def _families(self, s, labels: list[str]) -> Iterable:
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -156,6 +157,8 @@ class RadixCacheExporter:
         yield counter("storage_bad_files", "Truncated, corrupted or foreign page files met (misses)", s.storage_bad_files)
         yield counter("storage_pages_dropped", "Pages not written because the write queue was full",
                       s.storage_pages_dropped)
+        yield counter("storage_pages_failed", "Pages whose write failed (a later backup of them tries again)",
+                      s.storage_pages_failed)
 
 
 class ServingMetrics:
@@ -165,9 +168,12 @@ class ServingMetrics:
         snapshot_fn: returns an `EngineSnapshot` (thread-safe read).
         model_name: value of the `model_name` label.
         radix_stats_fn: returns the release policy's `RadixCacheStats` (or None), for `jaxserve_radix_cache_*`.
+        has_storage_tier: the server has a storage tier (`sglang:cached_tokens_total{cache_source="storage"}`
+            exists from the start).
     """
 
-    def __init__(self, snapshot_fn: Callable, model_name: str, radix_stats_fn: Callable | None = None):
+    def __init__(self, snapshot_fn: Callable, model_name: str, radix_stats_fn: Callable | None = None,
+                 has_storage_tier: bool = False):
         self.registry = CollectorRegistry()
         extra_fn = None
         if radix_stats_fn is not None:
@@ -178,7 +184,7 @@ class ServingMetrics:
             "sglang:inter_token_latency_seconds": _ITL_BUCKETS,
             "sglang:e2e_request_latency_seconds": _E2E_BUCKETS,
             "sglang:request_time_per_output_token_seconds": _ITL_BUCKETS,
-        })
+        }, sglang_metrics.CACHE_SOURCES + (("storage",) if has_storage_tier else ()))
         self._model_name = model_name
         kw = dict(labelnames=["model_name"], registry=self.registry)
         self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, **kw)

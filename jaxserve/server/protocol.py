@@ -109,6 +109,8 @@ class MetaInfo(BaseModel):
     cached_tokens: int
     finish_reason: dict[str, Any] | None
     e2e_latency: float
+    # by tier: {"device", "host"} (+ "storage", "storage_backend" with a storage tier); null: none cached
+    cached_tokens_details: dict[str, Any] | None = None
     output_token_logprobs: list[list[Any]] | None = None
     output_top_logprobs: list[list[list[Any]]] | None = None
     output_token_logprobs_length: int | None = None

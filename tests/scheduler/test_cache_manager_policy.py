@@ -76,8 +76,13 @@ def run_machine(page_size: int, max_examples: int) -> dict:
             prefix = self.prompts[base % len(self.prompts)][:cut] if self.prompts else []
             req = Req(f"r{self.next_rid}", prefix + suffix, SamplingParams())
             self.next_rid += 1
+            recalled_pages = self.cm.policy.soft.num_recalled_pages
             self.cm.match(req)
             assert_req_reads(req, self.io, page_size)
+            # the match's tokens by tier: recalled ones are the host tier's, the rest the device's
+            tiers = req.match_tiers
+            assert tiers.host == (self.cm.policy.soft.num_recalled_pages - recalled_pages) * page_size
+            assert tiers.device + tiers.host == req.kv_len and tiers.storage is None
             if not self.cm.can_freeze(req, len(req.fill_ids) - req.kv_len) or not self.cm.grow(req, len(req.fill_ids)):
                 self.cm.release(req)
                 return
@@ -103,6 +108,7 @@ def run_machine(page_size: int, max_examples: int) -> dict:
         def finish(self, index):
             req = self.running.pop(index % len(self.running))
             self.cm.release(req)
+            assert (req.match_tiers.device, req.match_tiers.host) == (0, 0)  # a match held no more
 
         @rule(seconds=st.sampled_from([0.0, 0.5, 1.0, 3.0]), num_running=st.integers(0, 6))
         def tick(self, seconds, num_running):

@@ -98,6 +98,7 @@ def test_storage_tier_metrics_are_exported(tmp_path):
     from prometheus_client import CollectorRegistry
 
     from jaxserve.server.metrics import RadixCacheExporter
+    from jaxserve.server.sglang_metrics import STORAGE_LABELS
     from tests.cache.test_storage_tier import TOKENS, make_server
 
     a = make_server(tmp_path)
@@ -110,16 +111,37 @@ def test_storage_tier_metrics_are_exported(tmp_path):
     b.tree.dec_lock_ref(match.last_node)
     stats = b.policy.stats()
     exporter = RadixCacheExporter(lambda: stats, CollectorRegistry(), "m")
-    values = {}
-    for family in exporter.families(["m"]):
-        for sample in family.samples:
-            values[(sample.name, sample.labels.get("tier") or sample.labels.get("engine_type"))] = sample.value
+    storage_labels = dict(zip(STORAGE_LABELS, ("file", "0", "0", "0", "1", "0", "1")))
+
+    def scrape_exporter(exporter) -> dict:
+        values = {}
+        for family in exporter.families(["m"]):
+            for sample in family.samples:
+                if sample.name.startswith("sglang:"):
+                    assert {k: v for k, v in sample.labels.items() if k != "le"} == storage_labels, sample
+                key = sample.labels.get("tier") or sample.labels.get("le")
+                values[(sample.name, key)] = sample.value
+        return values
+
+    values = scrape_exporter(exporter)
     file_bytes = b.storage.storage.file_bytes
     assert values[("jaxserve_radix_cache_cached_tokens_total", "storage")] == 20
     assert values[("jaxserve_radix_cache_cached_tokens_total", "device")] == 0
     assert values[("jaxserve_radix_cache_storage_bytes_read", None)] == 10 * file_bytes
-    assert values[("sglang:prefetched_tokens_total", "unified")] == 20
-    assert values[("sglang:backuped_tokens_total", "unified")] == 0  # b wrote nothing: a did
+    assert values[("sglang:prefetched_tokens_total", None)] == 20
+    assert values[("sglang:storage_prefetch_hit_tokens_total", None)] == 20
+    assert values[("sglang:backuped_tokens_total", None)] == 0  # b wrote nothing: a did
+    assert values[("sglang:hicache_backup_dropped_tokens_total", None)] == 0
+    # one prefetch of 10 pages: SGLang's buckets (1, 5, 10, 50, 100) count it from le="10.0" on
+    assert values[("sglang:prefetch_pgs_bucket", "5.0")] == 0 and values[("sglang:prefetch_pgs_bucket", "10.0")] == 1
+    assert values[("sglang:prefetch_pgs_count", None)] == 1 and values[("sglang:prefetch_pgs_sum", None)] == 10
+    [op] = stats.storage_prefetch_ops
+    assert values[("sglang:prefetch_bandwidth_sum", None)] == pytest.approx(10 * file_bytes / 2**30 / op.seconds)
+    assert values[("sglang:prefetch_bandwidth_count", None)] == 1 and values[("sglang:backup_pgs_count", None)] == 0
+    assert scrape_exporter(exporter)[("sglang:prefetch_pgs_count", None)] == 1  # a second scrape observes no op twice
     a_stats = a.policy.stats()
     assert a_stats.storage_backuped_tokens == 20 and a_stats.storage_bytes_written == 10 * file_bytes
+    a_values = scrape_exporter(RadixCacheExporter(lambda: a_stats, CollectorRegistry(), "m"))
+    assert a_values[("sglang:backup_pgs_count", None)] == 1 and a_values[("sglang:backup_pgs_sum", None)] == 10
+    assert a_values[("sglang:backuped_tokens_total", None)] == 20
     a.close(), b.close()

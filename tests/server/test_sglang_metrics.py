@@ -1,6 +1,7 @@
 """SGLang's metric names on GET /metrics: the mapping table against SGLang 0.5.23's collector source,
-values against the responses and the jaxserve_* twins, and the Grafana dashboard's queries against
-what the running server exports."""
+values against the responses and the jaxserve_* twins, cached tokens by the tier they came from (a
+device hit, and a storage hit after a restart), and the Grafana dashboard's queries against what the
+running server exports."""
 
 from __future__ import annotations
 
@@ -17,19 +18,26 @@ from jaxserve.server.sglang_metrics import (
     REQUEST_METRICS,
     SCHEDULER_GAUGES,
     SCHEDULER_LABELS,
-    STORAGE_COUNTERS,
+    STORAGE_BUCKETS,
+    STORAGE_LABELS,
+    STORAGE_METRICS,
     TOKENIZER_LABELS,
+    Kind,
 )
-from tests.server.conftest import wait_idle
+from tests.server.conftest import TINY_SERVER_FLAGS, ServerProcess, wait_idle
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "examples" / "grafana" / "jaxserve.json"
 
 
-def sglang_collector_source() -> str:
+def sglang_source(path: str) -> str:
     spec = importlib.util.find_spec("sglang")
     assert spec is not None and spec.origin, "sglang==0.5.23 (--no-deps) is a test dependency"
-    return (Path(spec.origin).parent / "srt" / "observability" / "metrics_collector.py").read_text()
+    return (Path(spec.origin).parent / "srt" / path).read_text()
+
+
+def sglang_collector_source() -> str:
+    return sglang_source("observability/metrics_collector.py")
 
 
 def scrape(http) -> dict[str, list]:
@@ -61,6 +69,41 @@ def test_label_sets_are_sglangs():
     assert re.findall(r'"(\w+)": ', scheduler) == list(SCHEDULER_LABELS)
     tokenizer = source[source.index("def tokenizer_metric_labels"):][:500]
     assert re.findall(r'"(\w+)": ', tokenizer) == list(TOKENIZER_LABELS)
+
+
+@pytest.mark.parametrize("metric", STORAGE_METRICS, ids=lambda m: m.sglang)
+def test_storage_names_kinds_labels_and_buckets_are_sglangs(metric):
+    source = sglang_collector_source()
+    collector = source[source.index("class StorageMetricsCollector"):source.index("class ExpertDispatchCollector")]
+    at = collector.find(f'name="{metric.sglang}"')
+    assert at >= 0, f"{metric.sglang} is not in SGLang's storage collector"
+    constructor = re.findall(r"= (Counter|Histogram)\(", collector[:at])[-1]
+    assert constructor.lower() == metric.kind.value, metric.sglang
+    call = collector[at:].split("\n        )", 1)[0]
+    assert "labelnames=labels.keys()," in call, (metric.sglang, call)  # no label beyond the collector's
+    if metric.kind is Kind.HISTOGRAM:
+        bucket_list = re.search(r"buckets=(\w+)", call).group(1)
+        numbers = re.search(bucket_list + r" = \[([^\]]*)\]", collector).group(1)
+        assert tuple(float(x) for x in re.findall(r"[\d.]+", numbers)) == STORAGE_BUCKETS[metric.sglang]
+
+
+def test_storage_labels_and_cache_sources_are_sglangs():
+    attach = sglang_source("mem_cache/unified_cache/storage_attachment.py")
+    labels = attach[attach.index("def _resolve_metrics_collector"):]
+    labels = labels[labels.index("labels = {"):labels.index("}")]
+    assert tuple(re.findall(r'"(\w+)": ', labels)) == STORAGE_LABELS
+    source = sglang_collector_source()
+    finished = source[source.index("def observe_one_finished_request"):source.index("def observe_time_to_first_token")]
+    assert set(re.findall(r'report_cache_source\("(\w+)"', finished)) == {"device", "host", "storage"}
+    assert '"cache_source": "total"' in finished  # only without a per-tier split
+    # meta_info's cached_tokens_details: device and host, plus storage and the backend's class name with L3
+    streamer = sglang_source("managers/scheduler_components/output_streamer.py")
+    details = streamer[streamer.index("def get_cached_tokens_details"):streamer.index("def stream_output")]
+    assert set(re.findall(r'"(\w+)": req\.cached_tokens_(\w+)', details)) == {("device", "device"), ("host", "host")}
+    assert 'details["storage"] = req.cached_tokens_storage' in details
+    assert 'details["storage_backend"] = self._get_storage_backend_type()' in details
+    assert "class HiCacheFile(" in sglang_source("mem_cache/hicache_storage.py")
+    assert 'meta_info["cached_tokens_details"]' in sglang_source("managers/tokenizer_manager.py")
 
 
 def test_every_name_is_exported_with_its_labels(http):
@@ -149,8 +192,26 @@ def test_docs_list_every_sglang_name():
     documented = set(re.findall(r"^\| `([\w:]+)` \|", section, flags=re.M))
     names = {m.sglang for m in (*SCHEDULER_GAUGES, *REQUEST_METRICS)}
     names |= {t + ("_total" if o == "merge_count" else "") for o, t in RADIX_CACHE_NAMES.items()}
-    names |= set(STORAGE_COUNTERS)
+    names |= {m.sglang for m in STORAGE_METRICS}
     assert documented == names
+
+
+def test_a_device_hit_is_counted_as_device(http):
+    tokens = [(7 * i) % 500 + 3 for i in range(70)]
+    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    first = http.post("/generate", json=body).json()["meta_info"]
+    wait_idle(http)
+    before = scrape(http)
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    after = scrape(http)
+    cached = meta["cached_tokens"]
+    assert first["cached_tokens_details"] is None and cached > first["cached_tokens"] >= 0
+    assert meta["cached_tokens_details"] == {"device": cached, "host": 0}  # no storage tier: no storage keys
+    for source, want in (("device", cached), ("host", 0), ("storage", 0), ("total", 0)):
+        delta = total(after, "sglang:cached_tokens_total", cache_source=source) - total(
+            before, "sglang:cached_tokens_total", cache_source=source)
+        assert delta == want, source
+    assert [ls["cache_source"] for ls, _ in before["sglang:cached_tokens_total"]] == ["device", "host"]
 
 
 def test_log_metrics_false_leaves_a_request_out(http):
@@ -217,3 +278,74 @@ def test_speculative_accept_length_and_rate_under_sglang_names(spec_http):
         assert value == pytest.approx(want) and value == samples[name.replace("sglang:", "jaxserve_")][0][1]
     [state] = spec_http.get("/server_info").json()["internal_states"]
     assert state["avg_spec_accept_length"] == pytest.approx((accepted + verified) / verified)
+
+
+def test_a_storage_hit_after_a_restart_is_counted_as_storage(tiny_model_dir, tmp_path, monkeypatch):
+    """A server computes a prompt and stops; a new one on the same storage directory reads its prefix from
+    storage: meta_info and sglang:cached_tokens_total{cache_source} say so, the storage collector's
+    metrics count it under SGLang's label set, and the prompt's next run is a device hit."""
+    import time
+
+    import httpx
+
+    storage_dir = tmp_path / "hicache"
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(storage_dir))
+    flags = ["--model-path", tiny_model_dir, *TINY_SERVER_FLAGS, "--page-size", "16",
+             "--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", '{"prefetch_threshold": 16}']
+    tokens = [(37 * i) % 30000 + 3 for i in range(150)]
+    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    num_pages = (len(tokens) - 1) // 16  # the pages of the match key (the last prompt token is computed)
+
+    first = ServerProcess(flags, tmp_path / "first.log")
+    try:
+        first.wait_healthy()
+        with httpx.Client(base_url=first.url, timeout=120) as client:
+            computed = client.post("/generate", json=body).json()
+        deadline = time.monotonic() + 60  # its pages are written off the request's path
+        while len(list(storage_dir.glob("*.kv"))) < num_pages and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        first.stop()
+    assert computed["meta_info"]["cached_tokens"] == 0 and computed["meta_info"]["cached_tokens_details"] is None
+
+    second = ServerProcess(flags, tmp_path / "second.log")  # the restart
+    try:
+        second.wait_healthy()
+        with httpx.Client(base_url=second.url, timeout=120) as client:
+            before = scrape(client)
+            meta = client.post("/generate", json=body).json()["meta_info"]
+            deadline = time.monotonic() + 10  # the storage collector reads stats refreshed once a second
+            while total(after := scrape(client), "sglang:prefetch_pgs_count") < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            again = client.post("/generate", json=body).json()["meta_info"]
+            last = scrape(client)
+    finally:
+        second.stop()
+
+    cached = meta["cached_tokens"]
+    assert cached == num_pages * 16
+    assert meta["cached_tokens_details"] == {"device": 0, "host": 0, "storage": cached, "storage_backend": "HiCacheFile"}
+    assert again["cached_tokens_details"] == {"device": again["cached_tokens"], "host": 0, "storage": 0,
+                                              "storage_backend": "HiCacheFile"}
+    request_labels = {"model_name": "tiny_llama0", "engine_type": "unified"}
+    assert sorted(ls["cache_source"] for ls, _ in before["sglang:cached_tokens_total"]) == ["device", "host", "storage"]
+
+    def cached_by(samples, source):
+        [(labels, value)] = [(ls, v) for ls, v in samples["sglang:cached_tokens_total"] if ls["cache_source"] == source]
+        assert labels == {**request_labels, "cache_source": source}
+        return value
+
+    assert (cached_by(after, "storage"), cached_by(after, "device"), cached_by(after, "host")) == (cached, 0, 0)
+    assert (cached_by(last, "storage"), cached_by(last, "device")) == (cached, again["cached_tokens"])
+    storage_labels = dict(zip(STORAGE_LABELS, ("file", "0", "0", "0", "1", "0", "1")))
+    for m in STORAGE_METRICS:
+        name = m.sglang if m.kind is Kind.COUNTER else m.sglang + "_count"
+        [(labels, _)] = after[name]
+        assert labels == storage_labels, name
+    assert total(after, "sglang:storage_prefetch_hit_tokens_total") == cached  # the hit query found every page
+    assert total(after, "sglang:prefetched_tokens_total") == cached
+    assert total(after, "sglang:prefetch_pgs_count") == 1 and total(after, "sglang:prefetch_pgs_sum") == num_pages
+    assert total(after, "sglang:prefetch_pgs_bucket", le="5.0") == 0
+    assert total(after, "sglang:prefetch_pgs_bucket", le="10.0") == 1
+    assert total(after, "sglang:prefetch_bandwidth_count") == 1
+    assert total(after, "sglang:hicache_backup_dropped_tokens_total") == 0

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.outputs import RequestError, StepOutput, sglang_finish_reason
+from jaxserve.engine.outputs import RequestError, StepOutput, sglang_cached_tokens_details, sglang_finish_reason
 from jaxserve.engine.request import SamplingParamsError
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, check_field_types
@@ -252,6 +252,7 @@ def to_output(
         cached_tokens=meta.cached_tokens,
         finish_reason=sglang_finish_reason(meta.finish_reason),
         e2e_latency=meta.e2e_latency,
+        cached_tokens_details=sglang_cached_tokens_details(meta.cached_tokens_details),
     )
     if logprobs is not None:
         output = [triple(lp, t) for lp, t in meta.output_token_logprobs or []]
@@ -276,7 +277,9 @@ def to_output(
         del result["text"]
     if prompt_token_ids is not None:
         result["prompt_token_ids"] = prompt_token_ids
-    result["meta_info"] = {k: v for k, v in result["meta_info"].items() if v is not None or k == "finish_reason"}
+    # SGLang's meta_info always has these two, null or not
+    always = ("finish_reason", "cached_tokens_details")
+    result["meta_info"] = {k: v for k, v in result["meta_info"].items() if v is not None or k in always}
     return result
 
 
