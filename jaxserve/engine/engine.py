@@ -42,7 +42,7 @@ from jaxserve.engine.outputs import (
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, grammar_spec, new_rid
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.sampling_rows import grammar_bitmask, sampler_warmup_variants, sampling_rows
-from jaxserve.engine.stats_log import prefill_line, prefill_stats
+from jaxserve.engine.stats_log import prefill_line, prefill_stats, storage_line
 from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
 from jaxserve.model import llama
@@ -608,6 +608,8 @@ class Engine:
         )
         if self.speculator is not None:  # SGLang's decode log adds the same two numbers
             logger.info("Speculative decoding. accept len: %.2f, accept rate: %.2f", snap.spec_accept_length, snap.spec_accept_rate)
+        if self.args.hicache_storage_backend is not None and (radix := self.radix_cache_stats()) is not None:
+            logger.info(storage_line(radix))
 
     def radix_cache_stats(self) -> RadixCacheStats | None:
         """The KV release policy's stats (None with the radix cache disabled). O(tree nodes)."""

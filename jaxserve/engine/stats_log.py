@@ -11,6 +11,15 @@ KV cache (a prefix-cache hit, or the earlier chunks), `#running-req` the request
 this step, and `token usage` SGLang's share of the pool not free for new requests (the evictable
 prefix cache counts as free, as in the Decode batch line). jaxserve leaves out `#pending-token` and
 SGLang's disaggregation fields.
+
+With a storage tier (`--hicache-storage-backend file`) each Decode batch line is followed by one of
+jaxserve's own (SGLang logs no storage line), cumulative since start:
+
+    Storage tier. hits: 144 tokens, read: 1474560 B, written: 0 B, prefetch waits: 1, files evicted: 0
+
+`hits` are prompt tokens admitted requests took from storage, `read` / `written` the bytes of page
+files this process read (verified) and wrote, `prefetch waits` the requests the prefetch policy held in
+the queue, `files evicted` the files this process removed to keep the directory within its bound.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, Sequence
 
+from jaxserve.cache.release_policy import RadixCacheStats
 from jaxserve.engine.outputs import EngineSnapshot
 
 
@@ -40,6 +50,13 @@ def prefill_stats(reqs: Sequence[_Entry], extend_lens: Sequence[int], running: S
     decoding = set(map(id, running))
     prefill = [(r.kv_len, n) for r, n in zip(reqs, extend_lens) if id(r) not in decoding]
     return PrefillStats(len(prefill), sum(n for _, n in prefill), sum(k for k, _ in prefill))
+
+
+def storage_line(stats: RadixCacheStats) -> str:
+    """The storage tier's stats line (module docstring) from a `RadixCacheStats` with a storage tier."""
+    return (f"Storage tier. hits: {stats.storage_hit_tokens} tokens, read: {stats.storage_bytes_read} B, "
+            f"written: {stats.storage_bytes_written} B, prefetch waits: {stats.storage_prefetch_waits}, "
+            f"files evicted: {stats.storage_files_evicted}")
 
 
 def prefill_line(stats: PrefillStats, snap: EngineSnapshot) -> str:

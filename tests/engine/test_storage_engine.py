@@ -4,6 +4,7 @@ bound never serves a wrong page; the cache's integrity check holds throughout.""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -37,28 +38,48 @@ def prompt(seed: int, n: int = 150) -> list[int]:
 
 
 def serve(engine: Engine, tokens: list[int]) -> tuple[list[int], int]:
+    out = serve_out(engine, tokens)
+    return out["output_ids"], out["meta_info"]["cached_tokens"]
+
+
+def serve_out(engine: Engine, tokens: list[int]) -> dict:
     out = engine.generate(tokens, GREEDY)
     engine.step()  # an idle iteration, as the engine loop runs one when it goes idle
     engine.release_policy.storage.storage.flush_writes()
     engine.cache.check_integrity([])
-    return out["output_ids"], out["meta_info"]["cached_tokens"]
+    return out
 
 
 def aligned(tokens: list[int]) -> int:
     return (len(tokens) - 1) // PAGE_SIZE * PAGE_SIZE
 
 
-def test_a_prefix_survives_a_restart(tiny_model_dir, storage_dir):
+def test_a_prefix_survives_a_restart(tiny_model_dir, storage_dir, caplog):
     tokens = prompt(0)
     a = make_engine(tiny_model_dir)
-    output, cached = serve(a, tokens)
-    assert cached == 0
+    out = serve_out(a, tokens)
+    output = out["output_ids"]
+    assert out["meta_info"]["cached_tokens"] == 0 and out["meta_info"]["cached_tokens_details"] is None
     a.close()
-    b = make_engine(tiny_model_dir)  # a restart: empty tree, empty pool, the same directory
-    output_b, cached_b = serve(b, tokens)
+    b = make_engine(tiny_model_dir, decode_log_interval=1)  # a restart: empty tree, empty pool, the same directory
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine.engine"):
+        out = serve_out(b, tokens)
+    output_b, cached_b = out["output_ids"], out["meta_info"]["cached_tokens"]
     assert cached_b >= aligned(tokens) and output_b == output
+    # every cached token came from storage, SGLang's meta_info shape says so
+    assert out["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": cached_b,
+                                                         "storage_backend": "HiCacheFile"}
     stats = b.radix_cache_stats()
     assert stats.storage_hit_tokens == cached_b and stats.storage_bytes_read > 0
+    # the periodic stats line carries the storage tier's numbers
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Storage tier.")]
+    assert lines and lines[-1] == (
+        f"Storage tier. hits: {cached_b} tokens, read: {stats.storage_bytes_read} B, "
+        f"written: {stats.storage_bytes_written} B, prefetch waits: {stats.storage_prefetch_waits}, files evicted: 0")
+    # the same prompt again: a device hit
+    out = serve_out(b, tokens)
+    assert out["meta_info"]["cached_tokens_details"] == {"device": out["meta_info"]["cached_tokens"], "host": 0,
+                                                         "storage": 0, "storage_backend": "HiCacheFile"}
     # /flush_cache empties the device (and host) tiers; the files stay, so the prompt is a storage hit again
     b.flush_cache()
     assert b.tree.total_size() == 0
