@@ -173,9 +173,11 @@ def test_release_policy_machine_page_size_1():
 
 
 def test_release_policy_machine_page_size_4():
-    seen = run_machine(4, 80)
+    seen = run_machine(4, 120)
     # merges and tails depend on how long steps take (the policy's clock), so under a loaded machine a
-    # run may see none; test_release_policy.py covers them deterministically with a fake clock
+    # run may see none; test_release_policy.py covers them deterministically with a fake clock. The
+    # examples drawn change with what the process imported before (80 examples once saw no eviction
+    # after jaxserve.server.metrics was imported): 120 saw evictions either way
     assert seen["recalls"] and seen["drops"] and seen["soft_freed"] and seen["cow_tokens"], str(seen)
 
 
