@@ -4,9 +4,9 @@ A model whose architecture jaxserve does not implement must be refused before an
 runs: building a GGUF's tokenizer took ~25 CPU-seconds for Gemma 3's 262,144-entry vocabulary, and
 the weights more. So this module reads only what names the architecture: an HF directory's
 `config.json` (`architectures`, else `model_type`), or a GGUF file's key/value header up to
-`general.architecture` (llama.cpp writes it first; the reader stops there, and walks past at most the
-keys before it without parsing the vocabulary). It imports neither jax nor transformers, so the launch
-path can call it before anything heavy loads.
+`general.architecture` (llama.cpp writes it first; `gguf_header.read_gguf_value` stops there, and
+walks past at most the keys before it without parsing the vocabulary). It imports neither jax nor
+transformers, so the launch path can call it before anything heavy loads.
 
 The tables are data: `ARCHITECTURES` (HF names) and `GGUF_ARCHITECTURES` (GGUF `general.architecture`
 -> HF name). `jaxserve.model.registry` maps each HF name to its implementation, and a test checks
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import struct
+
+from jaxserve.model.gguf_header import read_gguf_value
 
 # HF `architectures` names that jaxserve implements
 ARCHITECTURES = (
@@ -46,11 +47,7 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
-_GGUF_MAGIC = b"GGUF"
 _ARCH_KEY = "general.architecture"
-# GGUF value types (llama.cpp's gguf spec): fixed sizes of the scalar types; 8 is a string, 9 an array
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
 
 
 def unsupported_message(architecture: str, kind: str = "") -> str:
@@ -76,49 +73,7 @@ def read_gguf_architecture(path: str) -> str:
     Raises:
         ValueError: not a GGUF file, a truncated header, or no `general.architecture` key.
     """
-    with open(path, "rb") as f:
-        def read(n: int) -> bytes:
-            b = f.read(n)
-            if len(b) != n:
-                raise ValueError(f"{path}: truncated GGUF header")
-            return b
-
-        def u32() -> int:
-            return struct.unpack("<I", read(4))[0]
-
-        def u64() -> int:
-            return struct.unpack("<Q", read(8))[0]
-
-        def string() -> str:
-            return read(u64()).decode("utf-8", errors="replace")
-
-        def skip(value_type: int) -> None:
-            if value_type == _STRING:
-                f.seek(u64(), os.SEEK_CUR)
-            elif value_type == _ARRAY:
-                item_type, count = u32(), u64()
-                if item_type in _SCALAR_SIZES:
-                    f.seek(_SCALAR_SIZES[item_type] * count, os.SEEK_CUR)
-                else:
-                    for _ in range(count):
-                        skip(item_type)
-            elif value_type in _SCALAR_SIZES:
-                f.seek(_SCALAR_SIZES[value_type], os.SEEK_CUR)
-            else:
-                raise ValueError(f"{path}: unknown GGUF value type {value_type}")
-
-        if read(4) != _GGUF_MAGIC:
-            raise ValueError(f"{path}: not a GGUF file (no GGUF magic bytes)")
-        version = u32()
-        if version < 2:
-            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or later)")
-        u64()  # tensor count
-        for _ in range(u64()):
-            key, value_type = string(), u32()
-            if key == _ARCH_KEY and value_type == _STRING:
-                return string()
-            skip(value_type)
-    raise ValueError(f"{path}: the GGUF header has no {_ARCH_KEY}")
+    return read_gguf_value(path, _ARCH_KEY)
 
 
 def checkpoint_architecture(path: str) -> tuple[str, str]:
