@@ -31,6 +31,7 @@ from jaxserve.constrained.reasoner import ReasonerMatcher
 from jaxserve.engine import overlap, prompt_logprobs
 from jaxserve.engine.context_length import resolve_context_length
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.memory_usage import MemoryUsage, measure_array_bytes, process_rss_bytes
 from jaxserve.engine.output_processor import LaunchedBatch, OutputProcessor, StepCounts
 from jaxserve.engine.outputs import (
     EngineSnapshot,
@@ -198,6 +199,8 @@ class Engine:
         self._last_tokens_read = time.perf_counter()
         # the overlap schedule needs the sampled tokens on the device: one process on one device
         self._overlap_enabled = not args.disable_overlap_schedule and self.runner.mesh is None and self.runner.channel is None
+        self.array_bytes = measure_array_bytes(self.runner.params, self.runner.k_pool, self.runner.v_pool,
+                                               len(self.devices))
         if not args.disable_precompile:
             self.runner.precompile(sampler_warmup_variants(
                 (k.num_seqs for k in self.runner.all_buckets()), cfg.vocab_size))
@@ -216,6 +219,11 @@ class Engine:
     def devices(self) -> list[str]:
         """The devices the model runs on, as "platform:id" (one per tensor-parallel shard)."""
         return [f"{d.platform}:{d.id}" for d in self.mesh.devices.flat]
+
+    def memory_usage(self) -> MemoryUsage:
+        """The weights' and the KV pool's bytes (measured at start-up) and the process's RSS now; safe
+        to call from any thread."""
+        return MemoryUsage(self.array_bytes, process_rss_bytes())
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(

@@ -58,6 +58,7 @@ from typing import Any, Callable, Sequence
 from jaxserve.cache.release_policy import RadixCacheStats
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.engine_load import EngineLoad, snapshot_load
+from jaxserve.engine.memory_usage import MemoryUsage
 from jaxserve.engine.outputs import RequestError, RequestMeta, StepOutput
 from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
 from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
@@ -158,6 +159,10 @@ class EngineLoop:
     def model_path(self) -> str:
         """The resolved model location (a directory or a .gguf file)."""
         return self.engine.model_path
+
+    def memory_usage(self) -> MemoryUsage:
+        """The engine's `memory_usage()`: array bytes from start-up, the process's RSS now."""
+        return self.engine.memory_usage()
 
     @property
     def devices(self) -> list[str]:

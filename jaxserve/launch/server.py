@@ -174,6 +174,8 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
         check_engine_config(cluster, engine)
         engine.runner.channel = cluster.channel
     _return_freed_memory()
+    startup_memory = engine.memory_usage()
+    logger.info(startup_memory.log_line())
     engine_loop = EngineLoop(
         engine, max_queued_requests=server_args.max_queued_requests, queue_timeout_s=server_args.queue_timeout
     ).start()
@@ -184,7 +186,7 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
     )
     if cluster is not None:
         cluster.watch(on_lost=engine_loop.die)
-    app = create_app(engine_loop, server_args)
+    app = create_app(engine_loop, server_args, startup_memory)
     freeze_gc("server start-up", server_args.gc_threshold)  # D-44: /health must not wait for a full collection
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host

@@ -13,6 +13,7 @@ from jaxserve.parallel.sharding import (
     num_shards,
     param_shardings,
     per_device_nbytes,
+    placed_nbytes,
     pool_sharding,
     pool_shards,
     replicated,
@@ -23,7 +24,7 @@ from jaxserve.parallel.sharding import (
 
 __all__ = [
     "LOGICAL_AXIS_RULES", "MESH_AXES", "POOL_AXES", "TensorParallelPlan", "make_mesh", "num_shards",
-    "param_shardings", "partition_spec", "per_device_nbytes", "plan_tensor_parallel", "pool_shards", "pool_sharding", "replicated", "shard_attention", "shard_params",
+    "param_shardings", "partition_spec", "per_device_nbytes", "placed_nbytes", "plan_tensor_parallel", "pool_shards", "pool_sharding", "replicated", "shard_attention", "shard_params",
     "vocab_sharding",
 ]
 

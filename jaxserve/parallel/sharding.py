@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Callable
 
@@ -85,6 +86,18 @@ def per_device_nbytes(params, axes, tp: int) -> int:
         axis_names = ("layers",) * (x.ndim - len(axis_names)) + tuple(axis_names)
         total += math.prod(x.shape) * np.dtype(x.dtype).itemsize // num_shards(axis_names, x.shape, tp)
     return total
+
+
+def placed_nbytes(tree) -> tuple[int, int]:
+    """(bytes of the arrays in `tree`, the most bytes of them one device holds), read from the placed
+    arrays' shards: a split array counts its slice on each device, a replicated one its whole copy on
+    each. Only this process's devices are seen (multi-host: each rank reports its own)."""
+    total, per_device = 0, collections.Counter()
+    for x in jax.tree.leaves(tree):
+        total += x.nbytes
+        for shard in x.addressable_shards:
+            per_device[shard.device] += shard.data.nbytes
+    return total, max(per_device.values(), default=0)
 
 
 def pool_shards(num_kv_heads: int, tp: int) -> int:

@@ -14,7 +14,7 @@ Routes:
     GET  /health                   200 while the engine loop runs
     GET  /health_generate          runs one token through the engine
     GET  /get_model_info           model_path, tokenizer_path, is_generation (also as /model_info)
-    GET  /get_server_info          the server args, the engine's counters and KV pool usage (also as /server_info)
+    GET  /get_server_info          the server args, the engine's counters, KV pool usage and memory (also as /server_info)
     GET  /get_load                 SGLang's per-rank load list, which sglang-router polls
     POST /flush_cache              empty the prefix cache (400 while requests run)
     POST /abort_request            {"rid": ...}, or {"abort_all": true}
@@ -50,6 +50,7 @@ import jaxserve
 from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_load import EngineLoad
 from jaxserve.engine.engine_loop import EngineLoop
+from jaxserve.engine.memory_usage import MemoryUsage
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.field_types import describe
 from jaxserve.model.tokenizer import tokenizer_files_path
@@ -203,7 +204,8 @@ async def get_model_info(request: Request) -> Response:
 
 
 async def get_server_info(request: Request) -> Response:
-    """Server args (the API key masked), KV pool usage in tokens, queue sizes and engine counters."""
+    """Server args (the API key masked), KV pool usage in tokens, queue sizes, engine counters, and
+    `memory`: the weights' and KV pool's bytes (in all and per device) and the process's RSS."""
     engine_loop: EngineLoop = request.app.state.engine_loop
     args = dataclasses.asdict(engine_loop.server_args)
     if args.get("api_key") or request.app.state.server_args.api_key:
@@ -217,6 +219,7 @@ async def get_server_info(request: Request) -> Response:
     if engine_loop.model_path.endswith(".gguf") and not tokenizer_files.endswith(".gguf"):
         args["model_path"] = tokenizer_files
     load = engine_loop.load()
+    memory, startup = engine_loop.memory_usage(), request.app.state.startup_memory
     info: dict[str, Any] = {
         **args,
         "version": getattr(jaxserve, "__version__", "0.1.0"),
@@ -247,19 +250,25 @@ async def get_server_info(request: Request) -> Response:
         "engine_error": engine_loop.error,
         "max_queued_requests": engine_loop.max_queued_requests,
         "num_rejected_requests": {"queue_full": load.num_rejected_queue_full, "queue_timeout": load.num_queue_timeouts},
-        "internal_states": [internal_state(load, args.get("speculative_algorithm"))],
+        # bytes; rss_bytes read now, startup_rss_bytes when the server logged it after start-up
+        "memory": {**memory.as_dict(), "startup_rss_bytes": startup.rss_bytes if startup is not None else None},
+        "internal_states": [internal_state(load, args.get("speculative_algorithm"), memory)],
     }
     return JSONResponse(info)
 
 
-def internal_state(load: EngineLoad, speculative_algorithm: str | None) -> dict[str, Any]:
+def internal_state(load: EngineLoad, speculative_algorithm: str | None, memory: MemoryUsage) -> dict[str, Any]:
     """SGLang's per-DP-rank `internal_states` entry (sglang/srt/managers/scheduler_components/
     internal_state.py), the keys its benchmarks read: `last_gen_throughput` (tokens/s over the last
-    decode log interval, as `gen_throughput` on /metrics) and, with speculative decoding once a draft
-    was verified, `avg_spec_accept_length` (mean tokens per verifying sequence-forward, lifetime).
-    From the engine's snapshot; an engine without one reports 0.0 and no accept length."""
+    decode log interval, as `gen_throughput` on /metrics), `memory_usage` (`MemoryUsage.sglang_memory_usage`:
+    weights and KV pool in GiB per device, the pool's capacity in tokens) and, with speculative decoding
+    once a draft was verified, `avg_spec_accept_length` (mean tokens per verifying sequence-forward,
+    lifetime). From the engine's snapshot; an engine without one reports 0.0 and no accept length."""
     snap = load.snapshot
-    state: dict[str, Any] = {"last_gen_throughput": float(snap.gen_throughput) if snap is not None else 0.0}
+    state: dict[str, Any] = {
+        "last_gen_throughput": float(snap.gen_throughput) if snap is not None else 0.0,
+        "memory_usage": memory.sglang_memory_usage(load.kv_total_tokens),
+    }
     if speculative_algorithm and snap is not None and snap.counters.num_spec_verifications > 0:
         state["avg_spec_accept_length"] = float(snap.spec_accept_length)
     return state
@@ -338,7 +347,7 @@ class _StoredResponseId(Convertor):
 register_url_convertor("stored_response_id", _StoredResponseId())
 
 
-def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
+def create_app(engine_loop: EngineLoop, server_args: ServerArgs, startup_memory: MemoryUsage | None = None) -> Starlette:
     """The ASGI app over a started `EngineLoop`. `server_args.api_key` turns on bearer-token auth."""
     routes = [
         Route("/generate", generate.generate, methods=["POST"]),
@@ -384,6 +393,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs) -> Starlette:
     app.state.preprocess_executor = preprocess_executor()  # its idle thread ends with the process
     app.state.engine_loop = engine_loop
     app.state.server_args = server_args
+    app.state.startup_memory = startup_memory  # the reading the start-up log line gave
     app.state.model_name = model_name
     app.state.chat_template = chat_template
     app.state.reasoning_format = reasoning

@@ -54,6 +54,12 @@ def test_default_model_tp3_matches_tp1_over_http(servers):
     info = httpx.get(servers[3].url + "/get_server_info", timeout=30).json()
     assert info["tp_size"] == 3 and info["devices"] == ["cpu:0", "cpu:1", "cpu:2"]
     assert "tp_size 3 on cpu:0, cpu:1, cpu:2" in servers[3].log()  # the engine-ready line
+    memory, memory_tp1 = info["memory"], httpx.get(servers[1].url + "/get_server_info", timeout=30).json()["memory"]
+    assert memory["num_devices"] == 3 and memory["weights_bytes"] == memory_tp1["weights_bytes"]
+    assert memory["kv_pool_bytes_per_device"] * 3 == memory["kv_pool_bytes"] == memory_tp1["kv_pool_bytes"]  # 3 kv heads
+    # the matrices split 3 ways, the norms whole on each device
+    assert memory["weights_bytes"] / 3 < memory["weights_bytes_per_device"] < memory["weights_bytes"] / 3 * 1.01
+    assert "MiB per device) over 3 devices, process RSS" in servers[3].log()
     ref = _native(servers[1].url)
     assert all(len(ids) == 12 for ids in ref)
     assert _native(servers[3].url) == ref

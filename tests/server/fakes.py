@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 from jaxserve.config import ServerArgs
+from jaxserve.engine.memory_usage import ArrayBytes, MemoryUsage
 from jaxserve.engine.outputs import EngineStats, RequestError, RequestMeta, StepOutput
 from jaxserve.engine.request import finish_abort, finish_length
 from jaxserve.engine.validation.pool_limits import PoolLimits
@@ -38,6 +39,9 @@ class FakeEngine:
 
     def close(self) -> None:
         """Engine.close: nothing to flush (no storage tier)."""
+
+    def memory_usage(self) -> MemoryUsage:
+        return MemoryUsage(ArrayBytes(0, 0, 0, 0, 1), None)
 
     def tokenize(self, prompt, add_special_tokens=True):
         return [ord(c) % 50 + 1 for c in prompt] if isinstance(prompt, str) else list(prompt)
