@@ -79,6 +79,30 @@ def test_config_from_the_gguf(ours):
     assert [i for i, w in enumerate(windows) if w is None] == [5, 11, 17]  # a global layer every sixth
 
 
+def test_converted_weights_cache_serves_the_second_load(gemma3_gguf, tmp_path, monkeypatch):
+    """The first load dequantizes the K-quants and writes the converted-weights cache; the second reads
+    it back without touching the GGUF's tensors, with the same config and bit-identical params
+    (bfloat16: half the bytes of float32 to write and compare)."""
+    import gguf
+    import jax
+
+    cache = tmp_path / "weights"
+    config, params = load_model(gemma3_gguf, "bfloat16", weights_cache_dir=str(cache))
+    assert [p.name for p in cache.iterdir()] != [] and not any(".tmp" in p.name for p in cache.iterdir())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the second load read the GGUF's tensors")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    monkeypatch.setattr(gguf.quants, "dequantize", refuse)
+    cached_config, cached = load_model(gemma3_gguf, "bfloat16", weights_cache_dir=str(cache))
+    assert cached_config == config
+    assert jax.tree.structure(cached) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(cached)):
+        assert a.dtype == b.dtype == jax.numpy.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_short_prompts_match_transformers(ours, reference, tokenizer):
     config, params = ours
     for text in ["The capital of France is", "def fibonacci(n):\n    "]:
