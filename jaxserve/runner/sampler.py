@@ -188,11 +188,13 @@ def apply_penalties(logits: Float[Array, "S V"], batch: SamplingBatch) -> Float[
     num_seqs, vocab_size = logits.shape
     history = batch.token_history
     valid = history >= 0
-    ids = jnp.where(valid, history, 0)  # -1 would wrap to V - 1; weight 0 makes the slot harmless
+    ids = jnp.where(valid, history, vocab_size)  # -1 would wrap to V - 1; V is dropped by the scatters
     rows = jnp.arange(num_seqs)[:, None]
-    zeros = jnp.zeros((num_seqs, vocab_size), jnp.float32)
-    seen = zeros.at[rows, ids].add(valid.astype(jnp.float32)) > 0
-    output_counts = zeros.at[rows, ids].add((valid & batch.history_is_output).astype(jnp.float32))
+    # a bool [S, V] (a quarter of a float32 one): each [S, V] temporary is 8 MiB at S = 8 over a
+    # 262,144-token vocabulary, and 32 MiB of them made glibc map the sampler's buffer afresh each call
+    seen = jnp.zeros((num_seqs, vocab_size), bool).at[rows, ids].set(True, mode="drop")
+    output_counts = jnp.zeros((num_seqs, vocab_size), jnp.float32).at[rows, ids].add(
+        batch.history_is_output.astype(jnp.float32), mode="drop")
 
     rep = batch.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
@@ -329,17 +331,30 @@ def _logprob_outputs(
             jnp.zeros((num_seqs, 0), jnp.float32),
             jnp.zeros((num_seqs, 0), jnp.float32),
         )
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, next_tokens[:, None], axis=-1)[:, 0]
+    # log-softmax at the few ids asked for, never over the whole [S, V] row: the same operations as
+    # `jax.nn.log_softmax` ((x - max) - log(sum(exp(x - max)))), one fewer [S, V] buffer; with it,
+    # a 262,144-token vocabulary at S = 8 pushed the sampler's temporaries to 32 MiB, glibc's mmap
+    # threshold, and each call then page-faulted them in afresh (benchmarks/model/bench_sampler.py)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+
+    def log_softmax_at(ids: Int32[Array, "S N"]) -> Float[Array, "S N"]:
+        return (jnp.take_along_axis(logits, ids, axis=-1) - row_max) - log_sum
+
+    chosen = log_softmax_at(next_tokens[:, None])[:, 0]
     if k > 0:
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
+        # the k largest logits are the k largest logprobs (a shift per row); among logprobs that round
+        # to the same value the larger logit comes first
+        _, top_ids = jax.lax.top_k(logits, k)
+        top_ids = top_ids.astype(jnp.int32)
+        top_logprobs = log_softmax_at(top_ids)
     else:
         top_logprobs, top_ids = jnp.zeros((num_seqs, 0), jnp.float32), jnp.zeros((num_seqs, 0), jnp.int32)
     if flags.num_logprob_token_ids > 0:
-        picked = jnp.take_along_axis(logprobs, token_ids, axis=-1)
+        picked = log_softmax_at(token_ids)
     else:
         picked = jnp.zeros((num_seqs, 0), jnp.float32)
-    return SampleOutput(next_tokens, chosen, top_ids.astype(jnp.int32), top_logprobs, picked)
+    return SampleOutput(next_tokens, chosen, top_ids, top_logprobs, picked)
 
 
 def bitmask_width(vocab_size: int) -> int:
