@@ -1,6 +1,7 @@
 """The sampler's and the grammar bitmask's share of one decode step, per model (vocabulary size).
 
-For each model and batch size B, one process times, round-robin (so drift hits them alike):
+For each model and batch size B, one process times, round-robin (so drift hits them alike), each call
+right after an untimed forward (as in a step):
 - forward: the model runner's compiled decode step alone (B sequences, each with --context-len tokens
   of KV behind it; the pool's contents do not change the cost, so it stays zero), logits on the device;
 - the sampler alone (`ModelRunner.sample`, as `Engine.step` calls it: its compiled program over those
@@ -11,8 +12,10 @@ For each model and batch size B, one process times, round-robin (so drift hits t
   value (`sampling_rows.grammar_bitmask`: allocate, one batched llguidance call), `greedy+mask` the
   greedy sampler with that bitmask applied (host-to-device copy, unpack, select).
 
-Each share is the part's time over (forward + that sampler variant [+ fill]). The last table gives the
-ratio of each model's times to the first model's, measured in the same invocation.
+Each share is the part's time over (forward + that sampler variant [+ fill]). The mask's share counts
+the fill serially, an upper bound: `Engine.step` fills the bitmask while the dispatched forward runs.
+The last lines give the ratio of each model's times to the first model's, measured in the same
+invocation. Minor page faults per call are counted apart from the timed runs.
 
     python -m benchmarks.model.bench_sampler --case sampler-share
     python -m benchmarks.model.bench_sampler --models default gemma3 --batch-sizes 1 8 [--stat min]
@@ -30,13 +33,14 @@ import os
 import platform
 import resource
 import statistics
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from benchmarks.cases import with_case
-from benchmarks.model.bench_model import PAGE_SIZE, jax_runner, layer_loop_spec, timed_alternating
+from benchmarks.model.bench_model import PAGE_SIZE, jax_runner, layer_loop_spec
 from jaxserve.constrained import GrammarSpec, get_grammar_backend
 from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.engine.request import SamplingParams
@@ -124,7 +128,7 @@ def measure(name: str, args) -> dict:
             fns[v] = lambda batch=batch, flags=flags: runner.sample(logits, batch, flags)
         fns["fill"] = fill
         fns["greedy+mask"] = lambda: runner.sample(logits, *masked)
-        times = timed_alternating(fns, args.repeats, stat)
+        times = timed_after_forward(fns, fns["forward"], args.repeats, stat)
         times["allowed_tokens"] = allowed
         times["page_faults"] = {name: minor_faults_per_call(fn) for name, fn in fns.items()}
         out["batches"][b] = times
@@ -132,6 +136,23 @@ def measure(name: str, args) -> dict:
                                             for k in fns) + f"; the mask allows {allowed} of {config.vocab_size} tokens",
               flush=True)
     return out
+
+
+def timed_after_forward(fns: dict, forward, repeats: int, stat) -> dict:
+    """`stat` of each of `fns`' seconds over `repeats` rounds (after a warm-up call of each), every timed
+    call right after an untimed `forward()`, as in a step, where the sampler reads the logits the
+    forward just wrote (timed back to back, the first sampler after the forward paid for the caches
+    the forward had taken and the others did not)."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            forward()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: stat(ts) for name, ts in times.items()}
 
 
 def minor_faults_per_call(fn, calls: int = 5) -> int:
