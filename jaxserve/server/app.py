@@ -41,6 +41,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -384,7 +385,12 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs, startup_memory:
     if not server_args.disable_metrics and engine_loop.load().snapshot is not None:
         metrics, endpoint = _metrics_endpoint(engine_loop, model_name, server_args.hicache_storage_backend is not None)
         routes.append(Route("/metrics", endpoint, methods=["GET"]))
-    middleware = [Middleware(APIKeyMiddleware, api_key=server_args.api_key)] if server_args.api_key else []
+    # browsers' cross-origin calls, as SGLang allows them (any origin, method and header); outside the API
+    # key check, so a preflight needs no key and a 401 still carries the CORS headers
+    middleware = [Middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"],
+                             allow_headers=["*"])]
+    if server_args.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=server_args.api_key))
     middleware.append(Middleware(BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(AvailabilityGate, engine_loop=engine_loop, state=app.state)

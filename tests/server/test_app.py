@@ -52,6 +52,25 @@ def test_api_key(engine_loop):
         assert info["api_key"] == "***"
 
 
+@pytest.mark.parametrize("api_key", [None, "secret"])
+def test_browser_cross_origin_calls_as_sglang_allows_them(engine_loop, api_key):
+    """Before: a browser's preflight OPTIONS got 405 and no route answered with CORS headers."""
+    origin = {"Origin": "http://localhost:5173"}
+    with _client(engine_loop, api_key=api_key) as client:
+        r = client.options("/v1/chat/completions", headers={
+            **origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"})
+        assert r.status_code == 200, r.text  # a preflight needs no API key
+        assert r.headers["access-control-allow-origin"] == "http://localhost:5173"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        auth = {"Authorization": "Bearer secret"} if api_key else {}
+        r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}, headers={**origin, **auth})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:5173"
+        if api_key:  # a refused call still says so to the page, which can then read the 401
+            r = client.get("/get_load", headers=origin)
+            assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://localhost:5173"
+
+
 def test_no_api_key_needed_by_default(engine_loop):
     with _client(engine_loop) as client:
         r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 3}})
