@@ -74,30 +74,19 @@ class GemmaAttention(llama.Attention):
         eps = self.config.rms_norm_eps
         return gemma_rms_norm(q, self.q_norm[...], eps), gemma_rms_norm(k, self.k_norm[...], eps)
 
-    def __call__(
-        self,
-        x: Float[Array, "E T"],
-        k_pool: Float[Array, "L N KVH ps D"],
-        v_pool: Float[Array, "L N KVH ps D"],
-        layer: Int32[Array, ""],
-        batch: ForwardBatch,
-        cos: Float[Array, "R T D"],
-        sin: Float[Array, "R T D"],
-        attn_fn: llama.AttentionFn,
-    ) -> tuple[Float[Array, "E T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
-        cfg = self.config
-        q, k, v = self.project_qkv(x)
-        table = jnp.asarray(_layer_table(cfg))[layer]
-        cos, sin = cos[table], sin[table]
-        q = llama.apply_rope(q, cos, sin)
-        k = llama.apply_rope(k, cos, sin)
-        window = llama.layer_sliding_window(cfg, layer)
-        extra = {} if window is None else dict(sliding_window=window)
-        if cfg.attn_logit_softcapping is not None:
-            extra["logit_softcap"] = cfg.attn_logit_softcapping
-        scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar or cfg.head_dim)
-        o, k_pool, v_pool = attn_fn(q, k, v, k_pool, v_pool, layer, batch.slot_mapping, batch.attn, scale, **extra)
-        return self.project_out(o), k_pool, v_pool
+    def layer_rope(self, cos: Float[Array, "R T D"], sin: Float[Array, "R T D"], layer: Int32[Array, ""]) -> tuple[Float[Array, "T D"], Float[Array, "T D"]]:
+        """The table of this layer's RoPE base (Gemma 3's local layers have their own)."""
+        table = jnp.asarray(_layer_table(self.config))[layer]
+        return cos[table], sin[table]
+
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.config.query_pre_attn_scalar or self.config.head_dim)
+
+    def attention_options(self, layer: Int32[Array, ""]) -> dict:
+        options = super().attention_options(layer)
+        if self.config.attn_logit_softcapping is not None:
+            options["logit_softcap"] = self.config.attn_logit_softcapping
+        return options
 
 
 class GemmaMLP(llama.MLP):

@@ -195,14 +195,28 @@ class Attention(nnx.Module):
         """`lora` (this layer's LoRA slot arrays, `jaxserve.model.lora`) and `lora_mask` (each token's
         slot, `lora.SlotMask`): add every token's adapter to the q/k/v and o projections."""
         q, k, v = self.project_qkv(x, lora, lora_mask)
+        cos, sin = self.layer_rope(cos, sin, layer)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        window = layer_sliding_window(self.config, layer)
-        extra = {} if window is None else dict(sliding_window=window)
         o, k_pool, v_pool = attn_fn(
-            q, k, v, k_pool, v_pool, layer, batch.slot_mapping, batch.attn, 1.0 / math.sqrt(self.config.head_dim), **extra
+            q, k, v, k_pool, v_pool, layer, batch.slot_mapping, batch.attn, self.sm_scale(), **self.attention_options(layer)
         )
         return self.project_out(o, lora, lora_mask), k_pool, v_pool
+
+    # hooks a model family overrides (jaxserve/model/gemma.py): the attention flow above stays one
+
+    def layer_rope(self, cos: Float[Array, "T D"], sin: Float[Array, "T D"], layer: Int32[Array, ""]) -> tuple[Float[Array, "T D"], Float[Array, "T D"]]:
+        """The RoPE tables of layer `layer`: here every layer's, as `embed_tokens` made them."""
+        return cos, sin
+
+    def sm_scale(self) -> float:
+        """The attention scores' scale: 1 / sqrt(head_dim)."""
+        return 1.0 / math.sqrt(self.config.head_dim)
+
+    def attention_options(self, layer: Int32[Array, ""]) -> dict:
+        """`attn_fn`'s keyword options for layer `layer`: its sliding window when the model has windows."""
+        window = layer_sliding_window(self.config, layer)
+        return {} if window is None else dict(sliding_window=window)
 
     def project_qkv(
         self, x: Float[Array, "E T"], lora: dict | None = None, lora_mask: lora_lib.SlotMask | None = None
