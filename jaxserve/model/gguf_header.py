@@ -9,7 +9,8 @@ the keys a caller keeps and skips the others by their sizes: a scalar array is o
 array one length read per string. Kept arrays decode in one `struct` call (scalars) or one tight loop
 (strings): Gemma 3's whole header in 0.1 s. tests/model/test_gguf_header.py checks it against
 `GGUFReader` on the real GGUFs. It imports neither numpy, jax nor gguf, so the architecture check
-(`jaxserve.model.architecture`) can use it before anything heavy loads.
+(`jaxserve.model.architecture`) can use it before anything heavy loads; the loader views the tensors'
+data at `data_offset` (`loader.read_gguf_tensors`).
 """
 
 from __future__ import annotations

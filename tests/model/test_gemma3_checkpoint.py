@@ -79,12 +79,32 @@ def test_config_from_the_gguf(ours):
     assert [i for i, w in enumerate(windows) if w is None] == [5, 11, 17]  # a global layer every sixth
 
 
+def test_params_are_what_gguf_reader_gave(ours, gemma3_gguf):
+    """The converted params, bit for bit, from `read_gguf_tensors`' views of the file and from
+    GGUFReader's data (what the loader read before); the views themselves are GGUFReader's too."""
+    import jax
+
+    from jaxserve.model.gguf_header import read_gguf_header
+    from jaxserve.model.loader import read_gguf_tensors
+    from tests.model.gguf_reference import assert_same_tensors, load_model_through_gguf_reader, reader_tensors
+
+    assert_same_tensors(list(read_gguf_tensors(gemma3_gguf, read_gguf_header(gemma3_gguf))), reader_tensors(gemma3_gguf))
+    config, params = ours
+    ref_config, ref = load_model_through_gguf_reader(gemma3_gguf, "float32")
+    assert config == ref_config and jax.tree.structure(params) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
+        assert a.dtype == b.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_converted_weights_cache_serves_the_second_load(gemma3_gguf, tmp_path, monkeypatch):
     """The first load dequantizes the K-quants and writes the converted-weights cache; the second reads
     it back without touching the GGUF's tensors, with the same config and bit-identical params
     (bfloat16: half the bytes of float32 to write and compare)."""
     import gguf
     import jax
+
+    from jaxserve.model import loader
 
     cache = tmp_path / "weights"
     config, params = load_model(gemma3_gguf, "bfloat16", weights_cache_dir=str(cache))
@@ -93,7 +113,7 @@ def test_converted_weights_cache_serves_the_second_load(gemma3_gguf, tmp_path, m
     def refuse(*args, **kwargs):
         raise AssertionError("the second load read the GGUF's tensors")
 
-    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    monkeypatch.setattr(loader, "read_gguf_tensors", refuse)
     monkeypatch.setattr(gguf.quants, "dequantize", refuse)
     cached_config, cached = load_model(gemma3_gguf, "bfloat16", weights_cache_dir=str(cache))
     assert cached_config == config

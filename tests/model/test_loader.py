@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.loader import load_model, read_model_config
+from jaxserve.model.gguf_header import read_gguf_header
+from jaxserve.model.loader import load_model, read_gguf_tensors, read_model_config
 from jaxserve.model.registry import get_forward
 from tests.conftest import make_hf_checkpoint
+from tests.model.gguf_reference import assert_same_tensors, load_model_through_gguf_reader, reader_tensors
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
@@ -71,6 +73,71 @@ def test_unsupported_gguf_quantization(tmp_path):
     path = _write_header_only_gguf(tmp_path / "tiny.gguf", raw, gguf.GGMLQuantizationType.IQ2_XXS)
     with pytest.raises(ValueError, match="unsupported GGUF quantization type IQ2_XXS"):
         load_model(path, use_weights_cache=False)
+
+
+def _write_tensor_gguf(path, endianess: str = "little", alignment: int | None = None) -> str:
+    """One tensor of each kind the loader meets: plain (F32 2-D and 1-D, F16, I32) and blocks of bytes
+    (BF16, Q8_0, Q4_1 quantized from random values; Q4_K, Q6_K as raw blocks)."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.LITTLE if endianess == "little" else gguf.GGUFEndian.BIG)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    values = rng.standard_normal((3, 256)).astype(np.float32)
+    w.add_tensor("f32.weight", values)
+    w.add_tensor("f32_1d.weight", values[0, :7].copy())
+    w.add_tensor("f16.weight", values.astype(np.float16))
+    w.add_tensor("i32.weight", np.arange(12, dtype=np.int32).reshape(3, 4))
+    for q in (Q.BF16, Q.Q8_0, Q.Q4_1):
+        w.add_tensor(f"{q.name.lower()}.weight", gguf.quants.quantize(values, q), raw_dtype=q)
+    for q in (Q.Q4_K, Q.Q6_K):
+        type_size = gguf.GGML_QUANT_SIZES[q][1]
+        w.add_tensor(f"{q.name.lower()}.weight", rng.integers(0, 256, (3, type_size), dtype=np.uint8), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("endianess, alignment", [("little", None), ("big", None), ("little", 64), ("little", 1)])
+def test_gguf_tensor_views_are_gguf_readers(tmp_path, endianess, alignment):
+    """`read_gguf_tensors` gives what GGUFReader's `ReaderTensor.data` gave: dtype (byte order too),
+    shape and bytes, wherever `general.alignment` and the byte order put them."""
+    path = _write_tensor_gguf(tmp_path / "t.gguf", endianess, alignment)
+    ours = list(read_gguf_tensors(path, read_gguf_header(path)))
+    assert_same_tensors(ours, reader_tensors(path))
+    assert ours[0][1].dtype == np.dtype(np.float32).newbyteorder("<" if endianess == "little" else ">")
+    assert ours[4][1].shape == (3, 512) and ours[4][1].dtype == np.uint8  # BF16: two bytes a value
+
+
+def test_truncated_gguf_tensor_data(tmp_path):
+    import gguf
+
+    data = open(_write_tensor_gguf(tmp_path / "t.gguf"), "rb").read()
+    (tmp_path / "cut.gguf").write_bytes(data[:-40])  # past the padding after the last tensor
+    path = str(tmp_path / "cut.gguf")
+    with pytest.raises(ValueError, match="tensor q6_k.weight's data runs past the end of the file"):
+        list(read_gguf_tensors(path, read_gguf_header(path)))
+    with pytest.raises(ValueError):  # GGUFReader's own error (a reshape of the short view)
+        gguf.GGUFReader(path)
+
+
+@pytest.mark.slow
+def test_the_default_models_params_are_what_gguf_reader_gave():
+    """The converted params, bit for bit, from `read_gguf_tensors`' views and from GGUFReader's data."""
+    from jaxserve.model.tokenizer import default_model_path
+
+    path = default_model_path()
+    assert_same_tensors(list(read_gguf_tensors(path, read_gguf_header(path))), reader_tensors(path))
+    config, params = load_model(path, "float32", use_weights_cache=False)
+    ref_config, ref = load_model_through_gguf_reader(path, "float32")
+    assert config == ref_config and jax.tree.structure(params) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
+        assert a.dtype == b.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _refuse_weight_reads(monkeypatch) -> None:
