@@ -6,7 +6,9 @@ import os
 
 import pytest
 
+from jaxserve.model.gguf_tokenizer import read_tokenizer_metadata
 from jaxserve.model.tokenizer import DEFAULT_MODEL_GGUF, default_model_path, load_tokenizer
+from tests.model.gguf_reference import assert_same_values, reader_metadata
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -45,6 +47,24 @@ def test_matches_transformers_gguf_conversion(ours):
     assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert (ours.eos_token_id, ours.bos_token_id) == (ref.eos_token_id, ref.bos_token_id)
+
+
+def assert_metadata_is_what_gguf_reader_gave(path: str) -> None:
+    """`read_tokenizer_metadata` against the GGUFReader loop it replaced: same keys in the same order,
+    same values of the same types (the vocabulary's strings, scores, token types, merges)."""
+    pytest.importorskip("gguf")
+    meta = read_tokenizer_metadata(path)
+    assert_same_values(meta, reader_metadata(path, lambda k: k == "general.architecture" or k.startswith("tokenizer.")))
+    assert len(meta["tokenizer.ggml.tokens"]) > 1000
+
+
+def test_metadata_is_what_gguf_reader_gave():
+    assert_metadata_is_what_gguf_reader_gave(default_model_path())
+
+
+@pytest.mark.slow  # GGUFReader takes about 8 s over Gemma 3's 262,144-entry vocabulary
+def test_gemma3_metadata_is_what_gguf_reader_gave(gemma3_gguf):
+    assert_metadata_is_what_gguf_reader_gave(gemma3_gguf)
 
 
 def test_cached_copy_is_identical(ours, cache_dir, monkeypatch):
