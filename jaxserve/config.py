@@ -303,8 +303,10 @@ class ServerArgs:
     )
     disable_precompile: bool = _flag(False, "compile shape buckets on first use instead of at start-up", group="model")
     compilation_cache_dir: str | None = _flag(None, "persistent XLA compilation cache (default under the user cache dir); 'none' disables", group="model")
-    weights_cache_dir: str | None = _flag(None, "converted-weights cache (default under the user cache dir)", group="model")
-    no_weights_cache: bool = _flag(False, "do not read or write the converted-weights cache", group="model")
+    weights_cache: bool | None = _flag(
+        None, "read and write the converted-weights cache (an orbax checkpoint of the params under --weights-cache-dir); "
+        "--no-weights-cache: never (default: off: a GGUF loads as fast as the cache restores it, D-23)", group="model")
+    weights_cache_dir: str | None = _flag(None, "where --weights-cache keeps converted weights (default under the user cache dir)", group="model")
     random_seed: int = _flag(0, "seed for requests that give none", group="model")
     log_level: str = _flag("info", "debug | info | warning | error", choices=("debug", "info", "warning", "error"), group="observability")
     decode_log_interval: int = _flag(40, "log serving stats every N decode steps", group="observability")
@@ -465,6 +467,7 @@ class ServerArgs:
             disable_overlap_schedule=on_cpu if self.disable_overlap_schedule is None else self.disable_overlap_schedule,
             speculative_num_draft_tokens=self.speculative_num_draft_tokens or (15 if self.speculative_algorithm else None),
             enable_lora=bool(self.lora_paths) if self.enable_lora is None else self.enable_lora,
+            weights_cache=bool(self.weights_cache),
         )
         args.validate()
         args.check_platform_flags(platform)

@@ -52,7 +52,7 @@ def run_leader(args) -> dict:
     from jaxserve.engine.engine import Engine
     from jaxserve.launch import server as launch
     server_args = ServerArgs.from_cli(["--model-path", args.model_path, *FLAGS, *_cluster_flags(args, 0)])
-    server_args = dataclasses.replace(server_args, no_weights_cache=True)  # as launch.main does
+    server_args = dataclasses.replace(server_args, weights_cache=False)  # as launch.main does
     cluster = launch.join_cluster(server_args)
     engine = Engine(server_args)
     launch.check_engine_config(cluster, engine)

@@ -94,7 +94,7 @@ class Engine:
         check_architecture(self.model_path)  # before the tokenizer and weights: a refusal costs milliseconds
         self.tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
         self.model_config, params = load_model(
-            args.model_path, args.dtype, args.weights_cache_dir, use_weights_cache=not args.no_weights_cache
+            args.model_path, args.dtype, args.weights_cache_dir, use_weights_cache=bool(args.weights_cache)
         )
         # tensor parallelism: refuse a tp size the heads or the devices do not allow before any allocation
         model_name = args.served_model_name or Path(self.model_path.rstrip("/")).name.split(".")[0]

@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.nnodes > 1:
         # the converted-weights cache is an orbax checkpoint, whose reads and writes under jax.distributed
         # wait for every process (sync_global_devices) while each rank loads on its own: they stalled
-        args = dataclasses.replace(args, no_weights_cache=True)
+        args = dataclasses.replace(args, weights_cache=False)
         cluster = join_cluster(args)
         if args.node_rank > 0:
             return run_follower(args, cluster)

@@ -10,8 +10,10 @@ permutes the rows of Q and K of llama models so that RoPE pairs are interleaved 
 the loader undoes it to get HF's rotate-half layout (see `_unpermute_qk`). Qwen2/Qwen3 GGUFs are not
 permuted.
 
-A converted-weights cache (orbax-checkpoint) keeps the params pytree in the chosen dtype, keyed by the
-source files' names, sizes and mtimes and the dtype, so later starts skip parsing and dequantizing.
+A converted-weights cache (orbax-checkpoint; `use_weights_cache`, the server's `--weights-cache`) keeps the
+params pytree in the chosen dtype, keyed by the source files' names, sizes and mtimes and the dtype, so
+later starts skip parsing and dequantizing. It is off by default: a GGUF now converts faster than the
+cache restores it (D-23).
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def load_model(
     model_path: str,
     dtype: str = "auto",
     weights_cache_dir: str | None = None,
-    use_weights_cache: bool = True,
+    use_weights_cache: bool = False,
 ) -> tuple[ModelConfig, llama.Params]:
     """Load a checkpoint as (config, params dict on the default device, per-layer storage).
 
@@ -136,7 +138,8 @@ def load_model(
         model_path: an HF directory with `config.json` and `*.safetensors`, a `.gguf` file, or "default".
         dtype: auto | float32 | bfloat16 | float16.
         weights_cache_dir: where converted params are cached (default `cache_root()/weights`).
-        use_weights_cache: read and write that cache.
+        use_weights_cache: read and write that cache (off by default: converting a GGUF is as fast as
+            restoring it, D-23).
 
     Raises:
         FileNotFoundError: the path does not exist, or a directory holds no safetensors weights.

@@ -139,7 +139,7 @@ class Topology:
 PER_RANK_FIELDS = frozenset({
     "node_rank", "host", "port", "api_key", "served_model_name", "log_level", "decode_log_interval",
     "disable_metrics", "enable_debug_checks", "enable_radix_cache_stats", "model_path", "tokenizer_path",
-    "compilation_cache_dir", "weights_cache_dir", "no_weights_cache", "random_seed", "max_queued_requests",
+    "compilation_cache_dir", "weights_cache_dir", "weights_cache", "random_seed", "max_queued_requests",
     "queue_timeout", "keep_alive_on_engine_error", "shutdown_timeout", "tool_call_parser", "router_policy",
 })
 

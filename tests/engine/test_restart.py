@@ -24,7 +24,7 @@ log.setLevel(logging.DEBUG)
 log.addHandler(Misses())
 from jaxserve.engine.engine import Engine
 
-engine = Engine(model_path=sys.argv[1], compilation_cache_dir=sys.argv[2], weights_cache_dir=sys.argv[3],
+engine = Engine(model_path=sys.argv[1], compilation_cache_dir=sys.argv[2], weights_cache=True, weights_cache_dir=sys.argv[3],
                 disable_precompile=False, max_running_requests=2, chunked_prefill_size=32, context_length=64,
                 max_total_tokens=256, page_size=16)
 out = engine.generate([5, 6, 7], {"max_new_tokens": 3, "temperature": 0})

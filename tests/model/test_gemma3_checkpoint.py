@@ -107,7 +107,7 @@ def test_converted_weights_cache_serves_the_second_load(gemma3_gguf, tmp_path, m
     from jaxserve.model import loader
 
     cache = tmp_path / "weights"
-    config, params = load_model(gemma3_gguf, "bfloat16", weights_cache_dir=str(cache))
+    config, params = load_model(gemma3_gguf, "bfloat16", weights_cache_dir=str(cache), use_weights_cache=True)
     assert [p.name for p in cache.iterdir()] != [] and not any(".tmp" in p.name for p in cache.iterdir())
 
     def refuse(*args, **kwargs):
@@ -115,7 +115,7 @@ def test_converted_weights_cache_serves_the_second_load(gemma3_gguf, tmp_path, m
 
     monkeypatch.setattr(loader, "read_gguf_tensors", refuse)
     monkeypatch.setattr(gguf.quants, "dequantize", refuse)
-    cached_config, cached = load_model(gemma3_gguf, "bfloat16", weights_cache_dir=str(cache))
+    cached_config, cached = load_model(gemma3_gguf, "bfloat16", weights_cache_dir=str(cache), use_weights_cache=True)
     assert cached_config == config
     assert jax.tree.structure(cached) == jax.tree.structure(params)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(cached)):

@@ -214,9 +214,9 @@ def test_bad_dtype(tmp_path):
 def test_weights_cache_roundtrip(tmp_path, arch, extra):
     path = make_hf_checkpoint(tmp_path / "m", arch, dict(TINY, **extra))
     cache = tmp_path / "cache"
-    cfg1, p1 = load_model(path, "float32", weights_cache_dir=str(cache))
+    cfg1, p1 = load_model(path, "float32", weights_cache_dir=str(cache), use_weights_cache=True)
     assert any(cache.iterdir()), "first load writes the cache"
-    cfg2, p2 = load_model(path, "float32", weights_cache_dir=str(cache))
+    cfg2, p2 = load_model(path, "float32", weights_cache_dir=str(cache), use_weights_cache=True)
     assert isinstance(cfg2, ModelConfig) and cfg1 == cfg2
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -234,7 +234,7 @@ def test_two_processes_write_the_weights_cache_at_once(tmp_path):
     cache = tmp_path / "cache"
     code = ("import logging, sys; logging.basicConfig(level=logging.WARNING); "
             "from jaxserve.model.loader import load_model; "
-            f"load_model({path!r}, 'float32', weights_cache_dir={str(cache)!r}); print('loaded')")
+            f"load_model({path!r}, 'float32', weights_cache_dir={str(cache)!r}, use_weights_cache=True); print('loaded')")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
@@ -243,7 +243,7 @@ def test_two_processes_write_the_weights_cache_at_once(tmp_path):
         assert "could not write weights cache" not in out and "Traceback" not in out, out
     entries = sorted(e.name for e in cache.iterdir())
     assert len(entries) == 1 and ".tmp" not in entries[0], entries  # one cache, no temporary left behind
-    _, cached = load_model(path, "float32", weights_cache_dir=str(cache))
+    _, cached = load_model(path, "float32", weights_cache_dir=str(cache), use_weights_cache=True)
     _, fresh = load_model(path, "float32", use_weights_cache=False)
     for a, b in zip(jax.tree.leaves(cached), jax.tree.leaves(fresh)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
