@@ -290,6 +290,8 @@ class ServerArgs:
     enable_mixed_chunk: bool | None = _flag(None, "run prefill chunks and decodes in one forward; --no-enable-mixed-chunk runs them in separate forwards (default: on for CPU, where it measured better; off elsewhere, as SGLang)", group="scheduling")
     disable_overlap_schedule: bool | None = _flag(None, "read each decode step's sampled tokens before the next step starts; --no-disable-overlap-schedule launches the next decode step first, so the host's work on the tokens runs while the device computes (the overlap schedule) (default: off on CPU, where it measured no faster, D-28; on elsewhere, as SGLang)", group="scheduling")
     page_size: int = _flag(16, "tokens per KV page", group="memory")
+    swa_full_tokens_ratio: float = _flag(0.8, "sliding-window models (Gemma 2/3, Mistral): tokens the window layers' pool holds per token of the full layers' pool, in (0, 1]", group="memory")
+    disable_hybrid_swa_memory: bool = _flag(False, "sliding-window models: keep every layer's pages instead of freeing the pages that left every window (the hybrid pool is also off with --enable-hierarchical-cache or a storage tier)", group="memory")
     schedule_policy: str = _flag("lpm", "lpm | fcfs | lof | random | dfs-weight",
                                  choices=("lpm", "fcfs", "lof", "random", "dfs-weight"), group="scheduling")
     disable_radix_cache: bool = _flag(False, "turn off prefix sharing", group="radix_cache")
@@ -556,6 +558,8 @@ class ServerArgs:
             raise ValueError(f"--enable-lora runs on float weights: leave --quantization {self.quantization} out")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"--max-total-tokens must be at least 2 pages ({2 * self.page_size}), got {self.max_total_tokens}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests is not None and self.max_running_requests < 1:

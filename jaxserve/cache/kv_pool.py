@@ -136,6 +136,7 @@ def size_pool(
     max_num_pages: int | None = None,
     pool_shards: int = 1,
     available_bytes: int | None = None,
+    layers_per_token: float | None = None,
 ) -> PoolShape:
     """Choose the number of pages (see the module docstring for the rule); `max_num_pages`
     (`--radix-cache-max-num-blocks`) caps the usable pages.
@@ -146,11 +147,15 @@ def size_pool(
         pool_shards: devices the pool is split over by kv heads (`jaxserve.parallel.pool_shards`): on
             accelerators each holds `bytes_per_token / pool_shards` per token against its own budget.
         available_bytes: free memory of the least free device (default `available_memory_bytes()`).
+        layers_per_token: layers of K/V one token of the page space costs, when not `num_layers` (the
+            hybrid window pool, `jaxserve.cache.window_pool.size_hybrid_pool`).
 
     Raises:
         ValueError: the memory budget leaves no room for two pages.
     """
     probe = PoolShape(num_layers, 2, page_size, num_kv_heads, head_dim, dtype)
+    bytes_per_token = probe.bytes_per_token if layers_per_token is None else int(
+        probe.bytes_per_token / num_layers * layers_per_token)
     if max_total_tokens is not None:
         num_tokens = max_total_tokens
         rule = "--max-total-tokens"
@@ -161,7 +166,7 @@ def size_pool(
         )
         # host devices share one RAM, so the CPU budget is the whole pool's at any tp
         shards = 1 if platform == "cpu" else pool_shards
-        bytes_per_token_per_device = probe.bytes_per_token // shards  # kv heads divide by the shards
+        bytes_per_token_per_device = bytes_per_token // shards  # kv heads divide by the shards
         num_tokens = _round_down_coarse(int(max(0, budget.budget_bytes) // bytes_per_token_per_device))
         rule = budget.rule + (f", per device: the pool is split over {shards} devices" if shards > 1 else "")
     num_pages = num_tokens // page_size + 1
@@ -172,8 +177,8 @@ def size_pool(
     shape = dataclasses.replace(probe, num_pages=num_pages)
     logger.info(
         "KV pool: %d tokens (%d pages, %.2f GiB in all, %.2f GiB per device) by %s", shape.num_tokens, num_pages,
-        shape.num_tokens * shape.bytes_per_token / (1 << 30),
-        shape.num_tokens * shape.bytes_per_token / max(1, pool_shards) / (1 << 30), rule,
+        shape.num_tokens * bytes_per_token / (1 << 30),
+        shape.num_tokens * bytes_per_token / max(1, pool_shards) / (1 << 30), rule,
     )
     return shape
 
@@ -214,6 +219,11 @@ class PageAllocator:
     @property
     def num_usable(self) -> int:
         return self.num_pages - 1
+
+    @property
+    def num_used(self) -> int:
+        """Pages handed out and not freed."""
+        return self.num_pages - 1 - len(self._free)
 
     def free_pages(self) -> list[int]:
         """The page ids now free (a copy), for integrity checks."""

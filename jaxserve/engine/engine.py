@@ -23,6 +23,7 @@ import numpy as np
 from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, available_memory_bytes, size_pool
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
+from jaxserve.cache.window_pool import HybridPageAllocator, size_hybrid_pool
 from jaxserve.cache.storage import FileStorage, StorageConfig, storage_fingerprint
 from jaxserve.cache.storage_tier import StorageTier
 from jaxserve.config import ServerArgs
@@ -111,8 +112,7 @@ class Engine:
         # each device holds its share of the weights and of every page: size the pool to one device's budget
         weights_bytes = per_device_nbytes(params, llama.logical_axes(cfg), args.tp_size)
         dtype = jax.tree.leaves(params)[0].dtype
-        self.pool_shape = size_pool(
-            num_layers=cfg.num_layers,
+        pool_args = dict(
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             page_size=args.page_size,
@@ -125,6 +125,12 @@ class Engine:
             pool_shards=pool_shards(cfg.num_kv_heads, args.tp_size),
             available_bytes=available_memory_bytes(self.mesh.devices.flat),
         )
+        self.window_layout = None  # the hybrid sliding-window pool's layout (D-46), or None
+        if self._uses_hybrid_swa_pool(args):
+            self.pool_shape, self.window_layout = size_hybrid_pool(
+                cfg.layer_sliding_windows(), args.swa_full_tokens_ratio, **pool_args)
+        else:
+            self.pool_shape = size_pool(num_layers=cfg.num_layers, **pool_args)
         self.pool_limits = PoolLimits(self.pool_shape.num_tokens)
         if self.pool_shape.num_tokens < self.context_length:
             logger.warning(
@@ -137,7 +143,8 @@ class Engine:
                                           args.chunked_prefill_size, args.max_prefill_tokens)
         self.lora_config, self.lora_slots, lora_sources = self._lora_setup(args, plan.kv_replicas)
         k_pool, v_pool = allocate_pools(self.pool_shape)
-        self.allocator = PageAllocator(self.pool_shape.num_pages)
+        self.allocator = (PageAllocator(self.pool_shape.num_pages) if self.window_layout is None
+                          else HybridPageAllocator(self.window_layout))
         self.tree = RadixCache(page_size=args.page_size, disable=args.disable_radix_cache)
         storage = None if args.disable_radix_cache else self._open_storage(args, self.pool_shape.dtype)
         self.release_policy = None if args.disable_radix_cache else ReleasePolicy(
@@ -158,6 +165,7 @@ class Engine:
             min_extend_tokens=2 if args.speculative_algorithm else EXTEND_BLOCK_Q,
             mesh=self.mesh,
             lora=self.lora_config,
+            window_pages=self.allocator if self.window_layout is not None else None,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -180,8 +188,10 @@ class Engine:
         )
         for source in lora_sources:
             self.load_lora_adapter(source.lora_name, source.lora_path, source.pinned)
-        if self.release_policy is not None:
-            self.release_policy.attach_io(self.runner)  # host tier and copy-on-write copy through the runner
+        if self.release_policy is not None and self.window_layout is None:
+            # host tier and copy-on-write copy whole pages through the runner (not over the hybrid pool,
+            # whose pages lose their window parts: D-46)
+            self.release_policy.attach_io(self.runner)
         self.grammar_backend = get_grammar_backend(
             args.grammar_backend, self.tokenizer, whitespace_pattern=args.constrained_json_whitespace_pattern,
             vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids,
@@ -388,6 +398,19 @@ class Engine:
         self.grammar_queue.remove(req)
         self._finish_outside_step(req, finish_abort("aborted by the client"), is_abort=True)
         return True
+
+    def _uses_hybrid_swa_pool(self, args: ServerArgs) -> bool:
+        """Whether the KV pool frees the pages that left every window (D-46): the model has window layers
+        and neither --disable-hybrid-swa-memory nor a tier that copies whole pages (host, storage) is on."""
+        if all(w is None for w in self.model_config.layer_sliding_windows()):
+            return False
+        off = ("--disable-hybrid-swa-memory" if args.disable_hybrid_swa_memory
+               else "--enable-hierarchical-cache" if args.enable_hierarchical_cache and not args.disable_radix_cache
+               else "--hicache-storage-backend" if args.hicache_storage_backend is not None and not args.disable_radix_cache
+               else None)
+        if off is not None:
+            logger.info("sliding-window model with %s: every layer keeps all its pages", off)
+        return off is None
 
     def _open_storage(self, args: ServerArgs, dtype: str) -> StorageTier | None:
         """The storage tier of `--hicache-storage-backend` (None without it), its keys salted with everything

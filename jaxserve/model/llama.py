@@ -41,7 +41,7 @@ from jaxtyping import Array, Float, Int32
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import lora as lora_lib
-from jaxserve.model.forward_batch import ForwardBatch
+from jaxserve.model.forward_batch import ForwardBatch, flat_pool
 from jaxserve.model.quant import ACT_BLOCKS, blocked_shape, int8_matmul
 from jaxserve.pallas.numerics import pairwise_sum
 from jaxserve.pallas.reference import NO_WINDOW, write_kv
@@ -105,7 +105,8 @@ def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> np.ndarray
 def layer_sliding_window(config: ModelConfig, layer: Int32[Array, ""]) -> Int32[Array, ""] | None:
     """The sliding window of layer `layer` (a traced int32 scalar; `NO_WINDOW` for a full-attention
     layer among windowed ones), or None when no layer of the model has a window (static). The window
-    masks attention only: every layer keeps all its pages in the pool (D-42)."""
+    masks attention; which pages a window layer keeps is the pool's business (the hybrid pool drops
+    those outside every window, D-46; with `--disable-hybrid-swa-memory` every layer keeps all, D-42)."""
     windows = config.layer_sliding_windows()
     if all(w is None for w in windows):
         return None
@@ -198,10 +199,15 @@ class Attention(nnx.Module):
         cos, sin = self.layer_rope(cos, sin, layer)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
+        # the pool row, slots and page tables of this layer (the hybrid window pool: its own page space)
+        row, slot_mapping, meta = batch.layer_kv(layer, k_pool.shape[3])
+        shape = k_pool.shape
+        if batch.window is not None:
+            k_pool, v_pool = flat_pool(k_pool), flat_pool(v_pool)
         o, k_pool, v_pool = attn_fn(
-            q, k, v, k_pool, v_pool, layer, batch.slot_mapping, batch.attn, self.sm_scale(), **self.attention_options(layer)
+            q, k, v, k_pool, v_pool, row, slot_mapping, meta, self.sm_scale(), **self.attention_options(layer)
         )
-        return self.project_out(o, lora, lora_mask), k_pool, v_pool
+        return self.project_out(o, lora, lora_mask), k_pool.reshape(shape), v_pool.reshape(shape)
 
     # hooks a model family overrides (jaxserve/model/gemma.py): the attention flow above stays one
 

@@ -37,10 +37,11 @@ from jaxtyping import Array, Float
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
+from jaxserve.cache.window_pool import HybridPageAllocator
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
 from jaxserve.model import lora as lora_lib
-from jaxserve.model.forward_batch import ForwardBatch
+from jaxserve.model.forward_batch import ForwardBatch, WindowTables
 from jaxserve.pallas.metadata import build_attention_metadata
 from jaxserve.runner import sampler as sampler_lib
 from jaxserve.runner.buckets import (
@@ -243,6 +244,7 @@ class ModelRunner:
         min_extend_tokens: int = EXTEND_BLOCK_Q,
         mesh: Mesh | None = None,
         lora: lora_lib.LoraConfig | None = None,
+        window_pages: HybridPageAllocator | None = None,
     ):
         """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
         runs it as a `HostLayerLoop`, with the layer weights split into per-layer buffers (stacked
@@ -257,6 +259,9 @@ class ModelRunner:
         1.25x (4-token bucket) to 2.1x (16-token bucket) a decode step, D-17;
         today's costs: docs/results.md, "Other current numbers"). `lora`: LoRA slots added to every
         layer's params (zeros; `write_lora_slot` fills them), and each batch carries its tokens' slots.
+        `window_pages`: the hybrid pool's allocator (`jaxserve.cache.window_pool`; the pools are then
+        `[R, N, KVH, ps, D]` in its layout): each batch carries the window layers' page tables, read
+        from its `window_page_of` when the batch is built.
 
         Raises:
             ValueError: `layer_loop` is neither "scan" nor "host"."""
@@ -267,6 +272,12 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.tp_size = 1 if self.mesh is None else parallel.sharding.tp_size(self.mesh)
         self.lora = lora
+        self.window_pages = window_pages
+        if window_pages is not None:
+            layout = window_pages.layout
+            if k_pool.shape[:2] != (layout.num_rows, layout.num_pages):
+                raise ValueError(f"pool {k_pool.shape} does not hold the window layout {layout}")
+            self._window_layer_maps = (layout.page_base(), layout.uses_window())
         if params is not None and lora is not None:
             if config.quantization is not None:
                 raise ValueError("LoRA adapters are not supported with quantization")
@@ -423,6 +434,14 @@ class ModelRunner:
             pages_per_seq=key.pages_per_seq,
             block_q=key.block_q,
         )
+        window = None
+        if self.window_pages is not None:
+            window_page_of = self.window_pages.window_page_of
+            window = WindowTables(
+                *self._window_layer_maps,
+                page_table=window_page_of[meta.page_table],
+                slot_mapping=window_page_of[slot_mapping // ps] * ps + slot_mapping % ps,
+            )
         batch = ForwardBatch(
             input_ids=input_ids,
             positions=positions,
@@ -431,6 +450,7 @@ class ModelRunner:
             logits_idx=logits_idx,
             target_ids=target_ids,
             lora_ids=lora_ids,
+            window=window,
         )
         return batch, key
 
@@ -676,8 +696,13 @@ class ModelRunner:
     # ---- KV page copies (release policy, D-36) ---------------------------------------------------
     # `KVPageIO` (jaxserve/cache/page_io.py) over the device pools, through the page-copy jits above.
 
+    def _whole_pages_only(self) -> None:
+        if self.window_pages is not None:
+            raise RuntimeError("page copies need every layer's pages: the hybrid sliding-window pool has none (D-46)")
+
     def read_pages(self, pages) -> "DevicePageRead":
         """Start copying K/V of `pages` to the host (`copy_to_host_async`); finish with `.result()`."""
+        self._whole_pages_only()
         idx = padded_page_ids(pages)
         with self._routed("read_pages", pages):
             k, v = self._page["gather"](self.k_pool, self.v_pool, idx)
@@ -688,6 +713,7 @@ class ModelRunner:
     def write_pages(self, pages, k: np.ndarray, v: np.ndarray) -> None:
         """Write host K/V `[L, len(pages), KVH, ps, D]` into device `pages`. With several processes
         the contents reach the other ranks through a collective (`StepChannel.share`)."""
+        self._whole_pages_only()
         with self._routed("write_pages", pages, (k.shape, k.dtype.str), (v.shape, v.dtype.str)):
             if self.channel is not None:
                 k, v = self.channel.share(k, v)
@@ -700,6 +726,7 @@ class ModelRunner:
 
     def copy_pages(self, src, dst) -> None:
         """Copy device pages `src` onto `dst` (whole pages, K and V)."""
+        self._whole_pages_only()
         src_idx, dst_idx = padded_page_ids(src), padded_page_ids(dst)
         with self._routed("copy_pages", src, dst):
             self.k_pool, self.v_pool = self._page["copy"](self.k_pool, self.v_pool, src_idx, dst_idx)

@@ -12,9 +12,19 @@ the host tier first, a match recalls host-resident nodes and copies a partly mat
 
 Every page is at any time in exactly one place: the free list, the tree, or the private tail of one
 request's page table (pages past the part that the tree holds). `check_integrity` asserts it.
+
+With the hybrid sliding-window pool (`HybridPageAllocator`, jaxserve/cache/window_pool.py) a page also
+has a window part while some window may read it (D-46). Each running request holds a window lock on the
+pages that cover its last `window - 1` tokens and what it computes next (`WindowSpan`); before each step
+(`grow`) the pages its window left are unlocked, and those it computed itself lose their window part once
+no window covers them. A match is usable only up to the longest prefix whose last window still has its
+window parts; the rest is computed again. Where an insert finds the tree holding other pages for the
+same tokens, a window part moves to the tree's page.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -22,7 +32,17 @@ from jaxserve.cache.freezing import path_len
 from jaxserve.cache.kv_pool import PageAllocator
 from jaxserve.cache.radix_tree import RadixCache, path_pages
 from jaxserve.cache.release_policy import PolicyMatch, RadixCacheStats, ReleasePolicy
+from jaxserve.cache.window_pool import HybridPageAllocator
 from jaxserve.engine.request import CachedTokensDetails, Req
+
+
+@dataclasses.dataclass
+class WindowSpan:
+    """A running request's window locks on the hybrid pool: it holds one on each page of its page table
+    from `start`; pages from `own_from` on are ones it computed (not matched from the tree)."""
+
+    start: int
+    own_from: int
 
 
 class CacheManager:
@@ -36,16 +56,27 @@ class CacheManager:
         self.page_size = page_size
         self.policy = policy if not tree.disable else None
         self.num_evicted_tokens = 0
+        # the hybrid sliding-window pool's allocator, or None when every layer keeps all its pages
+        self.window_pages = allocator if isinstance(allocator, HybridPageAllocator) else None
+        self._window_spans: dict[str, WindowSpan] = {}  # rid -> its window locks (hybrid pool only)
         # rid -> (lookup tokens, match) of a request matched but not run yet (for the hit rates)
         self._unadmitted: dict[str, tuple[int, PolicyMatch]] = {}
 
     # ---- capacity -------------------------------------------------------------------------------
     def available_tokens(self) -> int:
-        """Tokens that could be allocated now: free pages plus what eviction could free."""
-        return (self.allocator.num_free * self.page_size) + self.tree.evictable_size()
+        """Tokens that could be allocated now: free pages plus what eviction could free (with the hybrid
+        pool, the smaller of that count in the full and in the window page space)."""
+        full = self.allocator.num_free * self.page_size + self.tree.evictable_size()
+        wp = self.window_pages
+        if wp is None or wp.window.num_free >= wp.num_free_full:
+            return full
+        # window pages are the short ones: count those that evicting unlocked tree pages would free
+        evictable = sum(int(wp.has_window(n.pages).sum()) for n in self.tree.iter_nodes()
+                        if n.lock_ref == 0 and n.is_on_device and len(n.pages))
+        return min(full, (wp.window.num_free + evictable) * self.page_size)
 
     def used_tokens(self) -> int:
-        return (self.allocator.num_usable - self.allocator.num_free) * self.page_size
+        return self.allocator.num_used * self.page_size
 
     def pages_needed(self, req: Req, new_kv_len: int) -> int:
         return max(0, -(-new_kv_len // self.page_size) - len(req.page_table))
@@ -76,7 +107,68 @@ class CacheManager:
                 storage=m.num_storage_tokens if self.policy.storage is not None else None,
             )
             self._unadmitted[req.rid] = (len(key), m)
+        if self.window_pages is not None:
+            self._match_window(req, key)
         return req.kv_len
+
+    def _match_window(self, req: Req, key: list[int]) -> None:
+        """Cut a match back to its longest prefix whose window layers hold the last window (the next
+        token reads it), and take the request's window locks."""
+        usable = self._usable_prefix_pages(req.page_table)
+        if usable < len(req.page_table):
+            self.tree.dec_lock_ref(req.last_node)
+            result = self.tree.match_prefix(key[: usable * self.page_size], req.namespace)
+            self.tree.inc_lock_ref(result.last_node)
+            req.last_node = result.last_node
+            req.page_table = [int(p) for p in result.pages]
+            req.kv_len = result.num_tokens
+            req.match_tiers = CachedTokensDetails(device=result.num_tokens)
+            if req.rid in self._unadmitted:
+                lookup, m = self._unadmitted[req.rid]
+                self._unadmitted[req.rid] = (lookup, m._replace(last_node=result.last_node, pages=result.pages,
+                                                                num_tokens=result.num_tokens))
+        span = WindowSpan(self._window_start(req.kv_len), len(req.page_table))
+        self.window_pages.window_locks[req.page_table[span.start :]] += 1
+        self._window_spans[req.rid] = span
+
+    def _window_start(self, kv_len: int) -> int:
+        """The first page the next token's window reads (it attends to positions > kv_len - window)."""
+        return max(0, kv_len - self.window_pages.layout.window + 1) // self.page_size
+
+    def _usable_prefix_pages(self, pages: list[int]) -> int:
+        """The most leading pages of `pages` a match may keep: the pages covering their last window
+        must all have window parts."""
+        missing = np.concatenate([[0], np.cumsum(~self.window_pages.has_window(pages))])
+        for k in range(len(pages), 0, -1):
+            if missing[k] == missing[self._window_start(k * self.page_size)]:
+                return k
+        return 0
+
+    def _advance_window(self, req: Req) -> None:
+        """Unlock the pages `req`'s window has left; the ones it computed lose their window part unless
+        another request's window still reads them."""
+        span = self._window_spans.get(req.rid)
+        if span is None:
+            return
+        start = self._window_start(req.kv_len)
+        if start <= span.start:
+            return
+        left = np.asarray(req.page_table[span.start : start], np.int64)
+        locks = self.window_pages.window_locks
+        locks[left] -= 1
+        own = left[np.arange(span.start, start) >= span.own_from]
+        self.window_pages.drop_window(own[locks[own] == 0])
+        span.start = start
+
+    def _unlock_window(self, req: Req, from_page: int | None = None) -> None:
+        """Release `req`'s window locks (those from page `from_page` on, when given)."""
+        span = self._window_spans.get(req.rid)
+        if span is None:
+            return
+        first = span.start if from_page is None else max(span.start, from_page)
+        self.window_pages.window_locks[np.asarray(req.page_table[first:], np.int64)] -= 1
+        if from_page is None:
+            del self._window_spans[req.rid]
 
     def start_prefetch(self, req: Req) -> None:
         """A request entered the waiting queue: start reading its prefix from the storage tier, if any."""
@@ -112,24 +204,35 @@ class CacheManager:
         return num_pages * self.page_size <= self.available_tokens()
 
     def grow(self, req: Req, new_kv_len: int) -> bool:
-        """Give `req` pages covering positions [0, new_kv_len). Evicts if needed; False if impossible."""
+        """Give `req` pages covering positions [0, new_kv_len). Evicts if needed; False if impossible.
+        Called before every step of `req`: with the hybrid pool, the pages its window left are released
+        first."""
+        if self.window_pages is not None:
+            self._advance_window(req)
         need = self.pages_needed(req, new_kv_len)
         if need == 0:
             return True
         if not self._reserve(need):
             return False
-        req.page_table.extend(self.allocator.allocate(need))
+        pages = self.allocator.allocate(need)
+        if self.window_pages is not None and req.rid in self._window_spans:
+            self.window_pages.window_locks[pages] += 1
+        req.page_table.extend(pages)
         return True
 
     def _reserve(self, num_pages: int) -> bool:
-        short = num_pages - self.allocator.num_free
-        if short > 0:
-            before = self.allocator.num_free
+        # with the hybrid pool an evicted page may have no window part: evict until both spaces fit
+        while not self.allocator.can_allocate(num_pages):
+            before = (self.allocator.num_free, self.tree.evictable_size())
+            short = num_pages - self.allocator.num_free
+            used = self.allocator.num_used
             if self.policy is not None:
                 self.policy.reserve(num_pages)
             else:
                 self.allocator.free(self.tree.evict(short * self.page_size))
-            self.num_evicted_tokens += (self.allocator.num_free - before) * self.page_size
+            self.num_evicted_tokens += (used - self.allocator.num_used) * self.page_size
+            if (self.allocator.num_free, self.tree.evictable_size()) == before:
+                break
         return self.allocator.can_allocate(num_pages)
 
     def truncate(self, req: Req) -> None:
@@ -137,6 +240,8 @@ class CacheManager:
         rollback of pages that held only rejected draft tokens."""
         keep = -(-req.kv_len // self.page_size)
         if len(req.page_table) > keep:
+            if self.window_pages is not None:
+                self._unlock_window(req, from_page=keep)
             self.allocator.free(req.page_table[keep:])
             del req.page_table[keep:]
 
@@ -149,6 +254,8 @@ class CacheManager:
     def release(self, req: Req) -> None:
         """On finish or retraction: insert the computed prefix, unlock, free all private pages."""
         self._unadmitted.pop(req.rid, None)
+        if self.window_pages is not None:
+            self._unlock_window(req)
         self._insert(req, keep_tail=False)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = None
@@ -166,6 +273,8 @@ class CacheManager:
         num_pages = num_aligned // ps
         key = req.fill_ids[:num_aligned]
         result = self.tree.insert(key, np.asarray(req.page_table[:num_pages], np.int32), req.namespace)
+        if self.window_pages is not None and len(result.duplicate_pages):
+            self._window_to_tree_pages(req, path_pages(result.last_node)[:num_pages])
         self.allocator.free(result.duplicate_pages)
         if self.policy is not None:
             self.policy.on_insert(result, key, req.namespace)
@@ -184,6 +293,19 @@ class CacheManager:
             self.allocator.free(kept.duplicate_pages)
             tail = tail[1:]
         self.allocator.free(tail)
+
+    def _window_to_tree_pages(self, req: Req, tree_pages: np.ndarray) -> None:
+        """The tree holds other pages than `req`'s for some of its tokens (they are freed next): move
+        `req`'s window locks there, and a window part where the tree's page has none."""
+        wp, span = self.window_pages, self._window_spans.get(req.rid)
+        for i, (ours, theirs) in enumerate(zip(req.page_table, tree_pages)):
+            if ours == theirs:
+                continue
+            if span is not None and i >= span.start:
+                wp.window_locks[ours] -= 1
+                wp.window_locks[theirs] += 1
+            if wp.window_page_of[ours] and not wp.window_page_of[theirs]:
+                wp.move_window(ours, int(theirs))
 
     # ---- maintenance and visibility -------------------------------------------------------------
     def on_schedule(self, num_running: int) -> None:
@@ -225,11 +347,32 @@ class CacheManager:
         free = set(self.allocator.free_pages())
         assert not free & set(owners), f"pages both free and owned: {sorted(free & set(owners))[:10]}"
         total = len(free) + len(owners)
-        assert total == self.allocator.num_usable, f"{self.allocator.num_usable - total} pages leaked"
+        assert total == self.allocator.num_pages - 1, f"{self.allocator.num_pages - 1 - total} pages leaked"
+        if self.window_pages is not None:
+            self._check_window_integrity(live_reqs)
         host = self.policy.host if self.policy is not None else None
         if host is not None:
             held = sum(len(n.host_pages) for n in self.tree.iter_nodes() if not n.is_on_device)
             assert held == host.num_used, f"host tier: {host.num_used} pages used, the tree holds {held}"
+
+
+    def _check_window_integrity(self, live_reqs) -> None:
+        """Assert: the window locks are exactly the live requests' spans, and every page a running
+        request's window reads has its window part."""
+        wp = self.window_pages
+        wp.check_integrity()
+        expected = np.zeros_like(wp.window_locks)
+        for req in live_reqs:
+            span = self._window_spans.get(req.rid)
+            if span is None:
+                assert not req.page_table, f"request {req.rid} holds pages without a window span"
+                continue
+            assert span.start <= self._window_start(req.kv_len) or req.kv_len == 0, (req.rid, span, req.kv_len)
+            np.add.at(expected, np.asarray(req.page_table[span.start :], np.int64), 1)
+        assert (expected == wp.window_locks).all(), (
+            f"window locks differ from the requests' spans at pages {np.flatnonzero(expected != wp.window_locks)[:10]}")
+        locked = np.flatnonzero(wp.window_locks)
+        assert wp.has_window(locked).all(), f"pages a window reads without a window part: {locked[~wp.has_window(locked)][:10]}"
 
 
 def _match_key(req: Req) -> list[int]:

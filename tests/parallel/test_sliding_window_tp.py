@@ -4,8 +4,9 @@ the 44-token shared prefix (radix hits that start before the window; copy-on-wri
 the match ends inside; soft release to the host tier and recall).
 
 Greedy outputs at tp 1 equal transformers' greedy generation (near ties aside), and tp 2, the Pallas
-kernel (interpret) under tp 2 and the radix cache off give the tp 1 outputs; no page leaks. Every
-layer keeps all its pages (no window-aware pool yet), so the cache needs no window logic to be exact.
+kernel (interpret) under tp 2 and the radix cache off give the tp 1 outputs; no page leaks. With the host
+tier on, every layer keeps all its pages (D-42); without it the hybrid window pool frees the pages that
+left every window (D-46), and gives the same outputs at tp 1 and 2, XLA and Pallas, radix on and off.
 The runs are `tests/parallel/tp_worker.py` subprocesses with 2 host devices."""
 
 from __future__ import annotations
@@ -85,4 +86,32 @@ def test_pallas_interpret_under_tp2_and_radix_off_give_the_same_tokens(model_dir
     assert pallas["outputs"] == runs["gemma3"][0]["outputs"][:4]
     [no_radix] = run_worker(model_dirs["gemma2"], "--tp", "1", "--disable-radix-cache", devices=1)
     assert no_radix["outputs"] == runs["gemma2"][0]["outputs"]
+    assert no_radix["free_pages"] == no_radix["usable_pages"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(model_dirs) -> dict[str, list[dict]]:
+    results = run_worker(*model_dirs.values(), "--tp", "1", "2", "--hybrid", devices=2)
+    return {case: [r for r in results if r["model_dir"] == d] for case, d in model_dirs.items()}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hybrid_window_pool_gives_the_all_pages_outputs_at_tp_1_and_2(runs, hybrid_runs, case):
+    for every_page, hybrid in zip(runs[case], hybrid_runs[case]):
+        assert every_page["window_rows"] is None and hybrid["window_rows"] is not None
+        # window layers hold 0.8 as many pages, packed in rows of the full layers' page count
+        assert hybrid["window_rows"] <= TINY["num_hidden_layers"]
+        assert hybrid["tp"] == every_page["tp"]
+        assert hybrid["outputs"] == every_page["outputs"] and hybrid["sampled"] == every_page["sampled"]
+        ref, ours = np.asarray(every_page["logits"]), np.asarray(hybrid["logits"])
+        assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) <= 1e-5
+        assert hybrid["free_pages"] == hybrid["usable_pages"], f"pages leaked at tp {hybrid['tp']}"
+
+
+def test_hybrid_window_pool_under_pallas_interpret_and_radix_off(model_dirs, runs):
+    [pallas] = run_worker(model_dirs["gemma3"], "--tp", "2", "--backend", "pallas", "--num-prompts", "4", "--hybrid",
+                          devices=2)
+    assert pallas["window_rows"] is not None and pallas["outputs"] == runs["gemma3"][0]["outputs"][:4]
+    [no_radix] = run_worker(model_dirs["mistral"], "--tp", "1", "--disable-radix-cache", "--hybrid", devices=1)
+    assert no_radix["window_rows"] is not None and no_radix["outputs"] == runs["mistral"][0]["outputs"]
     assert no_radix["free_pages"] == no_radix["usable_pages"]

@@ -42,7 +42,9 @@ def prompts(vocab_size: int) -> list[list[int]]:
     return out
 
 
-def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: int, disable_radix_cache: bool = False) -> dict:
+def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: int, disable_radix_cache: bool = False,
+        hybrid: bool = False) -> dict:
+    """`hybrid`: no host tier, so a sliding-window model gets the hybrid window pool (D-46)."""
     import jax
 
     from jaxserve.engine.engine import Engine
@@ -52,7 +54,7 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
         model_path=model_dir, tp_size=tp, attention_backend=backend, max_total_tokens=1024,
         max_running_requests=8, chunked_prefill_size=32, context_length=128, page_size=8,
         disable_precompile=not precompile, disable_radix_cache=disable_radix_cache,
-        **({} if disable_radix_cache else AGGRESSIVE),
+        **({} if disable_radix_cache else dict(AGGRESSIVE, enable_hierarchical_cache=not hybrid)),
     )
     ps = prompts(engine.model_config.vocab_size)[:num_prompts]
     greedy = {"max_new_tokens": 6, "temperature": 0}
@@ -68,7 +70,9 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
     engine.flush_cache()
     runner = engine.runner
     prefill = ps[1][:30]  # one chunk
-    logits = np.asarray(runner.forward([BatchEntry(prefill, 0, list(range(1, 1 + -(-len(prefill) // 8))))]))[0]
+    pages = engine.allocator.allocate(-(-len(prefill) // 8))
+    logits = np.asarray(runner.forward([BatchEntry(prefill, 0, pages)]))[0]
+    engine.allocator.free(pages)
     return {
         "tp": tp,
         "devices": engine.devices,
@@ -77,6 +81,7 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
         "outputs": outputs,
         "sampled": sampled,
         "compiles_after_warmup": compiles if precompile else None,
+        "window_rows": engine.window_layout.num_rows if engine.window_layout is not None else None,
         "free_pages": engine.allocator.num_free,
         "usable_pages": engine.allocator.num_usable,
         "num_recalls": stats.num_recalls if stats else 0,
@@ -103,6 +108,7 @@ def run_retract(model_dir: str, tp: int, backend: str) -> dict:
     engine.flush_cache()
     return {
         "tp": tp, "outputs": outputs, "num_retractions": engine.scheduler.num_retractions,
+        "window_rows": engine.window_layout.num_rows if engine.window_layout is not None else None,
         "free_pages": engine.allocator.num_free, "usable_pages": engine.allocator.num_usable,
     }
 
@@ -148,6 +154,7 @@ def main() -> None:
     ap.add_argument("--lower-cuda", action="store_true")
     ap.add_argument("--retract", action="store_true")
     ap.add_argument("--disable-radix-cache", action="store_true")
+    ap.add_argument("--hybrid", action="store_true")
     args = ap.parse_args()
     if args.lower_cuda:
         results = [lower_cuda(d, tp) for d in args.model_dirs for tp in args.tp]
@@ -155,7 +162,8 @@ def main() -> None:
         results = [run_retract(d, tp, args.backend) for d in args.model_dirs for tp in args.tp]
     else:
         results = [
-            {"model_dir": d, **run(d, tp, args.backend, args.precompile, args.num_prompts, args.disable_radix_cache)}
+            {"model_dir": d, **run(d, tp, args.backend, args.precompile, args.num_prompts, args.disable_radix_cache,
+                                   args.hybrid)}
             for d in args.model_dirs for tp in args.tp
         ]
     sys.stdout.write("\nRESULT " + json.dumps(results) + "\n")

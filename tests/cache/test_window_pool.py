@@ -1,0 +1,143 @@
+"""The hybrid sliding-window pool (D-46): the allocator's two page spaces, and through the engine, with a
+tiny random Gemma 3 and windowed Mistral (window 16, page 8): window layers hold only the pages their
+windows read, a radix match is cut back to where the window layers still hold the last window, and
+outputs equal those of a pool that keeps every layer's pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.cache.window_pool import (
+    HybridPageAllocator,
+    layers_per_full_token,
+    plan_window_layout,
+    window_pages_needed,
+)
+from tests.conftest import make_hf_checkpoint
+from tests.parallel.test_sliding_window_tp import CASES, WINDOW
+
+PAGE = 8
+
+
+def _allocator(num_pages: int = 9, ratio: float = 0.5) -> HybridPageAllocator:
+    return HybridPageAllocator(plan_window_layout((16, None, 16), num_pages, ratio))
+
+
+def test_layout_places_each_layer_in_its_own_page_space():
+    layout = plan_window_layout((16, None, 16, 16), 100, 0.5)
+    assert layout.num_window_pages == 50 and layout.window == 16
+    # full layer 1 at flat page 0; window layers 0, 2, 3 in blocks of 50 after the full layer's 100
+    assert layout.page_base().tolist() == [100, 0, 150, 200]
+    assert layout.uses_window().tolist() == [1, 0, 1, 1]
+    assert layout.num_rows == 3  # 250 flat pages in rows of 100
+    assert layers_per_full_token((16, None, 16, 16), 0.5) == 2.5
+    with pytest.raises(ValueError, match="no sliding-window layer"):
+        plan_window_layout((None, None), 100, 0.5)
+    with pytest.raises(ValueError, match="swa-full-tokens-ratio"):
+        plan_window_layout((16,), 100, 1.5)
+
+
+def test_window_pages_needed_counts_the_pages_of_the_last_window():
+    assert window_pages_needed(0, 16, 8) == 0
+    assert window_pages_needed(8, 16, 8) == 1
+    assert window_pages_needed(100, 16, 8) == 3  # positions 85..99: pages 10..12
+    assert window_pages_needed(104, 16, 8) == 2  # positions 89..103: pages 11, 12
+
+
+def test_allocator_gives_and_takes_both_parts():
+    alloc = _allocator()  # 8 full pages, 4 window pages
+    assert alloc.num_free == 4 and alloc.num_free_full == 8 and alloc.num_usable == 4
+    pages = alloc.allocate(4)
+    assert alloc.has_window(pages).all() and len(set(alloc.window_page_of[pages].tolist())) == 4
+    assert not alloc.can_allocate(1)
+    with pytest.raises(MemoryError, match="window pages free"):
+        alloc.allocate(1)
+    alloc.drop_window(pages[:2])
+    assert not alloc.has_window(pages[:2]).any() and alloc.num_free == 2
+    more = alloc.allocate(2)
+    alloc.move_window(more[0], pages[0])
+    assert alloc.has_window([pages[0]]).all() and not alloc.has_window([more[0]]).any()
+    alloc.window_locks[pages[0]] += 1
+    with pytest.raises(ValueError, match="window still reads"):
+        alloc.free([pages[0]])
+    with pytest.raises(ValueError, match="still reads"):
+        alloc.drop_window([pages[0]])
+    alloc.window_locks[pages[0]] -= 1
+    alloc.check_integrity()
+    alloc.free(pages + more)
+    assert alloc.num_free == 4 and alloc.num_free_full == 8 and not alloc.window_page_of.any()
+    alloc.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, default_tokenizer) -> dict[str, str]:
+    pytest.importorskip("torch")
+    return {case: make_hf_checkpoint(tmp_path_factory.mktemp(case), *CASES[case], seed=3, tokenizer=default_tokenizer,
+                                     norm_noise=0.5 if "gemma" in case else 0.0)
+            for case in ("gemma3", "mistral")}
+
+
+def _engine(path: str, **kw):
+    from jaxserve.engine.engine import Engine
+
+    return Engine(model_path=path, max_total_tokens=1024, max_running_requests=4, chunked_prefill_size=32,
+                  context_length=512, page_size=PAGE, disable_precompile=True, **kw)
+
+
+GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("case", ["gemma3", "mistral"])
+def test_window_layers_keep_only_the_window_and_outputs_do_not_change(model_dirs, case):
+    rng = np.random.default_rng(11)
+    prompt = [int(x) for x in rng.integers(3, 49152, 200)]
+    every_page = _engine(model_dirs[case], disable_hybrid_swa_memory=True)
+    assert every_page.window_layout is None
+    expected = every_page.generate([prompt], GREEDY)[0]["output_ids"]
+
+    engine = _engine(model_dirs[case])
+    alloc = engine.allocator
+    assert isinstance(alloc, HybridPageAllocator) and alloc.layout.window == WINDOW
+    engine.add_request(prompt, GREEDY)
+    peak, output_ids = 0, []
+    while engine.scheduler.has_work():
+        for out in engine.step():
+            output_ids = out.output_ids
+        engine.cache.check_integrity(engine.scheduler.live_reqs())
+        peak = max(peak, alloc.window.num_used)
+    assert output_ids == expected
+    # a 32-token chunk and the 15 tokens before it: at most 7 pages of 8 at any step
+    assert peak <= (32 + WINDOW) // PAGE + 1, peak
+    # finished: the tree keeps all 28 full pages, and window parts only for the last window
+    assert alloc.num_used == (200 + 24 - 1) // PAGE
+    assert alloc.window.num_used <= window_pages_needed(200 + 24 - 1, WINDOW, PAGE)
+
+    again = engine.generate([prompt], GREEDY)[0]
+    assert again["output_ids"] == expected
+    engine.cache.check_integrity([])
+
+
+def test_a_match_is_cut_back_to_where_the_window_is_held(model_dirs):
+    rng = np.random.default_rng(12)
+    shared = [int(x) for x in rng.integers(3, 49152, 96)]
+    first = shared + [int(x) for x in rng.integers(3, 49152, 40)]
+    # the same 96 tokens, then others: the first request's window left them, so nothing before them is usable
+    branch = shared + [int(x) for x in rng.integers(3, 49152, 20)]
+    every_page = _engine(model_dirs["gemma3"], disable_hybrid_swa_memory=True)
+    engine = _engine(model_dirs["gemma3"])
+    answer = [e.generate([first], GREEDY)[0]["output_ids"] for e in (every_page, engine)][0]
+    ref_branch = every_page.generate([branch], GREEDY)[0]
+    out_branch = engine.generate([branch], GREEDY)[0]
+    assert out_branch["output_ids"] == ref_branch["output_ids"]
+    assert ref_branch["meta_info"]["cached_tokens"] == 96
+    # the window layers dropped the shared pages' window parts: the hit is cut back to the start
+    assert out_branch["meta_info"]["cached_tokens"] == 0
+    # the first conversation with its answer, continued: its last window is held, so the hit is whole
+    follow = first + answer + [5, 6, 7]
+    ref_follow, out_follow = every_page.generate([follow], GREEDY)[0], engine.generate([follow], GREEDY)[0]
+    assert out_follow["output_ids"] == ref_follow["output_ids"]
+    assert out_follow["meta_info"]["cached_tokens"] == (len(first) + len(answer) - 1) // PAGE * PAGE
+    engine.cache.check_integrity([])
+    engine.flush_cache()
+    assert engine.allocator.num_free == engine.allocator.num_usable
