@@ -141,6 +141,20 @@ def size_hybrid_pool(
     return shape, layout
 
 
+def check_window_pool_fits(layout: WindowLayout, max_extend_tokens: int, page_size: int) -> None:
+    """Refuse a window space too small for one request: its window and a whole prefill chunk.
+
+    Raises:
+        ValueError: naming --swa-full-tokens-ratio and the tokens needed.
+    """
+    need = min(layout.num_pages - 1, -(-(layout.window + max_extend_tokens) // page_size) + 1)
+    if layout.num_window_pages - 1 < need:
+        raise ValueError(
+            f"the window layers' pool holds {(layout.num_window_pages - 1) * page_size} tokens, and one request "
+            f"needs up to {need * page_size} (its {layout.window}-token window and a {max_extend_tokens}-token "
+            "prefill chunk): raise --swa-full-tokens-ratio or --max-total-tokens")
+
+
 class HybridPageAllocator(PageAllocator):
     """The full page space's free list (a `PageAllocator`) with each page's window page.
 

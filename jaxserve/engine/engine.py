@@ -23,7 +23,7 @@ import numpy as np
 from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, available_memory_bytes, size_pool
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
-from jaxserve.cache.window_pool import HybridPageAllocator, size_hybrid_pool
+from jaxserve.cache.window_pool import HybridPageAllocator, check_window_pool_fits, size_hybrid_pool
 from jaxserve.cache.storage import FileStorage, StorageConfig, storage_fingerprint
 from jaxserve.cache.storage_tier import StorageTier
 from jaxserve.config import ServerArgs
@@ -129,6 +129,8 @@ class Engine:
         if self._uses_hybrid_swa_pool(args):
             self.pool_shape, self.window_layout = size_hybrid_pool(
                 cfg.layer_sliding_windows(), args.swa_full_tokens_ratio, **pool_args)
+            chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
+            check_window_pool_fits(self.window_layout, min(chunk, self.context_length), args.page_size)
         else:
             self.pool_shape = size_pool(num_layers=cfg.num_layers, **pool_args)
         self.pool_limits = PoolLimits(self.pool_shape.num_tokens)

@@ -24,6 +24,7 @@ class EngineLoad:
     num_waiting_reqs: int = 0
     num_pending_reqs: int = 0  # submitted and not finished, as seen by the loop (includes the inbox)
     kv_total_tokens: int = 0
+    kv_swa_total_tokens: int | None = None  # the hybrid window pool's window-layer tokens (None without one)
     kv_used_tokens: int = 0
     kv_cached_tokens: int = 0
     kv_locked_tokens: int = 0
@@ -56,6 +57,8 @@ def snapshot_load(engine: Engine, **loop_fields: Any) -> EngineLoad:
         num_waiting_reqs=len(scheduler.waiting),
         num_free_slots=free_slots,
         kv_total_tokens=engine.pool_shape.num_tokens,
+        kv_swa_total_tokens=(None if engine.window_layout is None
+                             else (engine.window_layout.num_window_pages - 1) * engine.pool_shape.page_size),
         kv_used_tokens=engine.cache.used_tokens(),
         kv_cached_tokens=engine.tree.total_size(),
         kv_locked_tokens=engine.tree.protected_size(),

@@ -60,17 +60,18 @@ class MemoryUsage:
         """/get_server_info's `memory` block: the `ArrayBytes` fields and `rss_bytes`."""
         return {**dataclasses.asdict(self.arrays), "rss_bytes": self.rss_bytes}
 
-    def sglang_memory_usage(self, token_capacity: int) -> dict[str, Any]:
+    def sglang_memory_usage(self, token_capacity: int, token_capacity_swa: int | None = None) -> dict[str, Any]:
         """SGLang's `memory_usage` entry (scheduler_components/memory_usage.py `build_memory_usage`): per
-        device (one TP rank's GPU), in GiB rounded to 3 digits. `token_capacity_swa` is None: windowed
-        layers keep every page in the one pool (D-42), as SGLang reports a model without a hybrid pool.
-        SGLang's `startup_available` and `graph` (CUDA graph capture) have no jaxserve counterpart."""
+        device (one TP rank's GPU), in GiB rounded to 3 digits. `token_capacity_swa`: the window layers'
+        tokens of the hybrid window pool (D-46), None without one (as SGLang reports a model without a
+        hybrid pool). SGLang's `startup_available` and `graph` (CUDA graph capture) have no jaxserve
+        counterpart."""
         a = self.arrays
         return {
             "weight": round(a.weights_bytes_per_device / GIB, 3),
             "kvcache": round(a.kv_pool_bytes_per_device / GIB, 3),
             "token_capacity": int(token_capacity),
-            "token_capacity_swa": None,
+            "token_capacity_swa": token_capacity_swa,
         }
 
 

@@ -268,7 +268,7 @@ def internal_state(load: EngineLoad, speculative_algorithm: str | None, memory: 
     snap = load.snapshot
     state: dict[str, Any] = {
         "last_gen_throughput": float(snap.gen_throughput) if snap is not None else 0.0,
-        "memory_usage": memory.sglang_memory_usage(load.kv_total_tokens),
+        "memory_usage": memory.sglang_memory_usage(load.kv_total_tokens, load.kv_swa_total_tokens),
     }
     if speculative_algorithm and snap is not None and snap.counters.num_spec_verifications > 0:
         state["avg_spec_accept_length"] = float(snap.spec_accept_length)

@@ -10,6 +10,7 @@ import pytest
 
 from jaxserve.cache.window_pool import (
     HybridPageAllocator,
+    check_window_pool_fits,
     layers_per_full_token,
     plan_window_layout,
     window_pages_needed,
@@ -36,6 +37,13 @@ def test_layout_places_each_layer_in_its_own_page_space():
         plan_window_layout((None, None), 100, 0.5)
     with pytest.raises(ValueError, match="swa-full-tokens-ratio"):
         plan_window_layout((16,), 100, 1.5)
+
+
+def test_a_window_space_too_small_for_one_request_is_refused():
+    layout = plan_window_layout((512, None), 65, 0.1)  # 6 window pages of 16: 96 tokens
+    with pytest.raises(ValueError, match="swa-full-tokens-ratio"):
+        check_window_pool_fits(layout, 512, 16)
+    check_window_pool_fits(plan_window_layout((512, None), 65, 1.0), 256, 16)
 
 
 def test_window_pages_needed_counts_the_pages_of_the_last_window():
@@ -81,8 +89,9 @@ def model_dirs(tmp_path_factory, default_tokenizer) -> dict[str, str]:
 def _engine(path: str, **kw):
     from jaxserve.engine.engine import Engine
 
-    return Engine(model_path=path, max_total_tokens=1024, max_running_requests=4, chunked_prefill_size=32,
-                  context_length=512, page_size=PAGE, disable_precompile=True, **kw)
+    kw = {"max_total_tokens": 1024, "context_length": 512, **kw}
+    return Engine(model_path=path, max_running_requests=4, chunked_prefill_size=32, page_size=PAGE,
+                  disable_precompile=True, **kw)
 
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -141,3 +150,21 @@ def test_a_match_is_cut_back_to_where_the_window_is_held(model_dirs):
     engine.cache.check_integrity([])
     engine.flush_cache()
     assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+def test_retraction_and_the_scan_loop_keep_the_outputs(model_dirs):
+    """A pool of 24 pages (19 window pages) for 8 requests of 24 + 64 tokens: requests retract and come
+    back through a match of their own prefix; `--layer-loop scan` runs the same pool layout."""
+    rng = np.random.default_rng(13)
+    prompts = [[int(x) for x in rng.integers(3, 49152, 24)] for _ in range(8)]
+    kw = dict(max_total_tokens=192, context_length=128)
+    params = dict(GREEDY, max_new_tokens=64)
+    expected = [o["output_ids"] for o in _engine(model_dirs["gemma3"], disable_hybrid_swa_memory=True, **kw)
+                .generate(prompts, params)]
+    for layer_loop in ("host", "scan"):
+        engine = _engine(model_dirs["gemma3"], layer_loop=layer_loop, **kw)
+        assert [o["output_ids"] for o in engine.generate(prompts, params)] == expected
+        assert engine.scheduler.num_retractions > 0, "no request was retracted"
+        engine.cache.check_integrity([])
+        engine.flush_cache()
+        assert engine.allocator.num_free == engine.allocator.num_usable

@@ -138,14 +138,25 @@ def test_short_prompts_match_transformers(ours, reference, tokenizer):
         assert_same_greedy(ours_ids, ref_ids, ref_logits)
 
 
-def test_long_prompt_beyond_the_window_matches_transformers(ours, reference, tokenizer):
-    """1,600+ tokens, prefilled in 512-token chunks (each crossing the window of the one before):
-    the logits of every 8th position and of the last 16, then greedy decoding."""
-    config, params = ours
+@pytest.fixture(scope="module")
+def long_ids(tokenizer) -> list[int]:
     text = " ".join(f"Note {i}: the {['red', 'green', 'blue', 'amber'][i % 4]} crate on shelf {i % 13} "
                     f"holds {i * 7 % 101} bolts." for i in range(90))
     ids = tokenizer.encode(text)
     assert len(ids) >= 1600, len(ids)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def long_reference(reference, long_ids) -> tuple[list[int], np.ndarray]:
+    return reference_greedy(reference, long_ids, NUM_NEW)
+
+
+def test_long_prompt_beyond_the_window_matches_transformers(ours, reference, long_ids, long_reference):
+    """1,600+ tokens, prefilled in 512-token chunks (each crossing the window of the one before):
+    the logits of every 8th position and of the last 16, then greedy decoding."""
+    config, params = ours
+    ids = long_ids
     rows = sorted(set(range(0, len(ids), 8)) | set(range(len(ids) - 16, len(ids))))
     with torch.no_grad():
         hidden = reference.model(torch.tensor([ids])).last_hidden_state[0, rows]
@@ -163,8 +174,26 @@ def test_long_prompt_beyond_the_window_matches_transformers(ours, reference, tok
     ours_ids = [int(np.argmax(got[-1]))]
     while len(ours_ids) < NUM_NEW:
         ours_ids.append(int(np.argmax(seq.last_logits([ours_ids[-1]], prefix_len=len(ids) + len(ours_ids) - 1))))
-    ref_ids, ref_logits = reference_greedy(reference, ids, NUM_NEW)
-    assert_same_greedy(ours_ids, ref_ids, ref_logits)
+    assert_same_greedy(ours_ids, *long_reference)
+
+
+def test_long_prompt_through_the_hybrid_window_pool(gemma3_gguf, long_ids, long_reference):
+    """The engine's default pool for Gemma 3 (D-46): the 15 local layers free the pages that left their
+    512-token window while the 1,600-token prompt is prefilled in 512-token chunks; greedy ids stay
+    the reference's, and afterwards the local layers hold only the last window's pages."""
+    from jaxserve.cache.window_pool import window_pages_needed
+    from jaxserve.engine.engine import Engine
+
+    engine = Engine(model_path=gemma3_gguf, max_total_tokens=4096, chunked_prefill_size=512, context_length=2048,
+                    max_running_requests=2, disable_precompile=True)
+    layout = engine.window_layout
+    assert layout is not None and layout.window == 512 and layout.num_window_layers == 15
+    out = engine.generate([long_ids], {"max_new_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True})[0]
+    assert_same_greedy(out["output_ids"], *long_reference)
+    engine.cache.check_integrity([])
+    num_tokens = len(long_ids) + NUM_NEW - 1
+    assert engine.allocator.num_used == num_tokens // 16  # the full layers keep every whole page
+    assert engine.allocator.window.num_used <= window_pages_needed(num_tokens, 512, 16)
 
 
 def test_w8a8_int8_stays_close(ours, reference, tokenizer):
