@@ -192,6 +192,8 @@ class CacheManager:
     def peek_prefix_len(self, req: Req) -> int:
         """Length of the cached prefix of `req` (host tier included) without locking it (for scheduling policies)."""
         result = self.tree.match_prefix(req.fill_ids[: len(req.fill_ids) - 1], req.namespace)
+        if self.window_pages is not None:  # what `match` would keep of it
+            return self._usable_prefix_pages([int(p) for p in result.pages]) * self.page_size
         return result.num_tokens + result.num_host_tokens
 
     def can_freeze(self, req: Req, num_new_tokens: int) -> bool:

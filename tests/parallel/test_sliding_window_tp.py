@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY_LLAMA, make_hf_checkpoint
+from tests.pallas.test_ragged_paged_attention import needs_embedded_triton_ir
 from tests.parallel.test_tensor_parallel import run_worker
 from tests.parallel.tp_worker import prompts
 
@@ -115,3 +116,9 @@ def test_hybrid_window_pool_under_pallas_interpret_and_radix_off(model_dirs, run
     [no_radix] = run_worker(model_dirs["mistral"], "--tp", "1", "--disable-radix-cache", "--hybrid", devices=1)
     assert no_radix["window_rows"] is not None and no_radix["outputs"] == runs["mistral"][0]["outputs"]
     assert no_radix["free_pages"] == no_radix["usable_pages"]
+
+
+@needs_embedded_triton_ir
+def test_hybrid_window_pool_step_lowers_for_cuda_under_tp2(model_dirs):
+    [low] = run_worker(model_dirs["gemma3"], "--tp", "2", "--lower-cuda", "--hybrid", devices=2)
+    assert low["triton_kernels"] >= 1 and low["manual_axes"] >= 1 and low["num_sharding_annotations"] > 0

@@ -113,9 +113,10 @@ def run_retract(model_dir: str, tp: int, backend: str) -> dict:
     }
 
 
-def lower_cuda(model_dir: str, tp: int) -> dict:
+def lower_cuda(model_dir: str, tp: int, hybrid: bool = False) -> dict:
     """Lower the scan-loop step of the tp-sharded model with the Pallas backend for "cuda"; count the
-    Triton kernels and the all-reduces in the lowered module."""
+    Triton kernels and the all-reduces in the lowered module. `hybrid`: over the hybrid sliding-window
+    pool (D-46), with a page that lost its window part in the batch."""
     import functools
 
     import jax.numpy as jnp
@@ -130,12 +131,20 @@ def lower_cuda(model_dir: str, tp: int) -> dict:
     config, params = load_model(model_dir, "bfloat16", use_weights_cache=False)
     config, params = replicate_kv_heads(config, params, parallel.plan_tensor_parallel(config, tp).kv_replicas)
     mesh = parallel.make_mesh(tp)
+    window_pages, pages = None, [1, 2]
     shape = PoolShape(config.num_layers, 9, 8, config.num_kv_heads, config.head_dim, "float32").shape
+    if hybrid:
+        from jaxserve.cache.window_pool import HybridPageAllocator, plan_window_layout
+
+        window_pages = HybridPageAllocator(plan_window_layout(config.layer_sliding_windows(), 9, 0.5))
+        pages = window_pages.allocate(2)
+        window_pages.drop_window(pages[:1])
+        shape = (window_pages.layout.num_rows,) + shape[1:]
     backend = functools.partial(ragged_paged_attention, interpret=False)
     runner = ModelRunner(config, llama.stack_layers(params), jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16),
                          attn_fn=backend, max_running_requests=2, max_extend_tokens=16, context_length=64,
-                         layer_loop="scan", mesh=mesh)
-    batch, _ = runner.build_forward_batch([BatchEntry([5] * 10, 0, [1, 2])])
+                         layer_loop="scan", mesh=mesh, window_pages=window_pages)
+    batch, _ = runner.build_forward_batch([BatchEntry([5] * 10, 0, pages)])
     lowered = runner._step_jit[False].trace(runner.params, runner.k_pool, runner.v_pool, batch).lower(
         lowering_platforms=("cuda",))
     text = lowered.as_text()
@@ -157,7 +166,7 @@ def main() -> None:
     ap.add_argument("--hybrid", action="store_true")
     args = ap.parse_args()
     if args.lower_cuda:
-        results = [lower_cuda(d, tp) for d in args.model_dirs for tp in args.tp]
+        results = [lower_cuda(d, tp, args.hybrid) for d in args.model_dirs for tp in args.tp]
     elif args.retract:
         results = [run_retract(d, tp, args.backend) for d in args.model_dirs for tp in args.tp]
     else:
