@@ -30,7 +30,7 @@ def run_layout(path: str, hybrid: bool, args) -> dict:
     engine = Engine(model_path=path, max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunk,
                     context_length=args.context + args.new_tokens, max_running_requests=1, page_size=args.page_size,
                     disable_hybrid_swa_memory=not hybrid, disable_radix_cache=False)
-    cfg, shape, alloc = engine.model_config, engine.pool_shape, engine.allocator
+    cfg, shape, alloc = engine.model_config, engine.pool_shape, engine.allocator  # shape: the full page space
     layer_page_bytes = shape.bytes_per_token // shape.num_layers * shape.page_size
     windows = cfg.layer_sliding_windows()
     num_window = sum(w is not None for w in windows)
@@ -63,8 +63,7 @@ def run_layout(path: str, hybrid: bool, args) -> dict:
     engine.cache.check_integrity([])
     result = {
         "layout": "hybrid" if hybrid else "every layer's pages",
-        "pool_rows": shape.num_layers,
-        "pool_bytes": 2 * int(np.prod(shape.shape)) * np.dtype(shape.dtype).itemsize,
+        "pool_bytes": engine.runner.k_pool.nbytes + engine.runner.v_pool.nbytes,
         "peak_prefill_kv_bytes": peak_prefill,
         "decode_kv_bytes": max(decode_bytes) if decode_bytes else 0,
         "window_pages_decoding": max(decode_window_pages) if decode_window_pages else None,

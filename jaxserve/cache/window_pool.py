@@ -7,12 +7,14 @@ space** `1..Nw-1`: `window_page_of[page]` is the page's window page, 0 while it 
 every window that reads it; a tombstone in SGLang's words). Page 0 of either space is the dummy page that
 padding writes to.
 
-Device layout (`WindowLayout`): one array per K and V, `[R, N, KVH, ps, D]`, read as R * N flat pages.
-The full layers' pages come first (full layer i at flat pages `i * N + page`), then each window layer's
-block of Nw pages (window layer j at `Lf * N + j * Nw + window_page`); R rows of N pages hold them all.
-A step carries both page tables, and each layer picks its own with `page_base` and `uses_window`
+Device layout (`WindowLayout`): one array per K and V, `[1, F, KVH, ps, D]` of F flat pages. The full
+layers' pages come first (full layer i at flat pages `i * N + page`), then each window layer's block of Nw
+pages (window layer j at `Lf * N + j * Nw + window_page`): F = Lf * N + Lw * Nw. A step carries both page
+tables, and each layer picks its own with `page_base` and `uses_window`
 (`jaxserve.model.forward_batch.WindowTables`), so the compiled layer body stays one for every layer
-(`lax.scan` and the host layer loop index layers by a traced number).
+(`lax.scan` and the host layer loop index layers by a traced number). The arrays are flat from the
+start: reshaping `[R, N, ...]` pools to flat pages inside the step made XLA:CPU copy both pools in every
+layer (a Gemma 3 270m decode step 38x slower), which the flat arrays avoid (D-46).
 
 Lifetime of a window page (`HybridPageAllocator`): a page gets one when it is allocated (new tokens are
 always inside the window) and loses it when it is freed, or earlier when `drop_window` is called for it:
@@ -59,10 +61,13 @@ class WindowLayout:
         return sum(self.layer_windowed)
 
     @property
-    def num_rows(self) -> int:
-        """R: rows of N pages the device pool needs."""
-        flat = self.num_full_layers * self.num_pages + self.num_window_layers * self.num_window_pages
-        return -(-flat // self.num_pages)
+    def num_flat_pages(self) -> int:
+        """F: pages of the device pool, every layer's page space one after the other."""
+        return self.num_full_layers * self.num_pages + self.num_window_layers * self.num_window_pages
+
+    def device_pool_shape(self, shape: PoolShape) -> PoolShape:
+        """The device arrays' shape, `[1, F, KVH, ps, D]`, for the full-space pool `shape`."""
+        return dataclasses.replace(shape, num_layers=1, num_pages=self.num_flat_pages)
 
     def page_base(self) -> np.ndarray:
         """[L] int32: the flat page where each layer's page space starts."""
@@ -119,7 +124,8 @@ def size_hybrid_pool(
 ) -> tuple[PoolShape, WindowLayout]:
     """`kv_pool.size_pool` for the hybrid pool: the budget buys full-space tokens at
     `layers_per_full_token` layers each (`--max-total-tokens` counts full-space tokens); returns the
-    device pool's shape (`num_layers` is the layout's R rows) and the layout.
+    full page space's shape (what every layer's pages would take: its `num_tokens` is the capacity)
+    and the layout (`layout.device_pool_shape(shape)`: the arrays).
 
     Raises:
         ValueError: as `size_pool` and `plan_window_layout`.
@@ -128,15 +134,13 @@ def size_hybrid_pool(
     shape = size_pool(num_layers=len(layer_windows),
                       layers_per_token=layers_per_full_token(layer_windows, swa_full_tokens_ratio), **size_pool_args)
     layout = plan_window_layout(layer_windows, shape.num_pages, swa_full_tokens_ratio)
-    shape = dataclasses.replace(shape, num_layers=layout.num_rows)
-    per_token = shape.bytes_per_token // shape.num_layers
+    per_page = shape.bytes_per_token // shape.num_layers * shape.page_size
     logger.info(
         "Hybrid sliding-window KV pool: %d full layers hold %d tokens, %d window layers (window %d) hold %d "
         "tokens (--swa-full-tokens-ratio %g); %.2f GiB in all, against %.2f GiB for every layer's pages",
         layout.num_full_layers, (layout.num_pages - 1) * shape.page_size, layout.num_window_layers, layout.window,
         (layout.num_window_pages - 1) * shape.page_size, swa_full_tokens_ratio,
-        shape.num_layers * shape.num_pages * shape.page_size * per_token / (1 << 30),
-        len(layer_windows) * shape.num_pages * shape.page_size * per_token / (1 << 30),
+        layout.num_flat_pages * per_page / (1 << 30), len(layer_windows) * shape.num_pages * per_page / (1 << 30),
     )
     return shape, layout
 

@@ -144,7 +144,8 @@ class Engine:
         self.validator = RequestValidator(self.tokenizer, cfg.vocab_size, self.context_length, self.pool_limits,
                                           args.chunked_prefill_size, args.max_prefill_tokens)
         self.lora_config, self.lora_slots, lora_sources = self._lora_setup(args, plan.kv_replicas)
-        k_pool, v_pool = allocate_pools(self.pool_shape)
+        k_pool, v_pool = allocate_pools(self.pool_shape if self.window_layout is None
+                                        else self.window_layout.device_pool_shape(self.pool_shape))
         self.allocator = (PageAllocator(self.pool_shape.num_pages) if self.window_layout is None
                           else HybridPageAllocator(self.window_layout))
         self.tree = RadixCache(page_size=args.page_size, disable=args.disable_radix_cache)

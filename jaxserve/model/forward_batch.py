@@ -23,8 +23,7 @@ class WindowTables:
     """The window layers' view of a step over the hybrid pool (`jaxserve.cache.window_pool`).
 
     Fields (L layers):
-        page_base: [L] flat page where each layer's page space starts in the pool read as
-            `[1, R * N, KVH, ps, D]`.
+        page_base: [L] flat page where each layer's page space starts in the pool `[1, F, KVH, ps, D]`.
         uses_window: [L] 1 for a window layer, 0 for a full-attention layer.
         page_table: [S, P] the window page of each entry of `attn.page_table` (0: none, out of window).
         slot_mapping: [T] the window slot `window_page * page_size + slot` of each token.
@@ -53,8 +52,8 @@ class ForwardBatch:
             only by steps that return prompt logprobs.
         lora_ids: [T] the LoRA slot each token runs under (0: the base model; padding 0), or None when
             the model has no LoRA slots (`jaxserve.model.lora`).
-        window: the window layers' page tables over the hybrid pool, or None when every layer keeps
-            all its pages (the pool is `[L, N, KVH, ps, D]`, layer l at row l).
+        window: the window layers' page tables over the hybrid pool (`[1, F, KVH, ps, D]`), or None
+            when every layer keeps all its pages (the pool is `[L, N, KVH, ps, D]`, layer l at row l).
     """
 
     input_ids: Int32[Array, " T"]
@@ -70,8 +69,8 @@ class ForwardBatch:
         """Where layer `layer` reads and writes its K/V: (pool row, slot_mapping [T], attention metadata).
 
         Without `window`: row `layer` of the pool, this batch's slots and page tables. With it, the pool
-        is read as one row of R * N flat pages (`flat_pool`) and the layer's page ids are offset to its
-        page space: the window page table for a window layer, the full one otherwise."""
+        is one row of flat pages and the layer's page ids are offset to its page space: the window page
+        table for a window layer, the full one otherwise."""
         if self.window is None:
             return layer, self.slot_mapping, self.attn
         w = self.window
@@ -80,7 +79,3 @@ class ForwardBatch:
         slots = jnp.where(windowed, w.slot_mapping, self.slot_mapping) + base * page_size
         return jnp.int32(0), slots, dataclasses.replace(self.attn, page_table=pages)
 
-
-def flat_pool(pool: Array) -> Array:
-    """The pool `[R, N, KVH, ps, D]` as one row of R * N pages (a reshape XLA does in place)."""
-    return pool.reshape(1, -1, *pool.shape[2:])

@@ -41,7 +41,7 @@ from jaxtyping import Array, Float, Int32
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import lora as lora_lib
-from jaxserve.model.forward_batch import ForwardBatch, flat_pool
+from jaxserve.model.forward_batch import ForwardBatch
 from jaxserve.model.quant import ACT_BLOCKS, blocked_shape, int8_matmul
 from jaxserve.pallas.numerics import pairwise_sum
 from jaxserve.pallas.reference import NO_WINDOW, write_kv
@@ -201,13 +201,10 @@ class Attention(nnx.Module):
         k = apply_rope(k, cos, sin)
         # the pool row, slots and page tables of this layer (the hybrid window pool: its own page space)
         row, slot_mapping, meta = batch.layer_kv(layer, k_pool.shape[3])
-        shape = k_pool.shape
-        if batch.window is not None:
-            k_pool, v_pool = flat_pool(k_pool), flat_pool(v_pool)
         o, k_pool, v_pool = attn_fn(
             q, k, v, k_pool, v_pool, row, slot_mapping, meta, self.sm_scale(), **self.attention_options(layer)
         )
-        return self.project_out(o, lora, lora_mask), k_pool.reshape(shape), v_pool.reshape(shape)
+        return self.project_out(o, lora, lora_mask), k_pool, v_pool
 
     # hooks a model family overrides (jaxserve/model/gemma.py): the attention flow above stays one
 

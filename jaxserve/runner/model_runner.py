@@ -260,7 +260,7 @@ class ModelRunner:
         today's costs: docs/results.md, "Other current numbers"). `lora`: LoRA slots added to every
         layer's params (zeros; `write_lora_slot` fills them), and each batch carries its tokens' slots.
         `window_pages`: the hybrid pool's allocator (`jaxserve.cache.window_pool`; the pools are then
-        `[R, N, KVH, ps, D]` in its layout): each batch carries the window layers' page tables, read
+        `[1, F, KVH, ps, D]` in its layout): each batch carries the window layers' page tables, read
         from its `window_page_of` when the batch is built.
 
         Raises:
@@ -275,7 +275,7 @@ class ModelRunner:
         self.window_pages = window_pages
         if window_pages is not None:
             layout = window_pages.layout
-            if k_pool.shape[:2] != (layout.num_rows, layout.num_pages):
+            if k_pool.shape[:2] != (1, layout.num_flat_pages):
                 raise ValueError(f"pool {k_pool.shape} does not hold the window layout {layout}")
             self._window_layer_maps = (layout.page_base(), layout.uses_window())
         if params is not None and lora is not None:

@@ -31,7 +31,7 @@ def test_layout_places_each_layer_in_its_own_page_space():
     # full layer 1 at flat page 0; window layers 0, 2, 3 in blocks of 50 after the full layer's 100
     assert layout.page_base().tolist() == [100, 0, 150, 200]
     assert layout.uses_window().tolist() == [1, 0, 1, 1]
-    assert layout.num_rows == 3  # 250 flat pages in rows of 100
+    assert layout.num_flat_pages == 250
     assert layers_per_full_token((16, None, 16, 16), 0.5) == 2.5
     with pytest.raises(ValueError, match="no sliding-window layer"):
         plan_window_layout((None, None), 100, 0.5)
@@ -168,3 +168,30 @@ def test_retraction_and_the_scan_loop_keep_the_outputs(model_dirs):
         engine.cache.check_integrity([])
         engine.flush_cache()
         assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+@pytest.mark.parametrize("layer_loop", ["host", "scan"])
+def test_the_hybrid_step_updates_the_flat_pools_in_place(model_dirs, layer_loop):
+    """Pools reshaped to flat pages inside the step were copied whole in every layer (a decode step 38x
+    slower); the flat `[1, F, ...]` arrays are donated and updated in place (compiled HLO, no timing)."""
+    import jax.numpy as jnp
+
+    from jaxserve.cache.kv_pool import PoolShape
+    from jaxserve.model.loader import load_model
+    from jaxserve.pallas.reference import ragged_paged_attention_xla
+    from jaxserve.runner.hlo_text import aliased_params, pool_copies
+    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+    from tests.runner.test_model_runner_hlo import pool_program_text
+
+    config, params = load_model(model_dirs["gemma3"], "float32", use_weights_cache=False)
+    alloc = HybridPageAllocator(plan_window_layout(config.layer_sliding_windows(), 64, 0.5))
+    shape = alloc.layout.device_pool_shape(
+        PoolShape(config.num_layers, 64, PAGE, config.num_kv_heads, config.head_dim, "float32")).shape
+    runner = ModelRunner(config, params, jnp.zeros(shape), jnp.zeros(shape), attn_fn=ragged_paged_attention_xla,
+                         max_running_requests=4, max_extend_tokens=64, context_length=256, layer_loop=layer_loop,
+                         window_pages=alloc)
+    pages = alloc.allocate(13)
+    alloc.drop_window(pages[:8])
+    text = pool_program_text(runner, [BatchEntry([5], 100, pages)])
+    assert pool_copies(text, runner.k_pool.shape) == []
+    assert {name.split(".")[0] for name in aliased_params(text)} >= {"k_pool", "v_pool"}

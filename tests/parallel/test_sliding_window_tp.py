@@ -99,9 +99,10 @@ def hybrid_runs(model_dirs) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hybrid_window_pool_gives_the_all_pages_outputs_at_tp_1_and_2(runs, hybrid_runs, case):
     for every_page, hybrid in zip(runs[case], hybrid_runs[case]):
-        assert every_page["window_rows"] is None and hybrid["window_rows"] is not None
-        # window layers hold 0.8 as many pages, packed in rows of the full layers' page count
-        assert hybrid["window_rows"] <= TINY["num_hidden_layers"]
+        assert every_page["flat_pages"] is None
+        # full layers of 129 pages (1024 tokens at page size 8), window layers of 0.8 as many
+        num_full = {"gemma3": 1, "gemma2": 2, "mistral": 0}[case]
+        assert hybrid["flat_pages"] == num_full * 129 + (TINY["num_hidden_layers"] - num_full) * 103
         assert hybrid["tp"] == every_page["tp"]
         assert hybrid["outputs"] == every_page["outputs"] and hybrid["sampled"] == every_page["sampled"]
         ref, ours = np.asarray(every_page["logits"]), np.asarray(hybrid["logits"])
@@ -112,9 +113,9 @@ def test_hybrid_window_pool_gives_the_all_pages_outputs_at_tp_1_and_2(runs, hybr
 def test_hybrid_window_pool_under_pallas_interpret_and_radix_off(model_dirs, runs):
     [pallas] = run_worker(model_dirs["gemma3"], "--tp", "2", "--backend", "pallas", "--num-prompts", "4", "--hybrid",
                           devices=2)
-    assert pallas["window_rows"] is not None and pallas["outputs"] == runs["gemma3"][0]["outputs"][:4]
+    assert pallas["flat_pages"] is not None and pallas["outputs"] == runs["gemma3"][0]["outputs"][:4]
     [no_radix] = run_worker(model_dirs["mistral"], "--tp", "1", "--disable-radix-cache", "--hybrid", devices=1)
-    assert no_radix["window_rows"] is not None and no_radix["outputs"] == runs["mistral"][0]["outputs"]
+    assert no_radix["flat_pages"] is not None and no_radix["outputs"] == runs["mistral"][0]["outputs"]
     assert no_radix["free_pages"] == no_radix["usable_pages"]
 
 

@@ -81,7 +81,7 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
         "outputs": outputs,
         "sampled": sampled,
         "compiles_after_warmup": compiles if precompile else None,
-        "window_rows": engine.window_layout.num_rows if engine.window_layout is not None else None,
+        "flat_pages": engine.window_layout.num_flat_pages if engine.window_layout is not None else None,
         "free_pages": engine.allocator.num_free,
         "usable_pages": engine.allocator.num_usable,
         "num_recalls": stats.num_recalls if stats else 0,
@@ -108,7 +108,7 @@ def run_retract(model_dir: str, tp: int, backend: str) -> dict:
     engine.flush_cache()
     return {
         "tp": tp, "outputs": outputs, "num_retractions": engine.scheduler.num_retractions,
-        "window_rows": engine.window_layout.num_rows if engine.window_layout is not None else None,
+        "flat_pages": engine.window_layout.num_flat_pages if engine.window_layout is not None else None,
         "free_pages": engine.allocator.num_free, "usable_pages": engine.allocator.num_usable,
     }
 
@@ -139,7 +139,7 @@ def lower_cuda(model_dir: str, tp: int, hybrid: bool = False) -> dict:
         window_pages = HybridPageAllocator(plan_window_layout(config.layer_sliding_windows(), 9, 0.5))
         pages = window_pages.allocate(2)
         window_pages.drop_window(pages[:1])
-        shape = (window_pages.layout.num_rows,) + shape[1:]
+        shape = (1, window_pages.layout.num_flat_pages) + shape[2:]
     backend = functools.partial(ragged_paged_attention, interpret=False)
     runner = ModelRunner(config, llama.stack_layers(params), jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16),
                          attn_fn=backend, max_running_requests=2, max_extend_tokens=16, context_length=64,
