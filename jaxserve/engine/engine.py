@@ -23,9 +23,9 @@ import numpy as np
 from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, available_memory_bytes, size_pool
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
-from jaxserve.cache.window_pool import HybridPageAllocator, check_window_pool_fits, size_hybrid_pool
 from jaxserve.cache.storage import FileStorage, StorageConfig, storage_fingerprint
 from jaxserve.cache.storage_tier import StorageTier
+from jaxserve.cache.window_pool import HybridPageAllocator, check_window_pool_fits, size_hybrid_pool
 from jaxserve.config import ServerArgs
 from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_backend
 from jaxserve.constrained.reasoner import ReasonerMatcher
