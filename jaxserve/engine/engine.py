@@ -44,7 +44,7 @@ from jaxserve.engine.outputs import (
 from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, grammar_spec, new_rid
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.sampling_rows import grammar_bitmask, sampler_warmup_variants, sampling_rows
-from jaxserve.engine.stats_log import prefill_line, prefill_stats, storage_line
+from jaxserve.engine.stats_log import decode_line, prefill_line, prefill_stats, storage_line
 from jaxserve.engine.validation.pool_limits import PoolLimits
 from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
 from jaxserve.model import llama
@@ -610,6 +610,7 @@ class Engine:
         """Counters and gauges now. Safe to call from another thread (reads only)."""
         used = self.cache.used_tokens() - self.tree.evictable_size()
         total = self.pool_shape.num_tokens
+        window = self.window_layout
         s = dataclasses.replace(self.stats)
         spec = SpeculativeStats(s.num_spec_verifications, s.num_spec_draft_tokens, s.num_spec_accepted_tokens)
         return EngineSnapshot(
@@ -622,11 +623,12 @@ class Engine:
             kv_used_tokens=max(0, used),
             kv_evictable_tokens=self.tree.evictable_size(),
             kv_total_tokens=total,
-            token_usage=max(0, used) / total,
             cache_hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             gen_throughput=self._gen_throughput,
             spec_accept_length=spec.accept_length,
             spec_accept_rate=spec.accept_rate,
+            kv_swa_used_tokens=self.cache.window_used_tokens(),
+            kv_swa_total_tokens=None if window is None else (window.num_window_pages - 1) * self.pool_shape.page_size,
         )
 
     def _log_stats(self) -> None:
@@ -635,11 +637,7 @@ class Engine:
         self._gen_throughput = (self.stats.generation_tokens - g0) / max(now - t0, 1e-9)
         self._throughput_mark = (now, self.stats.generation_tokens)
         snap = self.snapshot()
-        logger.info(
-            "Decode batch. #running-req: %d, #queue-req: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-            "cache hit rate: %.3f",
-            snap.num_running_reqs, snap.num_queue_reqs, snap.token_usage, snap.gen_throughput, snap.cache_hit_rate,
-        )
+        logger.info(decode_line(snap))
         if self.speculator is not None:  # SGLang's decode log adds the same two numbers
             logger.info("Speculative decoding. accept len: %.2f, accept rate: %.2f", snap.spec_accept_length, snap.spec_accept_rate)
         if self.args.hicache_storage_backend is not None and (radix := self.radix_cache_stats()) is not None:

@@ -52,19 +52,19 @@ def snapshot_load(engine: Engine, **loop_fields: Any) -> EngineLoad:
     num_step_failures, ...). Call on the engine's thread."""
     scheduler = engine.scheduler
     free_slots = 0 if scheduler.waiting else max(0, scheduler.config.max_running_requests - scheduler.num_running)
+    snapshot = engine.snapshot()
     return EngineLoad(
         num_running_reqs=scheduler.num_running,
         num_waiting_reqs=len(scheduler.waiting),
         num_free_slots=free_slots,
         kv_total_tokens=engine.pool_shape.num_tokens,
-        kv_swa_total_tokens=(None if engine.window_layout is None
-                             else (engine.window_layout.num_window_pages - 1) * engine.pool_shape.page_size),
+        kv_swa_total_tokens=snapshot.kv_swa_total_tokens,
         kv_used_tokens=engine.cache.used_tokens(),
         kv_cached_tokens=engine.tree.total_size(),
         kv_locked_tokens=engine.tree.protected_size(),
         num_waiting_tokens=sum(r.fill_len for r in scheduler.waiting),
         num_chunked_rest_tokens=_chunked_rest(scheduler.chunked_req),
         stats=dataclasses.replace(engine.stats),
-        snapshot=engine.snapshot(),
+        snapshot=snapshot,
         **loop_fields,
     )

@@ -80,8 +80,11 @@ class EngineStats:
 class EngineSnapshot:
     """Counters plus current gauges, read at one moment (for /metrics, /get_server_info and logs).
 
-    token_usage: share of the KV pool's tokens in use (0..1). cache_hit_rate: cached / prompt tokens
-    over the lifetime. gen_throughput: generated tokens per second over the last log interval.
+    kv_used_tokens: tokens of the KV pool in use, the evictable prefix cache left out. With the hybrid
+    sliding-window pool (D-46) `kv_swa_used_tokens` / `kv_swa_total_tokens` are the window layers' pool
+    (tokens that running requests' windows read, and its capacity); both None without it.
+    cache_hit_rate: cached / prompt tokens over the lifetime. gen_throughput: generated tokens per
+    second over the last log interval.
     """
 
     counters: EngineStats
@@ -93,11 +96,30 @@ class EngineSnapshot:
     kv_used_tokens: int
     kv_evictable_tokens: int
     kv_total_tokens: int
-    token_usage: float
     cache_hit_rate: float
     gen_throughput: float
     spec_accept_length: float = 0.0  # mean tokens per verifying sequence-forward (SGLang's name); 0: none yet
     spec_accept_rate: float = 0.0  # accepted / proposed draft tokens
+    kv_swa_used_tokens: int | None = None
+    kv_swa_total_tokens: int | None = None
+
+    @property
+    def full_token_usage(self) -> float:
+        """Share of the full-attention pool in use (0..1): every layer's, without the hybrid pool."""
+        return self.kv_used_tokens / self.kv_total_tokens
+
+    @property
+    def swa_token_usage(self) -> float | None:
+        """Share of the window layers' pool in use (0..1); None without the hybrid pool."""
+        if self.kv_swa_used_tokens is None or self.kv_swa_total_tokens is None:
+            return None
+        return self.kv_swa_used_tokens / self.kv_swa_total_tokens
+
+    @property
+    def token_usage(self) -> float:
+        """Share of the KV pool in use (0..1); with the hybrid pool the fuller of its two pools, as
+        SGLang's `token_usage` (its `PoolStats.get_kv_token_stats`)."""
+        return max(self.full_token_usage, self.swa_token_usage or 0.0)
 
 
 def sglang_finish_reason(reason: FinishReason | None) -> dict[str, Any] | None:

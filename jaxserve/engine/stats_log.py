@@ -12,6 +12,16 @@ this step, and `token usage` SGLang's share of the pool not free for new request
 prefix cache counts as free, as in the Decode batch line). jaxserve leaves out `#pending-token` and
 SGLang's disaggregation fields.
 
+Every `--decode-log-interval` decode steps one "Decode batch" line follows:
+
+    Decode batch. #running-req: 3, #queue-req: 0, token usage: 0.02, gen throughput (token/s): 41.20, cache hit rate: 0.125
+
+With the hybrid sliding-window pool (D-46) both lines give each pool's usage where the single
+`token usage` stands, in SGLang's words for its hybrid SWA pool (`PoolStats.get_prefill_usage_msg_parts`
+and `get_decode_usage_msg_parts`): `full token usage: 0.05, swa token usage: 0.10` in the Prefill batch
+line, `#full token: 48, full token usage: 0.05, #swa token: 40, swa token usage: 0.10` in the Decode
+batch line (`EngineSnapshot`: the window pool counts the pages running requests' windows read).
+
 With a storage tier (`--hicache-storage-backend file`) each Decode batch line is followed by one of
 jaxserve's own (SGLang logs no storage line), cumulative since start:
 
@@ -62,5 +72,21 @@ def storage_line(stats: RadixCacheStats) -> str:
 def prefill_line(stats: PrefillStats, snap: EngineSnapshot) -> str:
     """SGLang's Prefill batch log line (module docstring), the gauges from `snap` taken before the step."""
     return (f"Prefill batch. #new-seq: {stats.num_new_seqs}, #new-token: {stats.num_new_tokens}, "
-            f"#cached-token: {stats.num_cached_tokens}, token usage: {snap.token_usage:.2f}, "
+            f"#cached-token: {stats.num_cached_tokens}, {_usage(snap, is_decode=False)}, "
             f"#running-req: {snap.num_running_reqs}, #queue-req: {snap.num_queue_reqs}")
+
+
+def decode_line(snap: EngineSnapshot) -> str:
+    """SGLang's Decode batch log line (module docstring) from `snap`."""
+    return (f"Decode batch. #running-req: {snap.num_running_reqs}, #queue-req: {snap.num_queue_reqs}, "
+            f"{_usage(snap, is_decode=True)}, gen throughput (token/s): {snap.gen_throughput:.2f}, "
+            f"cache hit rate: {snap.cache_hit_rate:.3f}")
+
+
+def _usage(snap: EngineSnapshot, is_decode: bool) -> str:
+    if snap.swa_token_usage is None:
+        return f"token usage: {snap.token_usage:.2f}"
+    full, swa = f"full token usage: {snap.full_token_usage:.2f}", f"swa token usage: {snap.swa_token_usage:.2f}"
+    if is_decode:
+        return f"#full token: {snap.kv_used_tokens}, {full}, #swa token: {snap.kv_swa_used_tokens}, {swa}"
+    return f"{full}, {swa}"

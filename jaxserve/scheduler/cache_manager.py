@@ -78,6 +78,15 @@ class CacheManager:
     def used_tokens(self) -> int:
         return self.allocator.num_used * self.page_size
 
+    def window_used_tokens(self) -> int | None:
+        """With the hybrid pool: tokens of the window pages that running requests' windows read (their
+        window locks), None without it. Window parts no window reads are left out, as the evictable
+        prefix cache is left out of the full pool's usage: SGLang's SWA radix cache can evict them
+        (its `swa_evictable_size`), though here those of a locked tree path stay until its request ends."""
+        if self.window_pages is None:
+            return None
+        return int(np.count_nonzero(self.window_pages.window_locks)) * self.page_size
+
     def pages_needed(self, req: Req, new_kv_len: int) -> int:
         return max(0, -(-new_kv_len // self.page_size) - len(req.page_table))
 

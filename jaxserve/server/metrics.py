@@ -61,7 +61,8 @@ class _EngineCollector(Collector):
         yield self._gauge("num_running_reqs", "Requests running", s.num_running_reqs)
         yield self._gauge("num_queue_reqs", "Requests waiting", s.num_queue_reqs)
         yield self._gauge("num_grammar_queue_reqs", "Requests waiting for their grammar to compile", s.num_grammar_queue_reqs)
-        yield self._gauge("token_usage", "Share of the KV pool in use", s.token_usage)
+        yield self._gauge("token_usage", "Share of the KV pool in use (with a hybrid sliding-window pool, the fuller "
+                          "of its two pools)", s.token_usage)
         yield self._gauge("kv_used_tokens", "KV tokens in use (not evictable)", s.kv_used_tokens)
         yield self._gauge("kv_evictable_tokens", "KV tokens held by the cache and evictable", s.kv_evictable_tokens)
         yield self._gauge("gen_throughput", "Generated tokens per second (last log interval)", s.gen_throughput)

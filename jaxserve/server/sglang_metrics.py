@@ -67,7 +67,10 @@ SCHEDULER_GAUGES: tuple[MetricName, ...] = (
     MetricName("sglang:gen_throughput", _G, "Generated tokens per second (last log interval)",
                "jaxserve_gen_throughput", "gen_throughput"),
     MetricName("sglang:cache_hit_rate", _G, "Cached / prompt tokens", "jaxserve_cache_hit_rate", "cache_hit_rate"),
-    MetricName("sglang:token_usage", _G, "Share of the KV pool in use", "jaxserve_token_usage", "token_usage"),
+    MetricName("sglang:token_usage", _G, "Share of the KV pool in use (with a hybrid sliding-window pool, the "
+               "fuller of its two pools)", "jaxserve_token_usage", "token_usage"),
+    MetricName("sglang:swa_token_usage", _G, "Share of the sliding-window layers' KV pool in use (0 without a "
+               "hybrid sliding-window pool)", None, "swa_token_usage"),
     MetricName("sglang:num_used_tokens", _G, "KV tokens in use (not evictable)", "jaxserve_kv_used_tokens", "kv_used_tokens"),
     MetricName("sglang:kv_used_tokens", _G, "KV tokens in use (not evictable)", "jaxserve_kv_used_tokens", "kv_used_tokens"),
     MetricName("sglang:kv_evictable_tokens", _G, "KV tokens held by the prefix cache and evictable",
@@ -207,10 +210,12 @@ class _Histogram:
 
 def scheduler_families(snapshot: Any, model_name: str) -> Iterable:
     """The scheduler's `sglang:*` gauges (and retraction counter) from one engine snapshot; the
-    caller passes the snapshot its `jaxserve_*` twins read, so one scrape shows equal values."""
+    caller passes the snapshot its `jaxserve_*` twins read, so one scrape shows equal values. A gauge of
+    a pool the model lacks (None) is 0, as SGLang exports its gauges of absent pools."""
     labels = [model_name, ENGINE_TYPE, "0", "0", "0"]
     for m in SCHEDULER_GAUGES:
         value = _available(snapshot) if m.source == "kv_available_tokens" else operator.attrgetter(m.source)(snapshot)
+        value = 0.0 if value is None else value
         if m.kind is Kind.COUNTER:
             family = CounterMetricFamily(m.sglang.removesuffix("_total"), m.doc, labels=list(SCHEDULER_LABELS))
         else:
