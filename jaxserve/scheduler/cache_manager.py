@@ -17,7 +17,7 @@ With the hybrid sliding-window pool (`HybridPageAllocator`, jaxserve/cache/windo
 has a window part while some window may read it (D-46). Each running request holds a window lock on the
 pages that cover its last `window - 1` tokens and what it computes next (`WindowSpan`); before each step
 (`grow`) the pages its window left are unlocked, and those it computed itself lose their window part once
-no window covers them. A match is usable only up to the longest prefix whose last window still has its
+no window covers them (pages it took from the tree keep theirs, for the next request that matches them). A match is usable only up to the longest prefix whose last window still has its
 window parts; the rest is computed again. Where an insert finds the tree holding other pages for the
 same tokens, a window part moves to the tree's page.
 """
@@ -39,10 +39,14 @@ from jaxserve.engine.request import CachedTokensDetails, Req
 @dataclasses.dataclass
 class WindowSpan:
     """A running request's window locks on the hybrid pool: it holds one on each page of its page table
-    from `start`; pages from `own_from` on are ones it computed (not matched from the tree)."""
+    from `start`. Pages from `own_from` on are ones it computed (not matched from the tree), except the
+    positions in `adopted`, where an insert found the tree holding a page for the same tokens and the
+    request switched to it: the window parts of the request's own pages are dropped once its window
+    left them, the tree's are kept (a prefix computed twice keeps them for the next request)."""
 
     start: int
     own_from: int
+    adopted: set[int] = dataclasses.field(default_factory=set)
 
 
 class CacheManager:
@@ -165,7 +169,7 @@ class CacheManager:
         left = np.asarray(req.page_table[span.start : start], np.int64)
         locks = self.window_pages.window_locks
         locks[left] -= 1
-        own = left[np.arange(span.start, start) >= span.own_from]
+        own = left[[i >= span.own_from and i not in span.adopted for i in range(span.start, start)]]
         self.window_pages.drop_window(own[locks[own] == 0])
         span.start = start
 
@@ -312,9 +316,11 @@ class CacheManager:
         for i, (ours, theirs) in enumerate(zip(req.page_table, tree_pages)):
             if ours == theirs:
                 continue
-            if span is not None and i >= span.start:
-                wp.window_locks[ours] -= 1
-                wp.window_locks[theirs] += 1
+            if span is not None:
+                span.adopted.add(i)
+                if i >= span.start:
+                    wp.window_locks[ours] -= 1
+                    wp.window_locks[theirs] += 1
             if wp.window_page_of[ours] and not wp.window_page_of[theirs]:
                 wp.move_window(ours, int(theirs))
 

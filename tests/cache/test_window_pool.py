@@ -142,6 +142,12 @@ def test_a_match_is_cut_back_to_where_the_window_is_held(model_dirs):
     assert ref_branch["meta_info"]["cached_tokens"] == 96
     # the window layers dropped the shared pages' window parts: the hit is cut back to the start
     assert out_branch["meta_info"]["cached_tokens"] == 0
+    # the branch computed the shared tokens again and left their window parts with the tree's pages: a
+    # third prompt sharing them hits all 96
+    third = shared + [int(x) for x in rng.integers(3, 49152, 20)]
+    ref_third, out_third = every_page.generate([third], GREEDY)[0], engine.generate([third], GREEDY)[0]
+    assert out_third["output_ids"] == ref_third["output_ids"]
+    assert out_third["meta_info"]["cached_tokens"] == 96
     # the first conversation with its answer, continued: its last window is held, so the hit is whole
     follow = first + answer + [5, 6, 7]
     ref_follow, out_follow = every_page.generate([follow], GREEDY)[0], engine.generate([follow], GREEDY)[0]
