@@ -7,7 +7,7 @@ silent conversion. A JSON `null` means "the default" for every field (OpenAI cli
 `"top_p": null`). OpenAI requests ignore fields they do not know (clients add vendor fields); the
 native request rejects them, so a misspelt `return_logprobs` is reported instead of ignored.
 Beyond OpenAI's fields, OpenAI requests take SGLang's extras: regex, json_schema, ebnf, ignore_eos,
-no_stop_trim, skip_special_tokens, stop_token_ids, min_tokens, top_k, min_p, repetition_penalty, rid,
+no_stop_trim, skip_special_tokens, stop_token_ids, stop_regex, min_tokens, top_k, min_p, repetition_penalty, rid,
 and chat requests vLLM's and SGLang's continue_final_message and add_generation_prompt. Tool calling
 (tools, tool_choice, tool_calls, tool messages) follows OpenAI's shapes.
 """
@@ -173,6 +173,7 @@ class OpenAISampling(_Request):
     no_stop_trim: bool | None = None
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     min_tokens: int | None = None
     rid: str | None = None
     # SGLang's: a loaded LoRA adapter (one, or one per prompt); `model: "<served>:<adapter>"` wins over it

@@ -79,8 +79,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 def sampling_params_of(req: OpenAISampling, max_new_tokens: int, ebnf: str | None = None) -> dict[str, Any]:
     """The engine's sampling-params dict for an OpenAI request (absent fields keep their defaults);
     `ebnf` is a grammar the API layer imposes (a forced tool call) in place of the request's. The whole
-    reply is then the call, and its grammar ends it: `stop` and `stop_token_ids` are left out, as they
-    could only cut the call short, leaving no call."""
+    reply is then the call, and its grammar ends it: `stop`, `stop_token_ids` and `stop_regex` are left
+    out, as they could only cut the call short, leaving no call."""
     forced = ebnf is not None
     d = {
         "max_new_tokens": max_new_tokens,
@@ -95,6 +95,7 @@ def sampling_params_of(req: OpenAISampling, max_new_tokens: int, ebnf: str | Non
         "n": req.n,
         "stop": None if forced else req.stop,
         "stop_token_ids": None if forced else req.stop_token_ids,
+        "stop_regex": None if forced else req.stop_regex,
         "seed": req.seed,
         "ignore_eos": req.ignore_eos,
         "no_stop_trim": req.no_stop_trim,

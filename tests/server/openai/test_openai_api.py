@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -125,6 +126,26 @@ def test_stop_and_max_completion_tokens(client, model):
         assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[: full.index(stop)]
     resp = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=3, temperature=0)
     assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
+
+
+def test_stop_regex_cuts_completions_and_chat(client, model, http):
+    """SGLang's `stop_regex` extra on the OpenAI routes: the text ends where the first match starts."""
+    full = client.completions.create(model=model, prompt="a b c d", max_tokens=8, temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) >= 2, full
+    pattern = r"\s" + re.escape(words[1]) + r"\b"
+    cut = client.completions.create(model=model, prompt="a b c d", max_tokens=8, temperature=0,
+                                    extra_body={"stop_regex": pattern})
+    start = re.search(pattern, full).start()
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[:start]
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0).choices[0]
+    first = chat.message.content.split()[0] if chat.message.content.split() else None
+    if first:
+        cut = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
+                                             extra_body={"stop_regex": [re.escape(first)]}).choices[0]
+        assert cut.finish_reason == "stop" and cut.message.content == chat.message.content[: chat.message.content.index(first)]
+    r = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1, "stop_regex": "(?R)"})
+    assert r.status_code == 400 and "stop_regex" in r.text, r.text
 
 
 def test_sglang_extra_fields_and_response_format(http, model):
