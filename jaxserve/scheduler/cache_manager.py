@@ -44,6 +44,7 @@ class WindowSpan:
     request switched to it: the window parts of the request's own pages are dropped once its window
     left them, the tree's are kept (a prefix computed twice keeps them for the next request)."""
 
+    req: Req
     start: int
     own_from: int
     adopted: set[int] = dataclasses.field(default_factory=set)
@@ -72,12 +73,13 @@ class CacheManager:
         pool, the smaller of that count in the full and in the window page space)."""
         full = self.allocator.num_free * self.page_size + self.tree.evictable_size()
         wp = self.window_pages
-        if wp is None or wp.window.num_free >= wp.num_free_full:
+        if wp is None:
             return full
-        # window pages are the short ones: count those that evicting unlocked tree pages would free
-        evictable = sum(int(wp.has_window(n.pages).sum()) for n in self.tree.iter_nodes()
-                        if n.lock_ref == 0 and n.is_on_device and len(n.pages))
-        return min(full, (wp.window.num_free + evictable) * self.page_size)
+        # evicting frees the window parts of every tree page no running request holds: the locked paths
+        # and the private pages are exactly the running requests' page tables
+        tables = [span.req.page_table for span in self._window_spans.values() if span.req.page_table]
+        held = np.count_nonzero(wp.window_page_of[np.unique(np.concatenate(tables))]) if tables else 0
+        return min(full, (wp.window.num_usable - held) * self.page_size)
 
     def used_tokens(self) -> int:
         return self.allocator.num_used * self.page_size
@@ -140,7 +142,7 @@ class CacheManager:
                 lookup, m = self._unadmitted[req.rid]
                 self._unadmitted[req.rid] = (lookup, m._replace(last_node=result.last_node, pages=result.pages,
                                                                 num_tokens=result.num_tokens))
-        span = WindowSpan(self._window_start(req.kv_len), len(req.page_table))
+        span = WindowSpan(req, self._window_start(req.kv_len), len(req.page_table))
         self.window_pages.window_locks[req.page_table[span.start :]] += 1
         self._window_spans[req.rid] = span
 

@@ -121,6 +121,8 @@ def test_window_layers_keep_only_the_window_and_outputs_do_not_change(model_dirs
     # finished: the tree keeps all 28 full pages, and window parts only for the last window
     assert alloc.num_used == (200 + 24 - 1) // PAGE
     assert alloc.window.num_used <= window_pages_needed(200 + 24 - 1, WINDOW, PAGE)
+    # nothing runs: evicting the tree could free every window page, but only the full pages it holds
+    assert engine.cache.available_tokens() == PAGE * min(alloc.window.num_usable, alloc.num_free_full + 27)
 
     again = engine.generate([prompt], GREEDY)[0]
     assert again["output_ids"] == expected
