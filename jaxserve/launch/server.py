@@ -1,9 +1,10 @@
 """`launch_server(server_args)`: what `python scripts/serve.py` and `python -m jaxserve.launch` run.
 
-Order: check the flags (`main`: argparse, then `check_start_up_args`; exit 2 with one line), configure
-logging, check the model path, bind the port (so a port in use fails in a second, not after loading),
-load the model and compile (the engine shows progress bars), start the engine loop, then serve the
-Starlette app with uvicorn and print one line saying where.
+Order: parse the flags, set glibc malloc to keep freed memory (D-45; before jax starts its threads),
+check the flags (`check_start_up_args`; exit 2 with one line), configure logging, check the model
+path, bind the port (so a port in use fails in a second, not after loading), load the model and compile
+(the engine shows progress bars), start the engine loop, then serve the Starlette app with uvicorn and
+print one line saying where.
 
 Stopping:
 - SIGTERM drains: new requests get 503 at once (`app.state.draining`), running and queued ones may
@@ -41,6 +42,7 @@ import time
 import uvicorn
 
 from jaxserve.config import ServerArgs
+from jaxserve.launch.malloc import keep_freed_memory, return_freed_memory
 from jaxserve.launch.model_path_check import model_path_problem
 from jaxserve.log_safe import LogSafeFormatter
 from jaxserve.server.gc_pauses import freeze_gc, warn_on_long_gc
@@ -173,7 +175,7 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
     if cluster is not None:
         check_engine_config(cluster, engine)
         engine.runner.channel = cluster.channel
-    _return_freed_memory()
+    return_freed_memory()
     startup_memory = engine.memory_usage()
     logger.info(startup_memory.log_line())
     engine_loop = EngineLoop(
@@ -288,7 +290,7 @@ def run_follower(server_args: ServerArgs, cluster) -> None:
         _refuse_start(f"jaxserve: cannot start rank {rank}: {e}", rank)
     time.sleep(float(os.environ.get(FOLLOWER_START_DELAY_ENV, 0)))
     check_engine_config(cluster, engine)
-    _return_freed_memory()
+    return_freed_memory()
     freeze_gc(f"rank {rank} start-up", server_args.gc_threshold)
     # SIGTERM of a follower alone would stall rank 0's next collective; rank 0's watchdog then fails it
     print(f"jaxserve follower ready: rank {rank} of --nnodes {server_args.nnodes} runs rank 0's steps "
@@ -311,17 +313,6 @@ def run_follower(server_args: ServerArgs, cluster) -> None:
     logging.shutdown()
     sys.stdout.flush()
     os._exit(0)
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap that loading and compiling freed back to the OS (glibc's malloc_trim), so the
-    server's RSS after start-up is what it holds, not its peak. A no-op without glibc."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def check_start_up_args(args: ServerArgs) -> None:
@@ -358,11 +349,14 @@ def main(argv: list[str] | None = None) -> None:
 
     args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:],
                                choices={"tool_call_parser": tuple(PARSERS), "reasoning_parser": tuple(REASONING_PARSERS)})
+    malloc_line = keep_freed_memory()  # D-45: before jax starts its threads (check_start_up_args)
     try:
         check_start_up_args(args)
     except ValueError as e:
         print(f"serve.py: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    configure_logging(args.log_level)
+    logger.info(malloc_line)
     if args.dp_size > 1:
         from jaxserve.launch.data_parallel import launch_data_parallel
 
