@@ -32,10 +32,17 @@ def vm(pid: int) -> dict:
     return out
 
 
-def start(mode: str, port: int, serve_args: str, log: Path):
-    code = (KEEP if mode == "keep" else "") + LAUNCH
+def start(mode: str, port: int, serve_args: str, log: Path, by_server: bool):
+    """by_server: the server sets malloc itself (D-45), and "off" opts out through GLIBC_TUNABLES."""
+    env = dict(os.environ)
+    if by_server:
+        code = LAUNCH
+        if mode == "off":
+            env["GLIBC_TUNABLES"] = "glibc.malloc.check=0"
+    else:
+        code = (KEEP if mode == "keep" else "") + LAUNCH
     cmd = [sys.executable, "-c", code, "--port", str(port), *shlex.split(serve_args)]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
 def wait_ready(log: Path, proc, timeout: float = 1500) -> None:
@@ -68,6 +75,7 @@ def main() -> None:
     ap.add_argument("--logprob-prompts", type=int, default=0,
                     help="then this many ~2,000-token prompts asking for prompt top-5 logprobs (a large transient)")
     ap.add_argument("--dir", default="/tmp/malloc")
+    ap.add_argument("--by-server", action="store_true", help="the server's own setting (D-45) against an opt-out")
     args = ap.parse_args()
     d = Path(args.dir)
     d.mkdir(exist_ok=True)
@@ -76,7 +84,7 @@ def main() -> None:
     procs = {}
     try:
         for mode, port in modes.items():
-            procs[mode] = start(mode, port, args.serve_args, d / f"serve-{mode}.log")
+            procs[mode] = start(mode, port, args.serve_args, d / f"serve-{mode}.log", args.by_server)
             wait_ready(d / f"serve-{mode}.log", procs[mode])
             time.sleep(2)
             print(f"{mode}: ready, {vm(procs[mode].pid)}", flush=True)
