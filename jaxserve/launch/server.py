@@ -1,6 +1,6 @@
 """`launch_server(server_args)`: what `python scripts/serve.py` and `python -m jaxserve.launch` run.
 
-Order: parse the flags, set glibc malloc to keep freed memory (D-45; before jax starts its threads),
+Order: parse the flags, on CPU set glibc malloc to keep freed memory (D-45; before jax starts its threads),
 check the flags (`check_start_up_args`; exit 2 with one line), configure logging, check the model
 path, bind the port (so a port in use fails in a second, not after loading), load the model and compile
 (the engine shows progress bars), start the engine loop, then serve the Starlette app with uvicorn and
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:],
                                choices={"tool_call_parser": tuple(PARSERS), "reasoning_parser": tuple(REASONING_PARSERS)})
-    malloc_line = keep_freed_memory()  # D-45: before jax starts its threads (check_start_up_args)
+    malloc_line = keep_freed_memory(args.device)  # D-45, on CPU: before jax starts its threads (check_start_up_args)
     try:
         check_start_up_args(args)
     except ValueError as e:
