@@ -9,8 +9,8 @@ one arena (every thread allocates from the main heap), no mmap, no automatic tri
 `return_freed_memory` (malloc_trim) still hands back what start-up freed.
 
 Only where the server runs on CPU (`server_platform`, decided before jax is imported): the settings were
-measured on XLA:CPU alone, and one arena for every thread of a many-core GPU or TPU host, whose temporaries
-live in device memory, could serialize its host threads.
+measured on XLA:CPU alone. On a GPU or TPU host the programs' temporaries live in device memory, and one
+arena for every thread of a many-core host was never measured (it could serialize the host threads).
 
 The offline `Engine` leaves its host process's malloc alone (a library should not, and the arena limit
 must come before jax starts its threads); a script gets the same settings from the environment:
