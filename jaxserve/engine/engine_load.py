@@ -58,7 +58,7 @@ def snapshot_load(engine: Engine, **loop_fields: Any) -> EngineLoad:
         num_waiting_reqs=len(scheduler.waiting),
         num_free_slots=free_slots,
         kv_total_tokens=engine.pool_shape.num_tokens,
-        kv_swa_total_tokens=snapshot.kv_swa_total_tokens,
+        kv_swa_total_tokens=None if snapshot is None else snapshot.kv_swa_total_tokens,
         kv_used_tokens=engine.cache.used_tokens(),
         kv_cached_tokens=engine.tree.total_size(),
         kv_locked_tokens=engine.tree.protected_size(),
