@@ -34,6 +34,7 @@ from jaxserve.engine.validation.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 
 # SGLang treats temperatures below this as greedy (`_SAMPLING_EPS` in its sampling_params.py).
 SAMPLING_EPS = 1e-6
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Block length of the two-level inverse-CDF draw: V / CDF_BLOCK block sums, then one block.
 CDF_BLOCK = 256
 MIN_HISTORY_LEN = 16
@@ -423,7 +424,9 @@ def build_sampling_batch(
     step = np.zeros(num_seqs, np.int32)
     for i, (p, s, t) in enumerate(zip(params, seeds, steps)):
         greedy = p.temperature < SAMPLING_EPS or p.top_k == 1
-        temperature[i] = 0.0 if greedy else p.temperature
+        # a temperature past float32's range (1e308 is valid JSON) samples as the largest float32 does:
+        # uniformly over the allowed tokens; cast, it would be inf, and a masked -inf logit / inf is NaN
+        temperature[i] = 0.0 if greedy else min(p.temperature, FLOAT32_MAX)
         if not greedy:
             top_p[i] = p.top_p
             top_k[i] = vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)

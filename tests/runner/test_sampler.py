@@ -290,3 +290,20 @@ def test_first_argmax_is_numpys_argmax_with_ties_infinities_and_nans():
             x[4] = np.round(x[4])  # many ties
         got = np.asarray(jax.jit(first_argmax)(x))
         np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+def test_a_temperature_past_float32_samples_only_allowed_tokens_without_a_warning():
+    """1e308 is valid JSON: cast to float32 it was inf (a numpy overflow warning), and a masked logit
+    (-inf) / inf is NaN. It samples as the largest float32 does: only the bitmask's tokens."""
+    import warnings
+
+    allowed = np.zeros((4, V), bool)
+    allowed[:, [3, 50, 97]] = True
+    bits = np.zeros((4, bitmask_width(V) * 32), np.uint64)
+    bits[:, :V] = allowed
+    words = (bits.reshape(4, -1, 32) << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, _ = run(np.random.default_rng(0).normal(size=(4, V)), [SamplingParams(temperature=1e308)] * 4,
+                     bitmask=words.view(np.int32), seeds=[1, 2, 3, 4])
+    assert allowed[np.arange(4), out.next_tokens].all()
