@@ -69,17 +69,17 @@ class CacheManager:
 
     # ---- capacity -------------------------------------------------------------------------------
     def available_tokens(self) -> int:
-        """Tokens that could be allocated now: free pages plus what eviction could free (with the hybrid
-        pool, the smaller of that count in the full and in the window page space)."""
-        full = self.allocator.num_free * self.page_size + self.tree.evictable_size()
+        """Tokens that could be allocated now: free pages plus what eviction could free. With the hybrid
+        pool this is the full page space, which must hold a request's every token; the window space
+        holds a request's window and its next chunk only, and is checked per step (`can_grow`)."""
+        return (self.allocator.num_free * self.page_size if self.window_pages is None
+                else self.window_pages.num_free_full * self.page_size) + self.tree.evictable_size()
+
+    def window_available_pages(self) -> int:
+        """Window pages a step could get (hybrid pool): every window page but those a running request's
+        window reads (`window_locks`); the rest are free or droppable (`_drop_unread_windows`)."""
         wp = self.window_pages
-        if wp is None:
-            return full
-        # evicting frees the window parts of every tree page no running request holds: the locked paths
-        # and the private pages are exactly the running requests' page tables
-        tables = [span.req.page_table for span in self._window_spans.values() if span.req.page_table]
-        held = np.count_nonzero(wp.window_page_of[np.unique(np.concatenate(tables))]) if tables else 0
-        return min(full, (wp.window.num_usable - held) * self.page_size)
+        return wp.window.num_usable - int(np.count_nonzero(wp.window_locks))
 
     def used_tokens(self) -> int:
         return self.allocator.num_used * self.page_size
@@ -218,6 +218,10 @@ class CacheManager:
         return self.policy.can_freeze(num_new_tokens, path_len(req.last_node))
 
     def can_grow(self, num_pages: int) -> bool:
+        """Whether `num_pages` new pages fit, after evicting (and, with the hybrid pool, dropping the
+        window parts no window reads)."""
+        if self.window_pages is not None and num_pages > self.window_available_pages():
+            return False
         return num_pages * self.page_size <= self.available_tokens()
 
     def grow(self, req: Req, new_kv_len: int) -> bool:
@@ -238,8 +242,12 @@ class CacheManager:
         return True
 
     def _reserve(self, num_pages: int) -> bool:
-        # with the hybrid pool an evicted page may have no window part: evict until both spaces fit
+        wp = self.window_pages
         while not self.allocator.can_allocate(num_pages):
+            if wp is not None and wp.num_free_full >= num_pages:
+                # only the window space is short: drop window parts no window reads (whole pages stay)
+                self._drop_unread_windows(num_pages - wp.window.num_free)
+                break
             before = (self.allocator.num_free, self.tree.evictable_size())
             short = num_pages - self.allocator.num_free
             used = self.allocator.num_used
@@ -251,6 +259,20 @@ class CacheManager:
             if (self.allocator.num_free, self.tree.evictable_size()) == before:
                 break
         return self.allocator.can_allocate(num_pages)
+
+    def _drop_unread_windows(self, num_pages: int) -> None:
+        """Free `num_pages` window parts of tree pages that no running request's window reads, least
+        recently used nodes first (SGLang's SWA eviction: the tree keeps the pages; a later match is cut
+        back to where the window parts remain)."""
+        wp = self.window_pages
+        nodes = sorted((n for n in self.tree.iter_nodes() if n.is_on_device and len(n.pages)),
+                       key=lambda n: n.last_access_time)
+        for node in nodes:
+            if num_pages <= 0:
+                return
+            pages = node.pages[(wp.window_page_of[node.pages] != 0) & (wp.window_locks[node.pages] == 0)][:num_pages]
+            wp.drop_window(pages)
+            num_pages -= len(pages)
 
     def truncate(self, req: Req) -> None:
         """Free the private pages past the ones covering [0, req.kv_len): speculative decoding's

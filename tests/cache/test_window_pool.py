@@ -121,8 +121,9 @@ def test_window_layers_keep_only_the_window_and_outputs_do_not_change(model_dirs
     # finished: the tree keeps all 28 full pages, and window parts only for the last window
     assert alloc.num_used == (200 + 24 - 1) // PAGE
     assert alloc.window.num_used <= window_pages_needed(200 + 24 - 1, WINDOW, PAGE)
-    # nothing runs: evicting the tree could free every window page, but only the full pages it holds
-    assert engine.cache.available_tokens() == PAGE * min(alloc.window.num_usable, alloc.num_free_full + 27)
+    # nothing runs: admission sees the full space (free + the tree's 27 pages), a step every window page
+    assert engine.cache.available_tokens() == PAGE * (alloc.num_free_full + 27)
+    assert engine.cache.window_available_pages() == alloc.window.num_usable
 
     again = engine.generate([prompt], GREEDY)[0]
     assert again["output_ids"] == expected
@@ -203,3 +204,37 @@ def test_the_hybrid_step_updates_the_flat_pools_in_place(model_dirs, layer_loop)
     text = pool_program_text(runner, [BatchEntry([5], 100, pages)])
     assert pool_copies(text, runner.k_pool.shape) == []
     assert {name.split(".")[0] for name in aliased_params(text)} >= {"k_pool", "v_pool"}
+
+
+def test_a_prompt_longer_than_the_window_space_runs(model_dirs):
+    """The window space (here 256 tokens) holds a request's window and its next chunk, not its prompt:
+    a 400-token prompt is admitted and prefilled chunk by chunk (it waited forever when admission
+    counted window tokens as if they held the whole prompt)."""
+    rng = np.random.default_rng(14)
+    prompt = [int(x) for x in rng.integers(3, 49152, 400)]
+    expected = _engine(model_dirs["gemma3"], disable_hybrid_swa_memory=True).generate([prompt], GREEDY)[0]
+    engine = _engine(model_dirs["gemma3"], swa_full_tokens_ratio=0.25)
+    assert (engine.window_layout.num_window_pages - 1) * PAGE == 256
+    out = engine.generate([prompt], GREEDY)[0]
+    assert out["output_ids"] == expected["output_ids"]
+    engine.cache.check_integrity([])
+
+
+def test_window_parts_no_window_reads_are_dropped_when_the_window_space_is_short(model_dirs):
+    """Each prompt extends the one before, so the tree keeps the last window of each on one path, which
+    the next request holds locked: 10 window pages fill up with window parts no window reads. They are
+    dropped (the pages stay cached) instead of the engine dying with "cannot hold a single decoding
+    request"; outputs stay those of the pool that keeps every layer's pages."""
+    rng = np.random.default_rng(15)
+    tokens = [int(x) for x in rng.integers(3, 49152, 320)]
+    prompts = [tokens[:n] for n in range(40, 321, 20)]
+    params = dict(GREEDY, max_new_tokens=8)
+    every_page = _engine(model_dirs["gemma3"], disable_hybrid_swa_memory=True)
+    engine = _engine(model_dirs["gemma3"], swa_full_tokens_ratio=0.08)
+    assert engine.window_layout.num_window_pages - 1 == 10
+    for prompt in prompts:
+        ref, out = every_page.generate([prompt], params)[0], engine.generate([prompt], params)[0]
+        assert out["output_ids"] == ref["output_ids"], len(prompt)
+        engine.cache.check_integrity([])
+    # the full pages stayed: the last prompt reused the one before it up to where window parts remained
+    assert out["meta_info"]["cached_tokens"] > 0
