@@ -155,8 +155,9 @@ def check_window_pool_fits(layout: WindowLayout, max_extend_tokens: int, page_si
     if layout.num_window_pages - 1 < need:
         raise ValueError(
             f"the window layers' pool holds {(layout.num_window_pages - 1) * page_size} tokens, and one request "
-            f"needs up to {need * page_size} (its {layout.window}-token window and a {max_extend_tokens}-token "
-            "prefill chunk): raise --swa-full-tokens-ratio or --max-total-tokens")
+            f"needs up to {need * page_size} of it (its {layout.window}-token window plus a "
+            f"{max_extend_tokens}-token prefill chunk, at most the whole pool): raise --swa-full-tokens-ratio or "
+            "--max-total-tokens, or lower --chunked-prefill-size")
 
 
 class HybridPageAllocator(PageAllocator):

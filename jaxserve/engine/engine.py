@@ -413,6 +413,8 @@ class Engine:
                else None)
         if off is not None:
             logger.info("sliding-window model with %s: every layer keeps all its pages", off)
+            # what /get_server_info reports: the flag as in effect
+            self.args = dataclasses.replace(self.args, disable_hybrid_swa_memory=True)
         return off is None
 
     def _open_storage(self, args: ServerArgs, dtype: str) -> StorageTier | None:

@@ -41,7 +41,7 @@ def test_layout_places_each_layer_in_its_own_page_space():
 
 def test_a_window_space_too_small_for_one_request_is_refused():
     layout = plan_window_layout((512, None), 65, 0.1)  # 6 window pages of 16: 96 tokens
-    with pytest.raises(ValueError, match="swa-full-tokens-ratio"):
+    with pytest.raises(ValueError, match=r"needs up to 1040 of it .* lower --chunked-prefill-size"):
         check_window_pool_fits(layout, 512, 16)
     check_window_pool_fits(plan_window_layout((512, None), 65, 1.0), 256, 16)
 
@@ -238,3 +238,9 @@ def test_window_parts_no_window_reads_are_dropped_when_the_window_space_is_short
         engine.cache.check_integrity([])
     # the full pages stayed: the last prompt reused the one before it up to where window parts remained
     assert out["meta_info"]["cached_tokens"] > 0
+
+
+def test_a_host_tier_keeps_every_layers_pages_and_says_so(model_dirs):
+    engine = _engine(model_dirs["gemma3"], enable_hierarchical_cache=True)
+    assert engine.window_layout is None and not isinstance(engine.allocator, HybridPageAllocator)
+    assert engine.args.disable_hybrid_swa_memory  # as /get_server_info reports it
