@@ -41,7 +41,7 @@ def test_layout_places_each_layer_in_its_own_page_space():
 
 def test_a_window_space_too_small_for_one_request_is_refused():
     layout = plan_window_layout((512, None), 65, 0.1)  # 6 window pages of 16: 96 tokens
-    with pytest.raises(ValueError, match=r"needs up to 1040 of it .* lower --chunked-prefill-size"):
+    with pytest.raises(ValueError, match=r"needs up to 1024 of it .* lower --chunked-prefill-size"):
         check_window_pool_fits(layout, 512, 16)
     check_window_pool_fits(plan_window_layout((512, None), 65, 1.0), 256, 16)
 
