@@ -16,10 +16,12 @@ request's page table (pages past the part that the tree holds). `check_integrity
 With the hybrid sliding-window pool (`HybridPageAllocator`, jaxserve/cache/window_pool.py) a page also
 has a window part while some window may read it (D-46). Each running request holds a window lock on the
 pages that cover its last `window - 1` tokens and what it computes next (`WindowSpan`); before each step
-(`grow`) the pages its window left are unlocked, and those it computed itself lose their window part once
-no window covers them (pages it took from the tree keep theirs, for the next request that matches them). A match is usable only up to the longest prefix whose last window still has its
-window parts; the rest is computed again. Where an insert finds the tree holding other pages for the
-same tokens, a window part moves to the tree's page.
+(`grow`) the pages its window left are unlocked, and its private pages (its decoded tokens, not yet in
+the tree) lose their window part. The tree's pages keep theirs as cache until the window space runs
+short; then the window parts no window reads are dropped, least recently used first (SGLang's SWA
+eviction). A match is usable only up to the longest prefix whose last window still has its window
+parts; the rest is computed again. Where an insert finds the tree holding other pages for the same
+tokens, a window part moves to the tree's page.
 """
 
 from __future__ import annotations
@@ -39,15 +41,10 @@ from jaxserve.engine.request import CachedTokensDetails, Req
 @dataclasses.dataclass
 class WindowSpan:
     """A running request's window locks on the hybrid pool: it holds one on each page of its page table
-    from `start`. Pages from `own_from` on are ones it computed (not matched from the tree), except the
-    positions in `adopted`, where an insert found the tree holding a page for the same tokens and the
-    request switched to it: the window parts of the request's own pages are dropped once its window
-    left them, the tree's are kept (a prefix computed twice keeps them for the next request)."""
+    from `start`."""
 
     req: Req
     start: int
-    own_from: int
-    adopted: set[int] = dataclasses.field(default_factory=set)
 
 
 class CacheManager:
@@ -142,7 +139,7 @@ class CacheManager:
                 lookup, m = self._unadmitted[req.rid]
                 self._unadmitted[req.rid] = (lookup, m._replace(last_node=result.last_node, pages=result.pages,
                                                                 num_tokens=result.num_tokens))
-        span = WindowSpan(req, self._window_start(req.kv_len), len(req.page_table))
+        span = WindowSpan(req, self._window_start(req.kv_len))
         self.window_pages.window_locks[req.page_table[span.start :]] += 1
         self._window_spans[req.rid] = span
 
@@ -160,8 +157,8 @@ class CacheManager:
         return 0
 
     def _advance_window(self, req: Req) -> None:
-        """Unlock the pages `req`'s window has left; the ones it computed lose their window part unless
-        another request's window still reads them."""
+        """Unlock the pages `req`'s window has left; its private ones (past the part the tree holds)
+        lose their window part, unless another request's window still reads them."""
         span = self._window_spans.get(req.rid)
         if span is None:
             return
@@ -171,8 +168,8 @@ class CacheManager:
         left = np.asarray(req.page_table[span.start : start], np.int64)
         locks = self.window_pages.window_locks
         locks[left] -= 1
-        own = left[[i >= span.own_from and i not in span.adopted for i in range(span.start, start)]]
-        self.window_pages.drop_window(own[locks[own] == 0])
+        private = left[np.arange(span.start, start) >= path_len(req.last_node) // self.page_size]
+        self.window_pages.drop_window(private[locks[private] == 0])
         span.start = start
 
     def _unlock_window(self, req: Req, from_page: int | None = None) -> None:
@@ -261,10 +258,12 @@ class CacheManager:
         return self.allocator.can_allocate(num_pages)
 
     def _drop_unread_windows(self, num_pages: int) -> None:
-        """Free `num_pages` window parts of tree pages that no running request's window reads, least
-        recently used nodes first (SGLang's SWA eviction: the tree keeps the pages; a later match is cut
-        back to where the window parts remain)."""
+        """Free `num_pages` window parts of tree pages that no running request's window reads (at least a
+        sixteenth of the window space, so that a full window space does not sort the tree at every new
+        page), least recently used nodes first (SGLang's SWA eviction: the tree keeps the pages; a later
+        match is cut back to where the window parts remain)."""
         wp = self.window_pages
+        num_pages = max(num_pages, wp.window.num_usable // 16)
         nodes = sorted((n for n in self.tree.iter_nodes() if n.is_on_device and len(n.pages)),
                        key=lambda n: n.last_access_time)
         for node in nodes:
@@ -340,11 +339,9 @@ class CacheManager:
         for i, (ours, theirs) in enumerate(zip(req.page_table, tree_pages)):
             if ours == theirs:
                 continue
-            if span is not None:
-                span.adopted.add(i)
-                if i >= span.start:
-                    wp.window_locks[ours] -= 1
-                    wp.window_locks[theirs] += 1
+            if span is not None and i >= span.start:
+                wp.window_locks[ours] -= 1
+                wp.window_locks[theirs] += 1
             if wp.window_page_of[ours] and not wp.window_page_of[theirs]:
                 wp.move_window(ours, int(theirs))
 

@@ -98,7 +98,7 @@ GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.mark.parametrize("case", ["gemma3", "mistral"])
-def test_window_layers_keep_only_the_window_and_outputs_do_not_change(model_dirs, case):
+def test_a_request_needs_only_its_window_and_the_tree_keeps_the_rest_as_cache(model_dirs, case):
     rng = np.random.default_rng(11)
     prompt = [int(x) for x in rng.integers(3, 49152, 200)]
     every_page = _engine(model_dirs[case], disable_hybrid_swa_memory=True)
@@ -109,53 +109,55 @@ def test_window_layers_keep_only_the_window_and_outputs_do_not_change(model_dirs
     alloc = engine.allocator
     assert isinstance(alloc, HybridPageAllocator) and alloc.layout.window == WINDOW
     engine.add_request(prompt, GREEDY)
-    peak, output_ids = 0, []
+    peak_locked, output_ids = 0, []
     while engine.scheduler.has_work():
         for out in engine.step():
             output_ids = out.output_ids
         engine.cache.check_integrity(engine.scheduler.live_reqs())
-        peak = max(peak, alloc.window.num_used)
+        peak_locked = max(peak_locked, int(np.count_nonzero(alloc.window_locks)))
     assert output_ids == expected
-    # a 32-token chunk and the 15 tokens before it: at most 7 pages of 8 at any step
-    assert peak <= (32 + WINDOW) // PAGE + 1, peak
-    # finished: the tree keeps all 28 full pages, and window parts only for the last window
+    # what the request needs at any step: a 32-token chunk and the 15 tokens before it, 7 pages of 8
+    assert 0 < peak_locked <= (32 + WINDOW) // PAGE + 1, peak_locked
+    # finished: the tree keeps all 27 full pages; the prompt's window parts stay as cache, the decoded
+    # tokens' only for the last window
     assert alloc.num_used == (200 + 24 - 1) // PAGE
-    assert alloc.window.num_used <= window_pages_needed(200 + 24 - 1, WINDOW, PAGE)
+    assert alloc.window.num_used <= 200 // PAGE + window_pages_needed(200 + 24 - 1, WINDOW, PAGE)
     # nothing runs: admission sees the full space (free + the tree's 27 pages), a step every window page
     assert engine.cache.available_tokens() == PAGE * (alloc.num_free_full + 27)
     assert engine.cache.window_available_pages() == alloc.window.num_usable
 
-    again = engine.generate([prompt], GREEDY)[0]
+    # the same prompt again hits as it does with every layer's pages
+    again, ref = engine.generate([prompt], GREEDY)[0], every_page.generate([prompt], GREEDY)[0]
     assert again["output_ids"] == expected
+    assert again["meta_info"]["cached_tokens"] == ref["meta_info"]["cached_tokens"] == 192
     engine.cache.check_integrity([])
 
 
 def test_a_match_is_cut_back_to_where_the_window_is_held(model_dirs):
+    """A window space of 15 pages: after other prompts took it over, the first prompt's window parts are
+    gone (its full pages stay), so a prompt sharing its first 96 tokens reuses none of them, and the
+    outputs stay those of a pool that keeps every layer's pages."""
     rng = np.random.default_rng(12)
     shared = [int(x) for x in rng.integers(3, 49152, 96)]
     first = shared + [int(x) for x in rng.integers(3, 49152, 40)]
-    # the same 96 tokens, then others: the first request's window left them, so nothing before them is usable
+    others = [[int(x) for x in rng.integers(3, 49152, 100)] for _ in range(3)]
     branch = shared + [int(x) for x in rng.integers(3, 49152, 20)]
     every_page = _engine(model_dirs["gemma3"], disable_hybrid_swa_memory=True)
-    engine = _engine(model_dirs["gemma3"])
-    answer = [e.generate([first], GREEDY)[0]["output_ids"] for e in (every_page, engine)][0]
-    ref_branch = every_page.generate([branch], GREEDY)[0]
-    out_branch = engine.generate([branch], GREEDY)[0]
+    engine = _engine(model_dirs["gemma3"], swa_full_tokens_ratio=0.12)
+    assert engine.window_layout.num_window_pages - 1 == 15
+    for prompt in [first] + others:
+        assert engine.generate([prompt], GREEDY)[0]["output_ids"] == every_page.generate([prompt], GREEDY)[0]["output_ids"]
+        engine.cache.check_integrity([])
+    ref_branch, out_branch = every_page.generate([branch], GREEDY)[0], engine.generate([branch], GREEDY)[0]
     assert out_branch["output_ids"] == ref_branch["output_ids"]
     assert ref_branch["meta_info"]["cached_tokens"] == 96
-    # the window layers dropped the shared pages' window parts: the hit is cut back to the start
     assert out_branch["meta_info"]["cached_tokens"] == 0
-    # the branch computed the shared tokens again and left their window parts with the tree's pages: a
-    # third prompt sharing them hits all 96
-    third = shared + [int(x) for x in rng.integers(3, 49152, 20)]
-    ref_third, out_third = every_page.generate([third], GREEDY)[0], engine.generate([third], GREEDY)[0]
-    assert out_third["output_ids"] == ref_third["output_ids"]
-    assert out_third["meta_info"]["cached_tokens"] == 96
-    # the first conversation with its answer, continued: its last window is held, so the hit is whole
-    follow = first + answer + [5, 6, 7]
-    ref_follow, out_follow = every_page.generate([follow], GREEDY)[0], engine.generate([follow], GREEDY)[0]
-    assert out_follow["output_ids"] == ref_follow["output_ids"]
-    assert out_follow["meta_info"]["cached_tokens"] == (len(first) + len(answer) - 1) // PAGE * PAGE
+    # the full pages stayed in the tree: nothing was evicted, only window parts dropped
+    assert engine.cache.num_evicted_tokens == 0
+    # the most recent prompt's window parts are still held: its repeat hits as with every layer's pages
+    ref_last, out_last = every_page.generate([branch], GREEDY)[0], engine.generate([branch], GREEDY)[0]
+    assert out_last["output_ids"] == ref_last["output_ids"]
+    assert out_last["meta_info"]["cached_tokens"] == ref_last["meta_info"]["cached_tokens"] > 0
     engine.cache.check_integrity([])
     engine.flush_cache()
     assert engine.allocator.num_free == engine.allocator.num_usable

@@ -178,22 +178,30 @@ def test_long_prompt_beyond_the_window_matches_transformers(ours, reference, lon
 
 
 def test_long_prompt_through_the_hybrid_window_pool(gemma3_gguf, long_ids, long_reference):
-    """The engine's default pool for Gemma 3 (D-46): the 15 local layers free the pages that left their
-    512-token window while the 1,600-token prompt is prefilled in 512-token chunks; greedy ids stay
-    the reference's, and afterwards the local layers hold only the last window's pages."""
-    from jaxserve.cache.window_pool import window_pages_needed
+    """The engine's default pool for Gemma 3 (D-46), with a window space of 1,216 tokens, smaller than
+    the 1,600-token prompt prefilled in 512-token chunks: the 15 local layers keep only what their
+    512-token windows read (window parts the tree kept as cache are dropped as the space runs out), and
+    the greedy ids stay the reference's."""
+    import numpy as np
+
     from jaxserve.engine.engine import Engine
 
     engine = Engine(model_path=gemma3_gguf, max_total_tokens=4096, chunked_prefill_size=512, context_length=2048,
-                    max_running_requests=2, disable_precompile=True)
+                    max_running_requests=2, disable_precompile=True, swa_full_tokens_ratio=0.3)
     layout = engine.window_layout
     assert layout is not None and layout.window == 512 and layout.num_window_layers == 15
-    out = engine.generate([long_ids], {"max_new_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True})[0]
-    assert_same_greedy(out["output_ids"], *long_reference)
+    assert (layout.num_window_pages - 1) * 16 < len(long_ids)
+    engine.add_request(long_ids, {"max_new_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True})
+    output_ids, peak_locked = [], 0
+    while engine.scheduler.has_work():
+        for out in engine.step():
+            output_ids = out.output_ids
+        peak_locked = max(peak_locked, int(np.count_nonzero(engine.allocator.window_locks)))
+    assert_same_greedy(output_ids, *long_reference)
     engine.cache.check_integrity([])
-    num_tokens = len(long_ids) + NUM_NEW - 1
-    assert engine.allocator.num_used == num_tokens // 16  # the full layers keep every whole page
-    assert engine.allocator.window.num_used <= window_pages_needed(num_tokens, 512, 16)
+    # at most a 512-token chunk and the 511 tokens before it: 65 pages of 16
+    assert peak_locked <= (512 + 512) // 16 + 1
+    assert engine.allocator.num_used == (len(long_ids) + NUM_NEW - 1) // 16  # the full layers keep every page
 
 
 def test_w8a8_int8_stays_close(ours, reference, tokenizer):
