@@ -5,6 +5,8 @@ Routes:
     POST /v1/completions           OpenAI (openai/chat_completions.py)
     POST /v1/chat/completions
     POST /v1/responses             OpenAI's Responses API (openai/responses/api.py)
+    POST /tokenize                 SGLang's: a text's (or chat's) token ids (openai/tokenization.py; also /v1/tokenize)
+    POST /detokenize               SGLang's: token ids back to text (also /v1/detokenize)
     GET  /v1/responses/{id}        a stored response (DELETE forgets it)
     POST /v1/responses/{id}/cancel stops a background response
     GET  /v1/responses/{id}/input_items  the input items of a stored response
@@ -69,7 +71,7 @@ from jaxserve.server.errors import (
 from jaxserve.server.gc_pauses import freeze_gc
 from jaxserve.server.metrics import mark_unlogged
 from jaxserve.server.native import generate, lora_adapters
-from jaxserve.server.openai import chat_completions, models
+from jaxserve.server.openai import chat_completions, models, tokenization
 from jaxserve.server.openai.chat_template import load_chat_template
 from jaxserve.server.openai.reasoning import reasoning_format
 from jaxserve.server.openai.responses import api as responses
@@ -361,6 +363,10 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs, startup_memory:
         Route("/v1/responses/{response_id:path}/input_items", responses.list_input_items, methods=["GET"]),
         Route("/v1/responses/{response_id:stored_response_id}", responses.stored_response,
               methods=["GET", "DELETE"]),
+        Route("/tokenize", tokenization.tokenize, methods=["POST"]),
+        Route("/v1/tokenize", tokenization.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenization.detokenize, methods=["POST"]),
+        Route("/v1/detokenize", tokenization.detokenize, methods=["POST"]),
         Route("/v1/models", models.models, methods=["GET"]),
         Route("/v1/models/{model:path}", models.retrieve_model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

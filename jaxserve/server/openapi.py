@@ -26,6 +26,12 @@ _OPERATIONS: tuple[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] 
      "created with background, 404 (param response_id) for an unknown id", None, None),
     ("get", "/v1/responses/{response_id}/input_items", "the input items of a stored response's request, a cursor "
      "page (query: after, limit 1-100, order asc|desc); 404 (param response_id) for an unknown id", None, None),
+    ("post", "/tokenize", "SGLang's: the token ids of a prompt (or a list of them) or of chat messages rendered "
+     "as a chat completion would", protocol.TokenizeRequest, protocol.TokenizeResponse),
+    ("post", "/v1/tokenize", "the same as /tokenize", protocol.TokenizeRequest, protocol.TokenizeResponse),
+    ("post", "/detokenize", "SGLang's: the text of a list of token ids (or a text per list); an id outside the "
+     "vocabulary is a 400 naming it", protocol.DetokenizeRequest, protocol.DetokenizeResponse),
+    ("post", "/v1/detokenize", "the same as /detokenize", protocol.DetokenizeRequest, protocol.DetokenizeResponse),
     ("get", "/v1/models", "the served model", None, protocol.ModelList),
     ("get", "/v1/models/{model}", "the served model's card; 404 (model_not_found) for another name", None,
      protocol.ModelCard),

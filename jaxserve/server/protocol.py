@@ -1,6 +1,6 @@
 """Request and response schemas of the HTTP API (pydantic): SGLang's native /generate and OpenAI's
-/v1/completions, /v1/chat/completions, /v1/responses (its request; openai/responses/api.py builds the reply)
-and /v1/models.
+/v1/completions, /v1/chat/completions, /v1/responses (its request; openai/responses/api.py builds the reply),
+/v1/models, and SGLang's /tokenize and /detokenize.
 
 Requests validate in strict mode: a string where a number belongs is a 400 naming the field, not a
 silent conversion. A JSON `null` means "the default" for every field (OpenAI clients send
@@ -281,6 +281,50 @@ class ChatCompletionRequest(OpenAISampling):
     # /openapi.json, which documents what the route accepts
     best_of: SkipJsonSchema[Any] = None
 
+
+# ---- SGLang's tokenization routes ---------------------------------------------------------------
+class TokenizeRequest(_Request):
+    """POST /tokenize and /v1/tokenize (SGLang 0.5.23's TokenizeRequest): exactly one of `prompt` (a
+    text, or a list of texts) and `messages`. `add_special_tokens` (default true) applies to `prompt`.
+    `messages` are rendered with `tools`, `tool_choice`, `continue_final_message` and
+    `chat_template_kwargs` as /v1/chat/completions renders them (the body's other chat fields are read
+    as that route reads them); `add_generation_prompt` given (true or false) is passed to the template
+    and the rendered text is then encoded with `add_special_tokens` only when the request sets it
+    (SGLang's rule), omitted the template's text is encoded as a chat's is, without adding any."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool | None = None
+
+
+class TokenizeResponse(BaseModel):
+    """A text's token ids and their count, or per text of a list (lists of both); `max_model_len` as
+    SGLang reports it: the tokenizer's `model_max_length`, or the served context length where the
+    tokenizer has none (transformers' placeholder 1e30)."""
+
+    tokens: list[int] | list[list[int]]
+    count: int | list[int]
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize and /v1/detokenize (SGLang 0.5.23's DetokenizeRequest): `tokens`, a list of
+    token ids (one text back) or a list of such lists (a text per list); every id in the tokenizer's
+    vocabulary. `skip_special_tokens` (default true) leaves special tokens out of the text."""
+
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+
+class DetokenizeResponse(BaseModel):
+    text: str | list[str]
 
 
 # ---- OpenAI Responses API: requests -------------------------------------------------------------

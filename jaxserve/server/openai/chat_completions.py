@@ -475,23 +475,35 @@ async def _submit_chat(request: Request, req: ChatCompletionRequest, rename: dic
     return ChatRun(group, rid, plan, reasoning)
 
 
-def _chat_prompt_ids(request: Request, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-    """The prompt token ids of a chat: its template rendered with the plan's tools, then tokenized."""
+def _chat_prompt_ids(request: Request, req: ChatCompletionRequest, plan: ToolPlan,
+                     add_special_tokens: bool = False) -> list[int]:
+    """The prompt token ids of a chat: its template rendered with the plan's tools, then tokenized
+    (without adding special tokens, as a chat's prompt: the template wrote them)."""
     engine_loop = request.app.state.engine_loop
     prompt = chat_prompt(engine_loop.tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
-    return _tokenize(engine_loop, prompt, "messages", add_special_tokens=False)  # the template wrote them
+    return _tokenize(engine_loop, prompt, "messages", add_special_tokens=add_special_tokens)
 
 
-async def chat_prompt_tokens(request: Request, req: ChatCompletionRequest) -> int:
-    """The number of prompt tokens `req` would be submitted with (`_chat_prompt_ids` on the
-    preprocessing thread, as `submit_chat` computes them); nothing is submitted.
+async def chat_prompt_ids(request: Request, req: ChatCompletionRequest, add_special_tokens: bool = False) -> list[int]:
+    """The prompt token ids `req` would be submitted with (`_chat_prompt_ids` on the preprocessing
+    thread, as `submit_chat` computes them); nothing is submitted. `add_special_tokens`: also add the
+    tokenizer's own to the rendered text (SGLang's /tokenize with `add_generation_prompt` given).
 
     Raises:
         APIError: 400 as `submit_chat` would for the messages or tools (code context_length_exceeded
             for a prompt refused by its length in characters before it is tokenized).
     """
     plan = tool_plan(req, request.app.state.server_args.tool_call_parser)
-    return len(await preprocess(request, lambda: _chat_prompt_ids(request, req, plan)))
+    return await preprocess(request, lambda: _chat_prompt_ids(request, req, plan, add_special_tokens))
+
+
+async def chat_prompt_tokens(request: Request, req: ChatCompletionRequest) -> int:
+    """The number of prompt tokens `req` would be submitted with (`chat_prompt_ids`).
+
+    Raises:
+        APIError: as `chat_prompt_ids`.
+    """
+    return len(await chat_prompt_ids(request, req))
 
 
 async def chat_completions(request: Request) -> Response:
