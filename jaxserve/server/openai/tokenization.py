@@ -14,7 +14,8 @@ DetokenizeRequest, DetokenizeResponse):
   `skip_special_tokens` (default true). An id outside the tokenizer's vocabulary is a 400 naming it
   (`tokens[3]`, `tokens[1][0]`), where transformers would decode it to nothing or raise.
 
-Tokenizing and decoding run on the preprocessing thread, where every other route uses the tokenizer
+With `--skip-tokenizer-init` both routes refuse text, as the other routes do (SGLang then has no
+tokenizer). Tokenizing and decoding run on the preprocessing thread, where every other route uses the tokenizer
 (a fast tokenizer's settings must not change under a concurrent call). Every bad input is an APIError
 (400) naming the field.
 """
@@ -109,9 +110,9 @@ async def detokenize(request: Request) -> Response:
     req = DetokenizeRequest.model_validate(body)
     engine_loop = request.app.state.engine_loop
     tokenizer = engine_loop.tokenizer
-    if tokenizer is None:
-        raise APIError("tokens: the server runs with --skip-tokenizer-init, so it has no tokenizer to decode with",
-                       400, param="tokens", code="invalid_value")
+    if tokenizer is None or request.app.state.server_args.skip_tokenizer_init:  # as its outputs carry no text
+        raise APIError("tokens: the server runs with --skip-tokenizer-init, so it decodes no text", 400,
+                       param="tokens", code="invalid_value")
     is_batch = bool(req.tokens) and isinstance(req.tokens[0], list)
     id_lists: list[list[int]] = req.tokens if is_batch else [req.tokens]  # type: ignore[assignment,list-item]
     vocab_size = len(tokenizer)

@@ -226,6 +226,14 @@ def test_a_model_without_a_chat_template_refuses_messages(engine_loop, default_t
         loop.shutdown()
 
 
+def test_skip_tokenizer_init_refuses_both_routes(engine_loop):
+    """As text prompts and outputs: SGLang has no tokenizer then."""
+    with TestClient(create_app(engine_loop, ServerArgs(model_path="/models/fake-model", skip_tokenizer_init=True))) as c:
+        _error(c.post("/tokenize", json={"prompt": "hi"}), "prompt")
+        _error(c.post("/tokenize", json={"messages": MESSAGES}), "messages")
+        _error(c.post("/detokenize", json={"tokens": [1]}), "tokens")
+
+
 def test_the_routes_need_the_api_key_and_are_documented(engine_loop):
     with TestClient(create_app(engine_loop, ServerArgs(model_path="/models/fake-model", api_key="k"))) as c:
         for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
