@@ -269,3 +269,24 @@ def test_a_real_server_tokenizes_and_detokenizes(http, tiny_model_dir):
     assert generate.json()["meta_info"]["prompt_tokens"] == r.json()["count"]
     assert http.post("/detokenize", json={"tokens": [reference.encode(t) for t in TEXTS]}).json() == {"text": TEXTS}
     _error(http.post("/detokenize", json={"tokens": [len(reference)]}), "tokens[0]")
+
+
+def test_fields_and_defaults_are_sglangs(client):
+    """Against SGLang 0.5.23's own models: every request field but `reasoning_effort` (which
+    /v1/chat/completions does not take either), the same defaults, and replies its response models read."""
+    from sglang.srt.entrypoints.openai import protocol as sglang
+
+    from jaxserve.server import protocol
+
+    for ours, theirs, left_out in ((protocol.TokenizeRequest, sglang.TokenizeRequest, {"reasoning_effort"}),
+                                   (protocol.DetokenizeRequest, sglang.DetokenizeRequest, set()),
+                                   (protocol.TokenizeResponse, sglang.TokenizeResponse, set()),
+                                   (protocol.DetokenizeResponse, sglang.DetokenizeResponse, set())):
+        assert set(ours.model_fields) == set(theirs.model_fields) - left_out, ours.__name__
+        for name in ("add_special_tokens", "skip_special_tokens", "continue_final_message", "add_generation_prompt"):
+            if name in ours.model_fields:
+                assert ours.model_fields[name].default == theirs.model_fields[name].default, name
+    for body in ({"prompt": "Hi there"}, {"prompt": ["a", "b c"]}, {"messages": MESSAGES}):
+        sglang.TokenizeResponse.model_validate(client.post("/tokenize", json=body).json())
+    for body in ({"tokens": [1, 2]}, {"tokens": [[1], [2, 3]]}):
+        sglang.DetokenizeResponse.model_validate(client.post("/detokenize", json=body).json())
