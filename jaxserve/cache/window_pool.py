@@ -1,5 +1,6 @@
-"""The hybrid sliding-window KV pool: full-attention layers keep every page, window layers only the pages
-inside their window (SGLang's hybrid SWA memory pool, `--swa-full-tokens-ratio`; D-46).
+"""The hybrid sliding-window KV pool: full-attention layers keep every page, window layers a smaller space
+that must hold only the pages inside the running requests' windows (SGLang's hybrid SWA memory pool,
+`--swa-full-tokens-ratio`; D-46).
 
 Every page has one id in the **full page space** `1..N-1`: the page tables, the radix tree, the scheduler
 and the integrity check know only these ids. A window layer stores a page in a smaller **window page
@@ -18,7 +19,8 @@ layer (a Gemma 3 270m decode step 38x slower), which the flat arrays avoid (D-46
 
 Lifetime of a window page (`HybridPageAllocator`): a page gets one when it is allocated (new tokens are
 always inside the window) and loses it when it is freed, or earlier when `drop_window` is called for it:
-the cache manager does that once no running request's window covers it (jaxserve/scheduler/cache_manager.py).
+the cache manager does that for a request's decoded tokens once its window left them, and for the tree's
+pages (kept as cache) when the window space runs short (jaxserve/scheduler/cache_manager.py).
 """
 
 from __future__ import annotations

@@ -403,7 +403,7 @@ class Engine:
         return True
 
     def _uses_hybrid_swa_pool(self, args: ServerArgs) -> bool:
-        """Whether the KV pool frees the pages that left every window (D-46): the model has window layers
+        """Whether the KV pool is the hybrid window pool (D-46): the model has window layers
         and neither --disable-hybrid-swa-memory nor a tier that copies whole pages (host, storage) is on."""
         if all(w is None for w in self.model_config.layer_sliding_windows()):
             return False
