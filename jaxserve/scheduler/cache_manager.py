@@ -246,10 +246,11 @@ class CacheManager:
                 self._drop_unread_windows(num_pages - wp.window.num_free)
                 break
             before = (self.allocator.num_free, self.tree.evictable_size())
-            short = num_pages - self.allocator.num_free
+            # the full space's shortage (evicting a page frees its window part too)
+            short = num_pages - (self.allocator.num_free if wp is None else wp.num_free_full)
             used = self.allocator.num_used
             if self.policy is not None:
-                self.policy.reserve(num_pages)
+                self.allocator.free(self.policy.evict(short * self.page_size))
             else:
                 self.allocator.free(self.tree.evict(short * self.page_size))
             self.num_evicted_tokens += (used - self.allocator.num_used) * self.page_size
