@@ -84,8 +84,8 @@ class CacheManager:
     def window_used_tokens(self) -> int | None:
         """With the hybrid pool: tokens of the window pages that running requests' windows read (their
         window locks), None without it. Window parts no window reads are left out, as the evictable
-        prefix cache is left out of the full pool's usage: SGLang's SWA radix cache can evict them
-        (its `swa_evictable_size`), though here those of a locked tree path stay until its request ends."""
+        prefix cache is left out of the full pool's usage: they are dropped when a step needs the space
+        (`_drop_unread_windows`), as SGLang's SWA radix cache evicts its `swa_evictable_size`."""
         if self.window_pages is None:
             return None
         return int(np.count_nonzero(self.window_pages.window_locks)) * self.page_size
