@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 
 from jaxserve.engine.engine import Engine
-from tests.conftest import make_hf_checkpoint
-from tests.parallel.test_sliding_window_tp import CASES
 
 pytest.importorskip("torch")
 
@@ -17,10 +15,8 @@ GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory, default_tokenizer) -> str:
-    arch, cfg = CASES["gemma3"]
-    return make_hf_checkpoint(tmp_path_factory.mktemp("gemma3"), arch, cfg, seed=3, tokenizer=default_tokenizer,
-                              norm_noise=0.5)
+def gemma3_dir(sliding_window_model_dir) -> str:
+    return sliding_window_model_dir
 
 
 def _engine(path: str, **kw) -> Engine:
