@@ -78,6 +78,11 @@ class ModelConfig:
         """Query heads per kv head (GQA group)."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def has_sliding_window_layers(self) -> bool:
+        """Whether any layer attends through a sliding window."""
+        return any(w is not None for w in self.layer_sliding_windows())
+
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window in tokens (None: full attention)."""
         if self.sliding_window is None:

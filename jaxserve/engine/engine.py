@@ -126,7 +126,10 @@ class Engine:
             available_bytes=available_memory_bytes(self.mesh.devices.flat),
         )
         self.window_layout = None  # the hybrid sliding-window pool's layout (D-46), or None
-        if self._uses_hybrid_swa_pool(args):
+        if (all_pages_reason := self._hybrid_swa_pool_off_reason(args)) is not None:
+            logger.info("sliding-window model with %s: every layer keeps all its pages", all_pages_reason)
+            self.args = args = dataclasses.replace(args, disable_hybrid_swa_memory=True)  # as /get_server_info reports it
+        if self.model_config.has_sliding_window_layers and all_pages_reason is None:
             self.pool_shape, self.window_layout = size_hybrid_pool(
                 cfg.layer_sliding_windows(), args.swa_full_tokens_ratio, **pool_args)
             chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
@@ -402,20 +405,19 @@ class Engine:
         self._finish_outside_step(req, finish_abort("aborted by the client"), is_abort=True)
         return True
 
-    def _uses_hybrid_swa_pool(self, args: ServerArgs) -> bool:
-        """Whether the KV pool is the hybrid window pool (D-46): the model has window layers
-        and neither --disable-hybrid-swa-memory nor a tier that copies whole pages (host, storage) is on."""
-        if all(w is None for w in self.model_config.layer_sliding_windows()):
-            return False
-        off = ("--disable-hybrid-swa-memory" if args.disable_hybrid_swa_memory
-               else "--enable-hierarchical-cache" if args.enable_hierarchical_cache and not args.disable_radix_cache
-               else "--hicache-storage-backend" if args.hicache_storage_backend is not None and not args.disable_radix_cache
-               else None)
-        if off is not None:
-            logger.info("sliding-window model with %s: every layer keeps all its pages", off)
-            # what /get_server_info reports: the flag as in effect
-            self.args = dataclasses.replace(self.args, disable_hybrid_swa_memory=True)
-        return off is None
+    def _hybrid_swa_pool_off_reason(self, args: ServerArgs) -> str | None:
+        """Why a sliding-window model keeps every layer's pages instead of the hybrid window pool (D-46):
+        --disable-hybrid-swa-memory, or a tier that copies whole pages (host, storage); None when the
+        hybrid pool is used or the model has no window layers."""
+        if not self.model_config.has_sliding_window_layers:
+            return None
+        if args.disable_hybrid_swa_memory:
+            return "--disable-hybrid-swa-memory"
+        if args.enable_hierarchical_cache and not args.disable_radix_cache:
+            return "--enable-hierarchical-cache"
+        if args.hicache_storage_backend is not None and not args.disable_radix_cache:
+            return "--hicache-storage-backend"
+        return None
 
     def _open_storage(self, args: ServerArgs, dtype: str) -> StorageTier | None:
         """The storage tier of `--hicache-storage-backend` (None without it), its keys salted with everything
