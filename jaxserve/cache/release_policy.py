@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Hashable, NamedTuple, Sequence
+from typing import Callable, Hashable, NamedTuple, Sequence
 
 import numpy as np
 from jaxtyping import Int32
@@ -61,24 +61,6 @@ class ReleasePolicyConfig:
     conservative_batch_size: int = 8
     aggressive_batch_size: int = 16
     enable_stats_log: bool = False
-
-    @staticmethod
-    def from_server_args(args: Any) -> "ReleasePolicyConfig":
-        """Build from a `ServerArgs` (read by attribute, so the cache package does not import config)."""
-        return ReleasePolicyConfig(
-            max_frozen_ratio=args.radix_cache_max_frozen_ratio,
-            enable_host_tier=args.enable_hierarchical_cache,
-            hicache_ratio=args.hicache_ratio,
-            hicache_size_gb=args.hicache_size,
-            soft_free_threshold_s=args.radix_cache_soft_free_threshold,
-            evict_threshold=args.radix_cache_evict_threshold,
-            enable_coalescing=args.enable_auto_merge,
-            merge_max_suffix_tokens=args.merge_max_suffix_tokens,
-            merge_min_shared_ratio=args.merge_min_shared_ratio,
-            conservative_batch_size=args.release_conservative_batch_size,
-            aggressive_batch_size=args.release_aggressive_batch_size,
-            enable_stats_log=args.enable_radix_cache_stats,
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -189,19 +189,20 @@ class StorageConfig:
     extra: StorageExtraConfig = StorageExtraConfig()
 
     @staticmethod
-    def from_server_args(args: Any, environ: Mapping[str, str] = os.environ) -> "StorageConfig | None":
-        """None without `--hicache-storage-backend`; read by attribute (the cache package does not import
-        config). The extra config's `max_size` / `eviction_ratio` win over the environment, as SGLang.
+    def from_flags(backend: str | None, extra_config: str | None, prefetch_policy: str = "timeout",
+                   write_policy: str = "write_through", environ: Mapping[str, str] = os.environ) -> "StorageConfig | None":
+        """From SGLang's flags (`--hicache-storage-backend`, `--hicache-storage-backend-extra-config`,
+        `--hicache-storage-prefetch-policy`, `--hicache-write-policy`) and its environment variables; None
+        without a backend. The extra config's `max_size` / `eviction_ratio` win over the environment, as SGLang.
 
         Raises:
             StorageError: a bad extra config, size or ratio (naming it), or an unsupported backend.
         """
-        backend = getattr(args, "hicache_storage_backend", None)
         if backend is None:
             return None
         if backend != "file":
             raise StorageError(f"--hicache-storage-backend {backend!r}: jaxserve has the file backend only")
-        extra = parse_extra_config(args.hicache_storage_backend_extra_config)
+        extra = parse_extra_config(extra_config)
         max_size = extra.max_size if extra.max_size is not None else environ.get(ENV_MAX_SIZE)
         ratio = extra.eviction_ratio
         if ratio is None:
@@ -216,8 +217,8 @@ class StorageConfig:
             storage_dir=environ.get(ENV_STORAGE_DIR) or DEFAULT_STORAGE_DIR,
             max_size_bytes=parse_size(max_size, f"{ENV_MAX_SIZE} / max_size"),
             eviction_ratio=ratio,
-            prefetch_policy=args.hicache_storage_prefetch_policy,
-            write_policy=args.hicache_write_policy,
+            prefetch_policy=prefetch_policy,
+            write_policy=write_policy,
             extra=extra,
         )
 

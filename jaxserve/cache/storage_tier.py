@@ -20,17 +20,22 @@ device. This unit maps requests and tree paths to page keys and moves KV between
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Hashable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Int32
 
+from jaxserve.cache.kv_pool import PoolShape
 from jaxserve.cache.page_io import DoneRead, KVPageIO, PendingRead
 from jaxserve.cache.storage import FileStorage, Prefetch, StorageConfig, page_keys
 
 MAX_REMEMBERED_KEYS = 1 << 20  # keys this process backed up (about 100 MB of set): forgotten beyond
 
+
+logger = logging.getLogger(__name__)
 
 class StorageTier:
     """Prefetch and backup of KV pages through a `FileStorage` (see the module docstring).
@@ -57,6 +62,21 @@ class StorageTier:
         self.num_prefetch_waits = 0  # requests held in the queue by their prefetch
         self.prefetch_wait_s = 0.0  # their total time held, in seconds
         self.num_backup_pages = 0  # pages handed to the writer
+
+    @staticmethod
+    def open(config: StorageConfig, pool_shape: PoolShape, fingerprint: str) -> "StorageTier":
+        """The tier over a `FileStorage` of `config` for pages of `pool_shape` (every layer's K/V of one
+        page per file), its keys salted with `fingerprint`.
+
+        Raises:
+            StorageError (a ValueError): the directory cannot be written.
+        """
+        shape = pool_shape
+        page_shape = (shape.num_layers, shape.num_kv_heads, shape.page_size, shape.head_dim)
+        storage = FileStorage(config, page_shape, np.dtype(jnp.dtype(shape.dtype)))
+        logger.info("storage tier: %s (bound %s bytes), prefetch %s, writes %s", config.storage_dir,
+                    config.max_size_bytes or "no", config.prefetch_policy, config.write_policy)
+        return StorageTier(storage, fingerprint, shape.page_size)
 
     @property
     def write_policy(self) -> str:

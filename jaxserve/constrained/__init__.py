@@ -6,7 +6,6 @@ llguidance is imported only when the "llguidance" backend is built.
 """
 
 from jaxserve.constrained.backend import (
-    GRAMMAR_BACKENDS,
     GRAMMAR_KINDS,
     CompiledGrammar,
     GrammarBackend,
@@ -14,9 +13,9 @@ from jaxserve.constrained.backend import (
     GrammarMatcher,
     GrammarSpec,
     InvalidGrammarError,
-    get_grammar_backend,
 )
 from jaxserve.constrained.grammar_queue import GrammarCompiler, GrammarQueue, GrammarReady
+from jaxserve.constrained.registry import GRAMMAR_BACKENDS, get_grammar_backend
 
 __all__ = [
     "GRAMMAR_BACKENDS",

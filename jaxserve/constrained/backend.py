@@ -13,7 +13,7 @@ after SGLang's `--grammar-backend {xgrammar,outlines,llguidance,none}`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -60,6 +60,20 @@ class GrammarSpec:
             raise ValueError(f"unknown grammar kind {self.kind!r}; expected one of {sorted(GRAMMAR_KINDS)}")
         if not isinstance(self.source, str):
             raise ValueError(f"grammar source must be a string, got {type(self.source).__name__}")
+
+    @classmethod
+    def of_sampling_params(cls, params: Any) -> GrammarSpec | None:
+        """The constraint a request's `SamplingParams` asks for (its `regex`, `json_schema`, `ebnf` or
+        `choices`, at most one set), or None when it is unconstrained."""
+        if params.regex is not None:
+            return cls.regex(params.regex)
+        if params.json_schema is not None:
+            return cls.json_schema(params.json_schema)
+        if params.ebnf is not None:
+            return cls.ebnf(params.ebnf)
+        if params.choices is not None:
+            return cls.from_choices(list(params.choices))
+        return None
 
     @classmethod
     def regex(cls, pattern: str) -> GrammarSpec:
@@ -202,48 +216,3 @@ class NoGrammarBackend:
     ) -> None:
         for matcher, row in matchers:
             matcher.fill_bitmask(bitmask[row])
-
-
-def _make_llguidance(tokenizer: Any, **kwargs: Any) -> GrammarBackend:
-    # Imported lazily: llguidance is only loaded when structured generation is enabled.
-    from jaxserve.constrained.llguidance_backend import LLGuidanceBackend
-
-    return LLGuidanceBackend(tokenizer, **kwargs)
-
-
-def _make_none(tokenizer: Any, **kwargs: Any) -> GrammarBackend:
-    return NoGrammarBackend(tokenizer, **kwargs)
-
-
-GRAMMAR_BACKENDS: dict[str, Callable[..., GrammarBackend]] = {
-    "llguidance": _make_llguidance,
-    "none": _make_none,
-}
-
-
-def get_grammar_backend(
-    name: str,
-    tokenizer: Any,
-    *,
-    whitespace_pattern: str | None = None,
-    vocab_size: int | None = None,
-    **options: Any,
-) -> GrammarBackend:
-    """Build the grammar backend `name` for a transformers fast tokenizer.
-
-    Args:
-        name: a key of GRAMMAR_BACKENDS ("llguidance", "none").
-        tokenizer: the model's transformers fast tokenizer.
-        whitespace_pattern: regex for the whitespace allowed between JSON tokens (SGLang's
-            `--constrained-json-whitespace-pattern`); None = the backend's bounded default.
-        vocab_size: width of the model's logits if larger than the tokenizer's (padded embeddings).
-        options: backend-specific keyword arguments (e.g. `cache_size` for llguidance).
-
-    Raises:
-        ValueError: unknown backend name, or an invalid whitespace pattern.
-    """
-    try:
-        factory = GRAMMAR_BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown grammar backend {name!r}; expected one of {sorted(GRAMMAR_BACKENDS)}") from None
-    return factory(tokenizer, whitespace_pattern=whitespace_pattern, vocab_size=vocab_size, **options)

@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 decoders as flax.nnx Modules, beside the Llama family (jaxserve/model/llama.py).
+"""Gemma 2 and Gemma 3 decoders as flax.nnx Modules, subclasses of the shared decoder (jaxserve/model/decoder.py).
 
 The facts, from transformers' modeling_gemma2.py and modeling_gemma3.py:
 - the token embedding is scaled by sqrt(hidden_size) (in the weights' dtype);
@@ -17,8 +17,8 @@ The facts, from transformers' modeling_gemma2.py and modeling_gemma3.py:
 The params tree has Llama's names where the tensor means the same (`attention/wqkv`, `attention/wo`,
 `mlp/w_gate_up`, `mlp/w_down`, `attn_norm`, `mlp_norm`), so the loader, the quantization
 (`--quantization w8a8_int8`) and tensor parallelism treat both families alike, plus `post_attn_norm` and
-`post_mlp_norm`. The functional boundary (`llama.forward`, `llama.embed_tokens`, ...) is shared:
-`llama.model_defs` builds these Modules for a Gemma config (jaxserve.model.registry).
+`post_mlp_norm`. The functional boundary (`functional.forward`, `functional.embed_tokens`, ...) is shared:
+`functional.model_defs` builds these Modules for a Gemma config (jaxserve.model.registry).
 
 RoPE tables: `Gemma.embed_tokens` returns cos and sin as [R, T, D], one table per RoPE base the model
 uses (R = 2 for Gemma 3: global, local; R = 1 for Gemma 2); each layer picks its own.
@@ -34,8 +34,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int32
 
-from jaxserve.config import ModelConfig
-from jaxserve.model import llama
+from jaxserve.model import decoder
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch
 from jaxserve.pallas.numerics import pairwise_sum
 
@@ -66,7 +66,7 @@ def _layer_table(config: ModelConfig) -> np.ndarray:
     return np.array([w is not None for w in config.layer_sliding_windows()], np.int32)
 
 
-class GemmaAttention(llama.Attention):
+class GemmaAttention(decoder.Attention):
     """Llama's attention (fused QKV, paged K/V write, ragged attention, output projection) with Gemma's
     (1 + w) q/k norms (Gemma 3), query scale, per-layer RoPE table and window, and score soft-capping."""
 
@@ -89,15 +89,15 @@ class GemmaAttention(llama.Attention):
         return options
 
 
-class GemmaMLP(llama.MLP):
-    """GeGLU MLP: down(gelu_tanh(gate x) * up x). Params as `llama.MLP`."""
+class GemmaMLP(decoder.MLP):
+    """GeGLU MLP: down(gelu_tanh(gate x) * up x). Params as `decoder.MLP`."""
 
     def __call__(self, x: Float[Array, "E T"]) -> Float[Array, "E T"]:
         if self.w_gate_up_scale is None:
             gate_up = jnp.einsum("gie,et->git", self.w_gate_up[...], x)  # [2, I, T]
         else:
-            gate_up = llama.projection_matmul(self.w_gate_up, self.w_gate_up_scale, x).reshape(2, -1, x.shape[1])
-        return llama.projection_matmul(self.w_down, self.w_down_scale, jax.nn.gelu(gate_up[0], approximate=True) * gate_up[1])
+            gate_up = decoder.projection_matmul(self.w_gate_up, self.w_gate_up_scale, x).reshape(2, -1, x.shape[1])
+        return decoder.projection_matmul(self.w_down, self.w_down_scale, jax.nn.gelu(gate_up[0], approximate=True) * gate_up[1])
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -107,12 +107,12 @@ class GemmaDecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         e = config.hidden_size
         self.config = config
-        self.attn_norm = llama.new_param((e,), ("embed",), dtype)
+        self.attn_norm = decoder.new_param((e,), ("embed",), dtype)
         self.attention = GemmaAttention(config, dtype)
-        self.post_attn_norm = llama.new_param((e,), ("embed",), dtype)
-        self.mlp_norm = llama.new_param((e,), ("embed",), dtype)
+        self.post_attn_norm = decoder.new_param((e,), ("embed",), dtype)
+        self.mlp_norm = decoder.new_param((e,), ("embed",), dtype)
         self.mlp = GemmaMLP(config, dtype)
-        self.post_mlp_norm = llama.new_param((e,), ("embed",), dtype)
+        self.post_mlp_norm = decoder.new_param((e,), ("embed",), dtype)
 
     def __call__(
         self,
@@ -123,7 +123,7 @@ class GemmaDecoderLayer(nnx.Module):
         batch: ForwardBatch,
         cos: Float[Array, "R T D"],
         sin: Float[Array, "R T D"],
-        attn_fn: llama.AttentionFn,
+        attn_fn: decoder.AttentionFn,
     ) -> tuple[Float[Array, "E T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
         eps = self.config.rms_norm_eps
         with jax.named_scope("attention"):
@@ -137,8 +137,8 @@ class GemmaDecoderLayer(nnx.Module):
         return h, k_pool, v_pool
 
 
-class Gemma(llama.Llama):
-    """The Gemma 2/3 decoder: `llama.Llama`'s params (embedding, layers, final norm, tied or int8 head)
+class Gemma(decoder.Decoder):
+    """The Gemma 2/3 decoder: `decoder.Decoder`'s params (embedding, layers, final norm, tied or int8 head)
     with `GemmaDecoderLayer`s, the scaled embedding, per-base RoPE tables, the (1 + w) final norm and
     final-logit soft-capping."""
 
@@ -154,7 +154,7 @@ class Gemma(llama.Llama):
         positions = batch.positions.astype(jnp.float32)[:, None]
         cos, sin = [], []
         for base in _rope_bases(self.config):
-            inv_freq = jnp.asarray(llama.rope_inv_freq(self.config, base), jnp.float32)
+            inv_freq = jnp.asarray(decoder.rope_inv_freq(self.config, base), jnp.float32)
             angles = positions * inv_freq[None, :]
             angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]
             cos.append(jnp.cos(angles).astype(h.dtype))
@@ -164,7 +164,7 @@ class Gemma(llama.Llama):
     def final_hidden(self, h: Float[Array, "E T"]) -> Float[Array, "T E"]:
         return gemma_rms_norm(h.T, self.final_norm[...], self.config.rms_norm_eps)
 
-    def logits(self, hidden: Float[Array, "N E"], layout: str = llama.DEFAULT_LOGITS_LAYOUT) -> Float[Array, "N V"]:
+    def logits(self, hidden: Float[Array, "N E"], layout: str = decoder.DEFAULT_LOGITS_LAYOUT) -> Float[Array, "N V"]:
         logits = super().logits(hidden, layout)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -1,6 +1,6 @@
 """Weight loading: HF safetensors directories and GGUF files -> (ModelConfig, params dict).
 
-The params are the plain nested dict of `llama.abstract_params(config)` (the Flax model's
+The params are the plain nested dict of `functional.abstract_params(config)` (the Flax model's
 `nnx.to_pure_dict` form), filled by path: `params["layers"][i]["attention"]["wqkv"]` and so on.
 
 A GGUF file is read without `gguf.GGUFReader` (which parses the tokenizer's arrays too: seconds for
@@ -32,10 +32,10 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.config import ModelConfig
-from jaxserve.model import llama
+from jaxserve.model import decoder, functional
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_header
-from jaxserve.model.registry import get_forward
+from jaxserve.model.registry import get_model_class
 from jaxserve.model.tokenizer import cache_root, resolve_model_path, source_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ def load_model(
     dtype: str = "auto",
     weights_cache_dir: str | None = None,
     use_weights_cache: bool = False,
-) -> tuple[ModelConfig, llama.Params]:
+) -> tuple[ModelConfig, decoder.Params]:
     """Load a checkpoint as (config, params dict on the default device, per-layer storage).
 
     Args:
@@ -169,7 +169,7 @@ def load_model(
         config, tensors = _read_gguf(path)
     else:
         tensors = _read_safetensors(path)
-    get_forward(config.architecture)
+    get_model_class(config.architecture)  # an unsupported architecture fails before any weight is read
     # committed to the default device, as params restored from the cache are: jit keys its executables
     # (and the persistent compilation cache) on that, so both starts then share compiled programs
     params = jax.device_put(_assemble(config, tensors, jdtype), jax.local_devices()[0])
@@ -222,7 +222,7 @@ def _config_from_hf_dir(path: str) -> ModelConfig:
     from transformers import AutoConfig
 
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
-    get_forward(config.architecture)
+    get_model_class(config.architecture)  # an unsupported architecture fails before any weight is read
     return config
 
 
@@ -340,7 +340,7 @@ def _config_from_gguf_header(header: GGUFHeader) -> ModelConfig:
         raise ValueError("GGUF file has no token_embd.weight tensor")
     config = ModelConfig.from_gguf_metadata(
         header.metadata, int(shapes["token_embd.weight"][1]), tie_word_embeddings="output.weight" not in shapes)
-    get_forward(config.architecture)
+    get_model_class(config.architecture)  # an unsupported architecture fails before any weight is read
     return config
 
 
@@ -365,7 +365,7 @@ def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, out_dim // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _assemble(config: ModelConfig, tensors, dtype) -> llama.Params:
+def _assemble(config: ModelConfig, tensors, dtype) -> decoder.Params:
     layers: dict[str, list] = {}
     globals_: dict[str, np.ndarray] = {}
     expected = sum(1 for _ in _expected_layer_tensors(config)) * config.num_layers
@@ -396,7 +396,7 @@ def _assemble(config: ModelConfig, tensors, dtype) -> llama.Params:
             raise ValueError(f"checkpoint tensor for {'/'.join(map(str, path))} has shape {value.shape}, expected {spec.shape}")
         return jnp.asarray(value, dtype=dtype)
 
-    return _map_with_path(fill, llama.abstract_params(config, dtype))
+    return _map_with_path(fill, functional.abstract_params(config, dtype))
 
 
 def _layer_param(config: ModelConfig, path: tuple, parts: list[np.ndarray]) -> np.ndarray:
@@ -420,7 +420,7 @@ def _map_with_path(fn, tree: dict, prefix: tuple = ()) -> dict:
     }
 
 
-def replicate_kv_heads(config: ModelConfig, params: llama.Params, factor: int) -> tuple[ModelConfig, llama.Params]:
+def replicate_kv_heads(config: ModelConfig, params: decoder.Params, factor: int) -> tuple[ModelConfig, decoder.Params]:
     """Copy each kv head `factor` times (tensor parallelism over more devices than kv heads): the config
     then has `num_kv_heads * factor` kv heads, each serving `group_size / factor` query heads, and the
     outputs are unchanged (query head h still reads the K/V of HF kv head h // group_size).
@@ -467,7 +467,7 @@ def _to_numpy(w) -> np.ndarray:
     return w
 
 
-def _save(cache_dir: Path, config: ModelConfig, params: llama.Params) -> None:
+def _save(cache_dir: Path, config: ModelConfig, params: decoder.Params) -> None:
     import shutil
 
     import orbax.checkpoint as ocp
@@ -507,10 +507,10 @@ def _drop_none(tree: dict) -> dict:
     return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in tree.items() if v is not None}
 
 
-def _restore(cache_dir: Path) -> tuple[ModelConfig, llama.Params]:
+def _restore(cache_dir: Path) -> tuple[ModelConfig, decoder.Params]:
     import orbax.checkpoint as ocp
 
-    from jaxserve.config import RopeScaling
+    from jaxserve.model.config import RopeScaling
 
     raw = json.loads((cache_dir / "config.json").read_text())
     raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
@@ -529,4 +529,4 @@ def _restore(cache_dir: Path) -> tuple[ModelConfig, llama.Params]:
             raise ValueError(f"cached {'/'.join(map(str, path))} has shape {node.shape}, expected {spec.shape}")
         return node
 
-    return config, _map_with_path(fill, llama.abstract_params(config))
+    return config, _map_with_path(fill, functional.abstract_params(config))

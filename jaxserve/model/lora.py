@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int32
 
-from jaxserve.config import ModelConfig
+from jaxserve.model.config import ModelConfig
 
 # PEFT target module name -> jaxserve's target name
 TARGET_MODULES: dict[str, str] = {
@@ -140,7 +140,7 @@ def with_lora_slots(params: dict, config: ModelConfig, lora: LoraConfig) -> dict
 
 
 def with_lora_axes(axes: dict, config: ModelConfig, lora: LoraConfig) -> dict:
-    """`llama.logical_axes(config)` with each layer's slot arrays' axes added."""
+    """`functional.logical_axes(config)` with each layer's slot arrays' axes added."""
     layers = {i: {**a, "lora": slot_axes(config, lora)} for i, a in axes["layers"].items()}
     return {**axes, "layers": layers}
 

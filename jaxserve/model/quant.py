@@ -103,7 +103,7 @@ def quantize_params(config, params: dict[str, Any], quantization: str | None) ->
     """(config, params) with the layer projections and the output head in int8 (`quantization`
     "w8a8_int8"), or both unchanged (`quantization` None).
 
-    The result matches `llama.abstract_params(config with quantization set)`: each projection leaf
+    The result matches `functional.abstract_params(config with quantization set)`: each projection leaf
     becomes int8 in `quantize_rows`' layout with a float32 `<name>_scale` [rows] beside it, and the
     head (the untied `lm_head`, or a copy of the tied embedding) is `head_q` with `head_scale` [V];
     `lm_head` is dropped. Per-layer or stacked layers alike.

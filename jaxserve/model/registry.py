@@ -1,19 +1,19 @@
 """Architecture registry: HF `architectures` name -> the Module that implements it.
 
 The names are `jaxserve.model.architecture.ARCHITECTURES` (a jax-free table the launch path checks
-before anything loads); this maps each to its outer Module (`llama.Llama` or `gemma.Gemma`, whose
+before anything loads); this maps each to its outer Module (`llama.Llama` or `gemma.Gemma`, both `decoder.Decoder`s, whose
 `layer_cls` is the decoder layer). Every family runs through the same functional boundary
-(`llama.forward`, `llama.embed_tokens`, `llama.decoder_layers`, ...), which builds the Modules named here.
+(`functional.forward`, `functional.embed_tokens`, ...), which builds the Modules named here. Only this
+module imports the families.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 from jaxserve.model import gemma, llama
 from jaxserve.model.architecture import unsupported_message
+from jaxserve.model.decoder import Decoder
 
-ARCHITECTURES: dict[str, type[llama.Llama]] = {
+ARCHITECTURES: dict[str, type[Decoder]] = {
     "Gemma2ForCausalLM": gemma.Gemma,
     "Gemma3ForCausalLM": gemma.Gemma,
     "LlamaForCausalLM": llama.Llama,
@@ -23,7 +23,7 @@ ARCHITECTURES: dict[str, type[llama.Llama]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[llama.Llama]:
+def get_model_class(architecture: str) -> type[Decoder]:
     """The outer Module class of an architecture.
 
     Raises:
@@ -33,14 +33,3 @@ def get_model_class(architecture: str) -> type[llama.Llama]:
         return ARCHITECTURES[architecture]
     except KeyError:
         raise ValueError(unsupported_message(architecture)) from None
-
-
-def get_forward(architecture: str) -> Callable:
-    """The forward function of an architecture: `llama.forward`, the functional boundary every
-    registered family runs through (it builds `get_model_class(architecture)`'s Modules).
-
-    Raises:
-        ValueError: the architecture is not supported (the message lists the supported ones).
-    """
-    get_model_class(architecture)
-    return llama.forward

@@ -128,32 +128,6 @@ class Topology:
             return None
         return self.coordinator
 
-    @staticmethod
-    def from_server_args(args) -> "Topology":
-        """From `--nnodes`, `--node-rank`, `--dist-init-addr`, `--dist-timeout` (None: 300 s)."""
-        return Topology(args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout or DEFAULT_DIST_TIMEOUT_S)
-
-
-# ServerArgs fields that may differ between ranks: where this rank listens, logs and caches, and what
-# only rank 0 uses (HTTP, admission, seeds of requests). Every other flag shapes the programs or the pool.
-PER_RANK_FIELDS = frozenset({
-    "node_rank", "host", "port", "api_key", "served_model_name", "log_level", "decode_log_interval",
-    "disable_metrics", "enable_debug_checks", "enable_radix_cache_stats", "model_path", "tokenizer_path",
-    "compilation_cache_dir", "weights_cache_dir", "weights_cache", "random_seed", "max_queued_requests",
-    "queue_timeout", "keep_alive_on_engine_error", "shutdown_timeout", "tool_call_parser", "router_policy",
-})
-
-
-def args_fingerprint(args) -> dict[str, str]:
-    """What must be equal on every rank, from `ServerArgs`: each flag outside `PER_RANK_FIELDS` by
-    its name ("--page-size"), the model by its file or directory name ("model"; paths may differ
-    between hosts) and this process's device count."""
-    out = {"model": os.path.basename(str(args.model_path).rstrip("/")), "devices per process": jax.local_device_count()}
-    for f in dataclasses.fields(args):
-        if f.name not in PER_RANK_FIELDS:
-            out["--" + f.name.replace("_", "-")] = getattr(args, f.name)
-    return {k: str(v) for k, v in out.items()}
-
 
 def _key(*parts: object) -> str:
     return KEY_PREFIX + "/".join(str(p) for p in parts)

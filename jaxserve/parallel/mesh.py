@@ -7,15 +7,20 @@ call with more devices.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve.config import ModelConfig
-
 MESH_AXES = ("data", "tensor")
+
+
+class HeadCounts(Protocol):
+    """What the tensor-parallel plan reads of a model's shape (a `model.config.ModelConfig` has both)."""
+
+    num_heads: int
+    num_kv_heads: int
 
 
 def make_mesh(tp_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -43,12 +48,12 @@ class TensorParallelPlan(NamedTuple):
     kv_replicas: int
 
 
-def valid_tp_sizes(config: ModelConfig) -> list[int]:
+def valid_tp_sizes(config: HeadCounts) -> list[int]:
     """Every tp size the model's head counts allow (see `plan_tensor_parallel`)."""
     return [t for t in range(1, config.num_heads + 1) if _refusal(config, t, "") is None]
 
 
-def plan_tensor_parallel(config: ModelConfig, tp_size: int, model_name: str = "the model") -> TensorParallelPlan:
+def plan_tensor_parallel(config: HeadCounts, tp_size: int, model_name: str = "the model") -> TensorParallelPlan:
     """Check that `tp_size` splits the model's heads evenly: query heads must divide by tp; kv heads
     must divide by tp, or tp by them (then each kv head is replicated tp / num_kv_heads times, as
     SGLang and vLLM do for GQA models with few kv heads).
@@ -66,7 +71,7 @@ def plan_tensor_parallel(config: ModelConfig, tp_size: int, model_name: str = "t
     return TensorParallelPlan(tp_size, 1 if nkv % tp_size == 0 else tp_size // nkv)
 
 
-def _refusal(config: ModelConfig, tp: int, name: str) -> str | None:
+def _refusal(config: HeadCounts, tp: int, name: str) -> str | None:
     if tp < 1:
         return f"--tp-size must be >= 1, got {tp}"
     if config.num_heads % tp:

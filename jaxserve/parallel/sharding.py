@@ -26,7 +26,7 @@ def tp_size(mesh: Mesh) -> int:
 
 def param_shardings(params, axes, mesh: Mesh):
     """NamedShardings for a params tree from the matching tree of logical axis names (`axes`:
-    `llama.logical_axes(config)`; stacked layers get a leading unsplit "layers" axis)."""
+    `functional.logical_axes(config)`; stacked layers get a leading unsplit "layers" axis)."""
 
     def one(x, names):
         names = tuple(names)
@@ -79,7 +79,7 @@ def num_shards(axes: tuple[str | None, ...], shape: tuple[int, ...], tp: int) ->
 def per_device_nbytes(params, axes, tp: int) -> int:
     """Bytes of `params` one device holds at tensor parallelism `tp`: each array's bytes divided by its
     `num_shards` (split arrays) or whole (replicated ones: norms, an odd-sized vocabulary). Pure
-    arithmetic on shapes (arrays or ShapeDtypeStructs), no device needed. `axes`: `llama.logical_axes(config)`."""
+    arithmetic on shapes (arrays or ShapeDtypeStructs), no device needed. `axes`: `functional.logical_axes(config)`."""
     shapes, names = jax.tree.leaves(params), jax.tree.leaves(_align(axes, params), is_leaf=lambda a: isinstance(a, tuple))
     total = 0
     for x, axis_names in zip(shapes, names):
@@ -119,7 +119,7 @@ def vocab_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
 
 def shard_attention(attn_fn: Callable, mesh: Mesh) -> Callable:
     """Run the model's `attn_fn(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale,
-    sliding_window=None, logit_softcap=None)` (the K/V write and attention, `llama.paged_attention`;
+    sliding_window=None, logit_softcap=None)` (the K/V write and attention, `functional.paged_attention`;
     the window a traced scalar, replicated) once per
     device on its own heads under `jax.shard_map`: q [T, H, D], k/v [T, KVH, D] and the pools split over
     heads, the batch metadata replicated. Heads never talk to each other in attention, so no collective

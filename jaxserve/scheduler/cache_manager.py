@@ -31,11 +31,26 @@ import dataclasses
 import numpy as np
 
 from jaxserve.cache.freezing import path_len
-from jaxserve.cache.kv_pool import PageAllocator
+from jaxserve.cache.kv_pool import PageAllocator, PoolShape
+from jaxserve.cache.page_io import KVPageIO
 from jaxserve.cache.radix_tree import RadixCache, path_pages
-from jaxserve.cache.release_policy import PolicyMatch, RadixCacheStats, ReleasePolicy
+from jaxserve.cache.release_policy import PolicyMatch, RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
+from jaxserve.cache.storage import StorageConfig
+from jaxserve.cache.storage_tier import StorageTier
 from jaxserve.cache.window_pool import HybridPageAllocator
-from jaxserve.engine.request import CachedTokensDetails, Req
+from jaxserve.core.request import CachedTokensDetails, Req
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The prefix cache of the engine: `page_size` tokens per page; the radix tree unless
+    `disable_radix_cache`; its release policy (None: the radix tree is off) and storage tier (None: no
+    `--hicache-storage-backend`)."""
+
+    page_size: int
+    disable_radix_cache: bool = False
+    release_policy: ReleasePolicyConfig | None = None
+    storage: StorageConfig | None = None
 
 
 @dataclasses.dataclass
@@ -63,6 +78,26 @@ class CacheManager:
         self._window_spans: dict[str, WindowSpan] = {}  # rid -> its window locks (hybrid pool only)
         # rid -> (lookup tokens, match) of a request matched but not run yet (for the hit rates)
         self._unadmitted: dict[str, tuple[int, PolicyMatch]] = {}
+
+    @staticmethod
+    def build(config: CacheConfig, allocator: PageAllocator, pool_shape: PoolShape, page_io: KVPageIO | None,
+              storage_fingerprint: str | None = None) -> "CacheManager":
+        """The radix tree, its release policy and storage tier over the runner's pool (`allocator`, its
+        `pool_shape`). `page_io` copies whole pages for the host tier and copy-on-write (the runner; None
+        over the hybrid window pool, whose pages lose their window parts: D-46); `storage_fingerprint`
+        salts the storage tier's keys (everything that changes a page's KV bytes).
+
+        Raises:
+            StorageError (a ValueError): the storage directory cannot be written.
+        """
+        tree = RadixCache(page_size=config.page_size, disable=config.disable_radix_cache)
+        policy = None
+        if config.release_policy is not None:
+            storage = None if config.storage is None else StorageTier.open(config.storage, pool_shape, storage_fingerprint)
+            policy = ReleasePolicy(config.release_policy, tree, allocator, pool_shape, storage=storage)
+            if page_io is not None:
+                policy.attach_io(page_io)
+        return CacheManager(allocator, tree, config.page_size, policy)
 
     # ---- capacity -------------------------------------------------------------------------------
     def available_tokens(self) -> int:

@@ -28,9 +28,14 @@ import threading
 from collections import OrderedDict
 from typing import Any, Hashable, Iterable
 
+from jaxserve.core.errors import RequestError
 
-class LoraNotFoundError(ValueError):
-    """A name that is not (or no longer) loaded."""
+
+class LoraNotFoundError(RequestError):
+    """A name that is not (or no longer) loaded: a request naming it is refused (field `lora_path`)."""
+
+    def __init__(self, message: str):
+        super().__init__("lora_path", message)
 
 
 @dataclasses.dataclass

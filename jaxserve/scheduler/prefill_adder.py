@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from jaxserve.engine.request import Req
+from jaxserve.core.request import Req
 from jaxserve.scheduler.cache_manager import CacheManager
 
 

@@ -49,7 +49,7 @@ import math
 import statistics
 from typing import Sequence
 
-from jaxserve.runner.buckets import pow2_at_least
+from jaxserve.core.batch import COST_WINDOW, pow2_at_least
 
 # weight of the newest step in the moving average of seconds per prefill token: about the last ten count
 EMA_WEIGHT = 0.1
@@ -58,10 +58,6 @@ STALL_CREDIT_WINDOW = 1600
 # the ITL goal (docs/results.md, "ITL"): P99 ITL at most 3x the median, so an ITL over 3x a
 # decode step is a long one
 LONG_ITL_RATIO = 3.0
-# a step's cost is the median of the last this many steps of its kind (decode bucket, extend bucket):
-# one slow step (another process, a GC pause) does not move it, a slower spell that lasts (longer
-# contexts, a busier machine) does within half as many steps
-COST_WINDOW = 8
 # a bucket over the bound is tried again until it has this many steps (their median is its cost)
 MIN_COST_STEPS = 3
 

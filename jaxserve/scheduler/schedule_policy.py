@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from jaxserve.engine.request import Req
+from jaxserve.core.request import Req
 
 LPM_FALLBACK_QUEUE_LEN = 128
 

@@ -21,8 +21,8 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from jaxserve.engine.request import Req, ReqStatus
-from jaxserve.runner.model_runner import BatchEntry
+from jaxserve.core.batch import BatchEntry
+from jaxserve.core.request import Req, ReqStatus
 from jaxserve.scheduler.cache_manager import CacheManager
 from jaxserve.scheduler.lora_slots import LoraSlots
 from jaxserve.scheduler.prefill_adder import AddResult, PrefillAdder

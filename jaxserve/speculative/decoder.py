@@ -30,7 +30,7 @@ from jaxtyping import Int32
 
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.constrained.bitmask import allocate_bitmask
-from jaxserve.engine.request import Req
+from jaxserve.core.request import Req
 from jaxserve.speculative.ngram import NgramMatch, ngram_match
 from jaxserve.speculative.ngram_store import NgramStore
 from jaxserve.speculative.policy import DraftPolicy, DraftState
@@ -52,19 +52,16 @@ class SpeculativeConfig:
     store_capacity: int = 0
 
     @staticmethod
-    def from_server_args(args) -> "SpeculativeConfig | None":
-        """None unless `--speculative-algorithm NGRAM`. Raises ValueError for another algorithm."""
-        if args.speculative_algorithm is None:
-            return None
-        if args.speculative_algorithm not in ALGORITHMS:
-            raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {args.speculative_algorithm!r}")
-        return SpeculativeConfig(
-            num_draft_tokens=args.speculative_num_draft_tokens or 15,
-            max_match_len=args.speculative_ngram_max_trie_depth,
-            max_batch_size=args.speculative_max_batch_size,
-            adaptive=not args.disable_speculative_adaptive,
-            store_capacity=args.speculative_ngram_capacity,
-        )
+    def of(algorithm: str, num_draft_tokens: int, max_match_len: int, max_batch_size: int, adaptive: bool = True,
+           store_capacity: int = 0) -> "SpeculativeConfig":
+        """The config of `algorithm` (`--speculative-algorithm`).
+
+        Raises:
+            ValueError: an algorithm other than those of ALGORITHMS (NGRAM).
+        """
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        return SpeculativeConfig(num_draft_tokens, max_match_len, max_batch_size, adaptive, store_capacity)
 
 
 @dataclasses.dataclass

@@ -40,8 +40,7 @@ import collections
 import dataclasses
 import statistics
 
-from jaxserve.runner.buckets import pow2_at_least
-from jaxserve.scheduler.prefill_budget import COST_WINDOW
+from jaxserve.core.batch import COST_WINDOW, pow2_at_least
 
 # weight of the newest observation in the moving averages of acceptance
 ACCEPT_EMA_WEIGHT = 0.5

@@ -17,7 +17,7 @@ import enum
 import json
 from typing import Any, Mapping
 
-from jaxserve.engine.validation.errors import SamplingParamsError
+from jaxserve.core.errors import SamplingParamsError
 
 
 class FieldType(enum.Enum):

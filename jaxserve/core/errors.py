@@ -27,7 +27,7 @@ class RequestError(ValueError):
 
 class ContextLengthError(RequestError):
     """A request that does not fit: its prompt (or prompt + max_new_tokens) over the context length or
-    over the KV pool's bound on one request (`pool_limits.py`)."""
+    over the KV pool's bound on one request (`engine/validation/limits.py`)."""
 
     code = "context_length_exceeded"
 

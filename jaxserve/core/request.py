@@ -1,4 +1,5 @@
-"""Requests: `SamplingParams` (SGLang's fields and defaults), `Req` (one sequence's state) and `FinishReason`."""
+"""Requests on the host: `Req` (one sequence's state), `FinishReason`, `CachedTokensDetails`; the sampling
+params are `core/sampling_params.py`."""
 
 from __future__ import annotations
 
@@ -9,107 +10,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from jaxserve.constrained import GrammarSpec
-from jaxserve.engine.validation.errors import SamplingParamsError
-from jaxserve.engine.validation.field_types import first_type_error
-from jaxserve.engine.validation.sampling_params import check_logit_bias_keys, logit_bias_pairs, validate_sampling_params
-from jaxserve.engine.validation.seed import check_seed
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request. Names and defaults follow SGLang's `SamplingParams`.
-
-    `None` passed to `from_dict` means "the default". temperature 0 is greedy; top_k -1 and top_p 1
-    disable those filters. Lengths are in tokens. `stop_regex`: patterns (Python `regex` syntax) that
-    stop the request like stop strings. `stream_interval`: a stream sends an event every N tokens
-    (None: every step). `sampling_seed` (SGLang's name) is accepted by `from_dict` as `seed`.
-    """
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    n: int = 1
-    seed: int | None = None
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    regex: str | None = None
-    json_schema: str | None = None
-    ebnf: str | None = None
-    choices: tuple[str, ...] | None = None
-    stop_regex: tuple[str, ...] = ()
-    spaces_between_special_tokens: bool = True
-    stream_interval: int | None = None
-    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias); from_dict takes
-    # OpenAI's {"token id": bias} object. Token ids are checked against the vocabulary by the engine.
-    logit_bias: tuple[tuple[int, float], ...] | None = None
-
-    @staticmethod
-    def from_dict(d: dict[str, Any] | None) -> "SamplingParams":
-        """Build and validate from a JSON-like dict (unknown keys raise).
-
-        Raises:
-            SamplingParamsError: a value is out of range or of the wrong type (names the field).
-        """
-        d = dict(d or {})
-        names = {f.name for f in dataclasses.fields(SamplingParams)}
-        if (problem := first_type_error(d)) is not None:  # the JSON types, as the HTTP routes word them
-            raise SamplingParamsError(*problem, code="invalid_type")
-        check_seed(d.get("sampling_seed"), "sampling_seed")  # named as given: validate sees it as seed
-        check_seed(d.get("seed"))
-        check_logit_bias_keys(d.get("logit_bias"))
-        alias = d.pop("sampling_seed", None)
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise SamplingParamsError(unknown[0], "unknown sampling parameter", code="unknown_parameter")
-        if alias is not None:
-            if d.get("seed") is not None and d["seed"] != alias:
-                raise SamplingParamsError("sampling_seed", f"is another name of seed; both given and different ({alias} != {d['seed']})")
-            d["seed"] = alias
-        kwargs = {k: v for k, v in d.items() if v is not None}
-        for key in ("stop", "stop_regex"):
-            if isinstance(kwargs.get(key), str):
-                kwargs[key] = (kwargs[key],)
-        for key in ("stop", "stop_token_ids", "choices", "stop_regex"):
-            if key in kwargs:
-                if not isinstance(kwargs[key], (list, tuple)):
-                    raise SamplingParamsError(key, "must be a list", code="invalid_type")
-                kwargs[key] = tuple(kwargs[key])
-        if "logit_bias" in kwargs:
-            kwargs["logit_bias"] = logit_bias_pairs(kwargs["logit_bias"])
-        params = SamplingParams(**kwargs)
-        params.validate()
-        return params
-
-    def validate(self) -> None:
-        """Raise `SamplingParamsError` naming the first invalid field (`validation/sampling_params.py`)."""
-        validate_sampling_params(self)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-
-def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
-    """The constraint of a request as a GrammarSpec, or None when it is unconstrained."""
-    if params.regex is not None:
-        return GrammarSpec.regex(params.regex)
-    if params.json_schema is not None:
-        return GrammarSpec.json_schema(params.json_schema)
-    if params.ebnf is not None:
-        return GrammarSpec.ebnf(params.ebnf)
-    if params.choices is not None:
-        return GrammarSpec.from_choices(list(params.choices))
-    return None
+from jaxserve.core.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

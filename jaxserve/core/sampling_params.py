@@ -1,22 +1,141 @@
-"""The value checks of `SamplingParams` (ranges, lengths, stop strings and regexes, logit_bias): SGLang's
-and OpenAI's limits, each refusal a `SamplingParamsError` naming the field. `SamplingParams.validate`
-and `from_dict` call them; types are field_types.py's, the seed's range seed.py's.
+"""`SamplingParams`: how to sample one request (SGLang's fields and defaults), and the checks of their
+values: SGLang's and OpenAI's limits, each refusal a `SamplingParamsError` naming the field. The JSON
+types are field_types.py's table; the sizes of stop strings are size_limits.py's; `validate` checks both,
+once per request.
+
+The seed (`seed`, and SGLang's `sampling_seed`): OpenAI's published API schema and vLLM's request
+models bound it to a signed 64-bit integer; SGLang does not bound it. jaxserve accepts that range, on
+every route and in-process, so no client that follows OpenAI's schema is refused. The sampler keys its
+random stream with a uint32 (`runner/sampler.py`: `fold_in(fold_in(key(0), seed mod 2**32), step)`),
+so a seed is honoured mod 2**32: -1 draws as 4294967295, and two seeds that differ by a multiple of
+2**32 draw the same tokens. Sequence i of `n` uses seed + i (mod 2**32 as well). -1 is an ordinary
+seed, not "random" (llama.cpp's meaning): leave the field out for a random one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import regex
 
-from jaxserve.engine.validation.errors import SamplingParamsError
-from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, first_type_error
-from jaxserve.engine.validation.size_limits import check_stop_sizes
+from jaxserve.core.errors import SamplingParamsError
+from jaxserve.core.field_types import SAMPLING_FIELD_TYPES, describe, first_type_error
+from jaxserve.core.size_limits import check_stop_sizes
 
-if TYPE_CHECKING:
-    from jaxserve.engine.request import SamplingParams
+SEED_MIN = -(2**63)  # OpenAI's schema and vLLM: a signed 64-bit integer
+SEED_MAX = 2**63 - 1
+SAMPLER_SEED_MODULUS = 2**32  # runner/sampler.py reduces each seed to a uint32
+
+
+def check_seed(value: Any, field: str = "seed") -> None:
+    """Refuse an integer seed outside [SEED_MIN, SEED_MAX]; None and non-integers pass (the type
+    check names a wrong type).
+
+    Raises:
+        SamplingParamsError: naming `field` (`seed` or `sampling_seed`), code invalid_value.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and not SEED_MIN <= value <= SEED_MAX:
+        raise SamplingParamsError(field, f"must be a 64-bit signed integer, in [-2**63, 2**63 - 1], got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Names and defaults follow SGLang's `SamplingParams`.
+
+    `max_new_tokens` None: not given, so the request's route decides (`GenerateInput.default_max_new_tokens`:
+    SGLang's 128 on /generate, OpenAI's 16 on /v1/completions, the context's room on chat); a value given
+    must fit the context. temperature 0 is greedy; top_k -1 and top_p 1 disable those filters. Lengths
+    are in tokens. `stop_regex`: patterns (Python `regex` syntax) that stop the request like stop
+    strings. `stream_interval`: a stream sends an event every N tokens (None: every step).
+    `sampling_seed` (SGLang's name) is accepted by `from_dict` as `seed`.
+
+    Built from JSON (`from_dict`, or an OpenAI route's fields) or in code, it is checked once per request,
+    types and values, by `validate` (the request's one check calls it).
+    """
+
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    choices: tuple[str, ...] | None = None
+    stop_regex: tuple[str, ...] = ()
+    spaces_between_special_tokens: bool = True
+    stream_interval: int | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias); from_dict takes
+    # OpenAI's {"token id": bias} object. Token ids are checked against the vocabulary by the engine.
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+
+    @staticmethod
+    def from_dict(d: dict[str, Any] | None) -> "SamplingParams":
+        """Build from SGLang's JSON-like dict (None values mean the default): unknown fields are refused,
+        `sampling_seed` becomes `seed`, lists become tuples and OpenAI's {"token id": bias} object becomes
+        `logit_bias` pairs. Nothing else is checked here: a value of the wrong type is kept as it is, for
+        `validate` to name (the request's one check runs it).
+
+        Raises:
+            SamplingParamsError: an unknown field, a `sampling_seed` that is no integer or differs from
+                `seed`, a `logit_bias` that is no object of token ids, `choices` that is no list.
+        """
+        d = dict(d or {})
+        names = {f.name for f in dataclasses.fields(SamplingParams)}
+        alias = d.pop("sampling_seed", None)
+        if alias is not None and (not isinstance(alias, int) or isinstance(alias, bool)):
+            raise SamplingParamsError("sampling_seed", f"must be an integer, got {describe(alias)}", code="invalid_type")
+        check_seed(alias, "sampling_seed")  # named as given: validate sees it as seed
+        check_logit_bias_keys(d.get("logit_bias"))
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise SamplingParamsError(unknown[0], "unknown sampling parameter", code="unknown_parameter")
+        if alias is not None:
+            if d.get("seed") is not None and d["seed"] != alias:
+                raise SamplingParamsError("sampling_seed", f"is another name of seed; both given and different ({alias} != {d['seed']})")
+            d["seed"] = alias
+        kwargs = {k: v for k, v in d.items() if v is not None}
+        for key in ("stop", "stop_regex"):
+            if isinstance(kwargs.get(key), str):
+                kwargs[key] = (kwargs[key],)
+        for key in ("stop", "stop_token_ids", "stop_regex"):
+            if isinstance(kwargs.get(key), list):
+                kwargs[key] = tuple(kwargs[key])
+        if "choices" in kwargs:
+            if not isinstance(kwargs["choices"], (list, tuple)):
+                raise SamplingParamsError("choices", "must be a list", code="invalid_type")
+            kwargs["choices"] = tuple(kwargs["choices"])
+        if "logit_bias" in kwargs:
+            kwargs["logit_bias"] = logit_bias_pairs(kwargs["logit_bias"])
+        return SamplingParams(**kwargs)
+
+    def validate(self) -> None:
+        """Raise `SamplingParamsError` naming the first invalid field: its JSON type first (the one table,
+        core/field_types.py, worded as every route words it), then its value (ranges, lengths, stop strings
+        and regexes, logit_bias; `check_values`). The request's one check calls it, once per request."""
+        values = {name: getattr(self, name) for name in SAMPLING_FIELD_TYPES if name in _FIELD_NAMES}
+        if (problem := first_type_error(values)) is not None:
+            raise SamplingParamsError(*problem, code="invalid_type")
+        check_values(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
 
 _INT_MAX = 2**31 - 1
 # the valid range of an integer field, said when a value is past int32 (the other checks below agree)
@@ -33,25 +152,25 @@ MAX_N = 128  # sequences per request (OpenAI's limit for `n`); each one is a req
 # SGLang's limits on stop_regex (MAX_STOP_REGEX_COUNT, MAX_STOP_REGEX_LEN in its sampling_params.py)
 MAX_STOP_REGEX_COUNT = 32
 MAX_STOP_REGEX_LEN = 256  # bytes of UTF-8
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "seed", "stream_interval")
 
 
-def validate_sampling_params(params: SamplingParams) -> None:
-    """Raise `SamplingParamsError` naming the first invalid field of `params` (types: the table of
-    field_types.py, the same message as from_dict and the HTTP routes)."""
-    values = {name: getattr(params, name) for name in SAMPLING_FIELD_TYPES if hasattr(params, name)}
-    if (problem := first_type_error(values)) is not None:
-        raise SamplingParamsError(*problem, code="invalid_type")
-    for name, value in values.items():
+def check_values(params: SamplingParams) -> None:
+    """Raise `SamplingParamsError` naming the first invalid value of `params`."""
+    for name in _INT_FIELDS:
+        value = getattr(params, name)
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT_MAX and name not in ("seed", "n"):
             raise SamplingParamsError(name, f"must be {_INT_RANGES.get(name, f'between -{_INT_MAX} and {_INT_MAX}')}, got {value}")
+    check_seed(params.seed)
     for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
         if not math.isfinite(getattr(params, name)):
             raise SamplingParamsError(name, f"must be a finite number, got {getattr(params, name)}")
-    if params.max_new_tokens < 0:
+    if params.max_new_tokens is not None and params.max_new_tokens < 0:
         raise SamplingParamsError("max_new_tokens", f"must be >= 0, got {params.max_new_tokens}")
     if params.min_new_tokens < 0:
         raise SamplingParamsError("min_new_tokens", f"must be >= 0, got {params.min_new_tokens}")
-    if params.min_new_tokens > params.max_new_tokens:
+    if params.max_new_tokens is not None and params.min_new_tokens > params.max_new_tokens:
         raise SamplingParamsError(
             "min_new_tokens", f"must be <= max_new_tokens ({params.max_new_tokens}), got {params.min_new_tokens}"
         )

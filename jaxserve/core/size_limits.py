@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.engine.validation.errors import RequestError, SamplingParamsError
+from jaxserve.core.errors import RequestError, SamplingParamsError
 
 # field -> (bound, source)
 SIZE_LIMITS: dict[str, tuple[int, str]] = {
@@ -34,14 +34,14 @@ MAX_TOOLS = SIZE_LIMITS["tools"][0]
 
 
 def check_request_sizes(body: dict[str, Any], id_field: str = "rid") -> None:
-    """The bounds of this table on a request body's top-level fields (`id_field`, `stop`, `tools`),
-    checked before the request model reads it.
+    """The bounds of this table on a request body's top-level fields (`id_field`, `tools`), checked before
+    the request model reads it. Stop strings are bounded where the sampling params' values are checked
+    (`SamplingParams.validate`), once per request.
 
     Raises:
         RequestError: naming the field (SamplingParamsError for `stop`).
     """
     check_request_id(body.get(id_field), id_field)
-    check_stop_sizes(body.get("stop"))
     check_tool_count(body.get("tools"))
 
 
