@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from jaxserve.core.batch import pow2_at_least
+
 EXTEND_BLOCK_Q = 16
 MIN_PAGE_BUCKET_TOKENS = 4096
 # Most layers per call of the host loop: each call costs ~100 us of dispatch and runtime overhead.
@@ -28,12 +30,6 @@ def layers_per_call(num_layers: int, most: int = MAX_LAYERS_PER_CALL) -> int:
     """The host loop's group size: the largest divisor of `num_layers` not above `most` (so every call
     runs the same compiled group)."""
     return max(g for g in range(1, max(1, most) + 1) if num_layers % g == 0)
-
-
-def pow2_at_least(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum, 1)
-    return 1 << (n - 1).bit_length()
 
 
 def extend_token_buckets(lo: int, hi: int) -> list[int]:

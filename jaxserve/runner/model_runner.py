@@ -13,8 +13,8 @@ The argument pytrees (`ForwardBatch`, `SamplingBatch`) have one structure for th
 
 For research code: `forward_step` is the whole step as one pure function of plain arrays (the params
 dict, the pools, a ForwardBatch; what the scan loop jits); call it under your own `jax.jit`, trace it or
-inspect its jaxpr. The host loop computes the same step from its parts, `llama.embed_tokens`,
-`llama.decoder_layers` and `head_step`. The Flax Modules are rebuilt (`nnx.merge`) only inside these
+inspect its jaxpr. The host loop computes the same step from its parts, `functional.embed_tokens`,
+`functional.decoder_layers` and `head_step`. The Flax Modules are rebuilt (`nnx.merge`) only inside these
 traced functions; no Module or nnx.State crosses the jit boundary.
 """
 
@@ -37,10 +37,12 @@ from jaxtyping import Array, Float
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
+from jaxserve.cache.kv_pool import PageAllocator, PoolShape
 from jaxserve.cache.window_pool import HybridPageAllocator
-from jaxserve.config import ModelConfig
-from jaxserve.model import llama
+from jaxserve.core.batch import BatchEntry, pow2_at_least
+from jaxserve.model import decoder, functional
 from jaxserve.model import lora as lora_lib
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch, WindowTables
 from jaxserve.pallas.metadata import build_attention_metadata
 from jaxserve.runner import sampler as sampler_lib
@@ -51,7 +53,6 @@ from jaxserve.runner.buckets import (
     BucketKey,
     extend_token_buckets,
     layers_per_call,
-    pow2_at_least,
     pow2_range,
 )
 
@@ -60,14 +61,14 @@ logger = logging.getLogger(__name__)
 
 
 def forward_step(
-    params: llama.Params,
+    params: decoder.Params,
     k_pool: Float[Array, "L N KVH ps D"],
     v_pool: Float[Array, "L N KVH ps D"],
     batch: ForwardBatch,
     *,
     config: ModelConfig,
     attn_fn: Callable,
-    forward_fn: Callable = llama.forward,
+    forward_fn: Callable = functional.forward,
     return_input_logprobs: bool = False,
 ) -> tuple[Float[Array, "S V"], Float[Array, " T"], Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
     """One engine step: write the batch's K/V into the pools and return float32 logits [S, V] at
@@ -76,11 +77,11 @@ def forward_step(
     Prompt logprobs (`return_input_logprobs`): log p(target_ids[t] | tokens up to t) for every packed
     token (0 where the target is -1); this needs logits at every row, so it is a separate variant.
     `attn_fn` is an attention backend (`jaxserve.pallas.get_attention_backend`) or the model's K/V
-    write + attention (`llama.paged_attention(backend)`, what the runner passes). `params` is the Flax
+    write + attention (`functional.paged_attention(backend)`, what the runner passes). `params` is the Flax
     model's plain params dict (`jaxserve.model.loader.load_model`).
     Pure; `config`, `attn_fn`, `forward_fn` and `return_input_logprobs` are static. The engine runs this
-    same computation either as one executable (`--layer-loop scan`) or split into `llama.embed_tokens`,
-    `llama.decoder_layers` calls over groups of layers and `head_step` (`--layer-loop host`,
+    same computation either as one executable (`--layer-loop scan`) or split into `functional.embed_tokens`,
+    `functional.decoder_layers` calls over groups of layers and `head_step` (`--layer-loop host`,
     `HostLayerLoop`).
     """
     hidden, k_pool, v_pool = forward_fn(params, k_pool, v_pool, batch, config=config, attn_fn=attn_fn)
@@ -89,17 +90,17 @@ def forward_step(
 
 
 def step_outputs(
-    params: llama.Params, hidden: Float[Array, "T E"], batch: ForwardBatch, return_input_logprobs: bool | str,
+    params: decoder.Params, hidden: Float[Array, "T E"], batch: ForwardBatch, return_input_logprobs: bool | str,
     *, config: ModelConfig,
 ) -> tuple[Float[Array, "S V"], Float[Array, " T"] | Float[Array, "T V"]]:
     """Logits [S, V] at `batch.logits_idx` and prompt logprobs [T] (zeros unless requested; "full":
     the log-softmax [T, V] of every token) from the final hidden states."""
-    logits = llama.compute_logits(params, hidden[batch.logits_idx], config=config)
+    logits = functional.compute_logits(params, hidden[batch.logits_idx], config=config)
     if return_input_logprobs == "full":  # every token's log-softmax [T, V] (engine/prompt_logprobs.py)
-        all_logits = llama.compute_logits(params, hidden, config=config)
+        all_logits = functional.compute_logits(params, hidden, config=config)
         input_logprobs = all_logits - jax.nn.logsumexp(all_logits, axis=-1, keepdims=True)
     elif return_input_logprobs:
-        all_logits = llama.compute_logits(params, hidden, config=config)  # [T, V]
+        all_logits = functional.compute_logits(params, hidden, config=config)  # [T, V]
         target = jnp.maximum(batch.target_ids, 0)
         picked = jnp.take_along_axis(all_logits, target[:, None], axis=-1)[:, 0]
         input_logprobs = jnp.where(batch.target_ids >= 0, picked - jax.nn.logsumexp(all_logits, axis=-1), 0.0)
@@ -109,11 +110,11 @@ def step_outputs(
 
 
 def head_step(
-    params: llama.Params, h: Float[Array, "E T"], batch: ForwardBatch, *, config: ModelConfig,
+    params: decoder.Params, h: Float[Array, "E T"], batch: ForwardBatch, *, config: ModelConfig,
     return_input_logprobs: bool = False,
 ) -> tuple[Float[Array, "S V"], Float[Array, " T"]]:
     """The end of a host-loop step: final norm of the residual stream [E, T], then `step_outputs`."""
-    hidden = llama.final_hidden(params, h, config=config)
+    hidden = functional.final_hidden(params, h, config=config)
     return step_outputs(params, hidden, batch, return_input_logprobs, config=config)
 
 
@@ -134,10 +135,10 @@ class HostLayerLoop:
         once by the runner."""
         self.embed, self.layers, self.head, self.first_layer_ids = embed, layers, head, first_layer_ids
 
-    def __call__(self, params: llama.Params, k_pool, v_pool, batch: ForwardBatch):
+    def __call__(self, params: decoder.Params, k_pool, v_pool, batch: ForwardBatch):
         """`batch` may hold numpy arrays: the embed program hands it back on the device for the others."""
-        outer = llama.outer_params(params)
-        per_layer = llama.per_layer(params)
+        outer = functional.outer_params(params)
+        per_layer = functional.per_layer(params)
         group = len(per_layer) // len(self.first_layer_ids)
         (h, cos, sin), batch = self.embed(outer, batch)
         for i, first in enumerate(self.first_layer_ids):
@@ -148,13 +149,13 @@ class HostLayerLoop:
 
 
 def embed_step(
-    params: llama.Params, batch: ForwardBatch, *, config: ModelConfig
+    params: decoder.Params, batch: ForwardBatch, *, config: ModelConfig
 ) -> tuple[tuple[Float[Array, "E T"], Float[Array, "T D"], Float[Array, "T D"]], ForwardBatch]:
-    """The start of a host-loop step: `llama.embed_tokens` (residual stream [E, T], RoPE cos and sin
+    """The start of a host-loop step: `functional.embed_tokens` (residual stream [E, T], RoPE cos and sin
     [T, D]), and `batch` itself returned as device arrays for the step's other programs. The step's batch then crosses to the device once, as numpy
     arguments of this call: with a `jax.device_put` of its 12 arrays first, the call took 4-5x longer
     (jax 0.10.2, CPU; D-06)."""
-    return llama.embed_tokens(params, batch, config=config), batch
+    return functional.embed_tokens(params, batch, config=config), batch
 
 
 # ---- whole-page copies of the device KV pools [L, N, KVH, ps, D]: the host tier's device <-> host
@@ -211,27 +212,13 @@ def sharded_page_jits(rep, pool) -> dict[str, Callable]:
     }
 
 
-@dataclasses.dataclass
-class BatchEntry:
-    """One sequence of a host-side batch: `extend_len` new tokens after `prefix_len` cached ones."""
-
-    token_ids: Sequence[int]  # the new tokens (length extend_len)
-    prefix_len: int
-    page_table: Sequence[int]
-    target_ids: Sequence[int] | None = None  # the token after each new token, for prompt logprobs
-    # logits rows for the last num_logits new tokens (speculative verification needs K + 1); each
-    # takes one row of the bucket's S logits rows, in order
-    num_logits: int = 1
-    lora_slot: int = 0  # the LoRA slot its tokens run under (0: the base model)
-
-
 class ModelRunner:
     """Holds params + KV pools and runs bucketed, compiled forward and sampling steps."""
 
     def __init__(
         self,
         config: ModelConfig,
-        params: llama.Params,
+        params: decoder.Params,
         k_pool: jax.Array,
         v_pool: jax.Array,
         *,
@@ -244,11 +231,13 @@ class ModelRunner:
         min_extend_tokens: int = EXTEND_BLOCK_Q,
         mesh: Mesh | None = None,
         lora: lora_lib.LoraConfig | None = None,
-        window_pages: HybridPageAllocator | None = None,
+        allocator: PageAllocator | None = None,
+        pool_shape: PoolShape | None = None,
+        model_path: str | None = None,
     ):
         """`layer_loop`: "scan" compiles each bucket's step as one executable (`forward_step`); "host"
         runs it as a `HostLayerLoop`, with the layer weights split into per-layer buffers (stacked
-        params are split here; per-layer params given to "scan" run unrolled, see `llama.forward`) and
+        params are split here; per-layer params given to "scan" run unrolled, see `functional.forward`) and
         `layers_per_call(num_layers, max_layers_per_call)` layers per call. `attn_fn` is an attention
         backend (`jaxserve.pallas.get_attention_backend`). `mesh` (`jaxserve.parallel.make_mesh`, tensor parallelism): the params
         and pools are placed on it by the rules table, attention runs per device under shard_map, and
@@ -259,39 +248,47 @@ class ModelRunner:
         1.25x (4-token bucket) to 2.1x (16-token bucket) a decode step, D-17;
         today's costs: docs/results.md, "Other current numbers"). `lora`: LoRA slots added to every
         layer's params (zeros; `write_lora_slot` fills them), and each batch carries its tokens' slots.
-        `window_pages`: the hybrid pool's allocator (`jaxserve.cache.window_pool`; the pools are then
-        `[1, F, KVH, ps, D]` in its layout): each batch carries the window layers' page tables, read
-        from its `window_page_of` when the batch is built.
+        `allocator`: the pool's page allocator (`runner/loader.py` makes it with the pool); a
+        `HybridPageAllocator` (`jaxserve.cache.window_pool`; the pools are then `[1, F, KVH, ps, D]` in
+        its layout) makes each batch carry the window layers' page tables, read from its
+        `window_page_of` when the batch is built. `pool_shape` (the page space's shape) and `model_path`
+        (the resolved checkpoint) are kept for the parts built after the runner (tests may leave them out).
 
         Raises:
             ValueError: `layer_loop` is neither "scan" nor "host"."""
         if layer_loop not in ("scan", "host"):
             raise ValueError(f"layer_loop must be 'scan' or 'host', got {layer_loop!r}")
-        self.config = config
+        self.model_config = config
+        self.model_path = model_path
         self.layer_loop = layer_loop
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        self.devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]  # one per tp shard
         self.tp_size = 1 if self.mesh is None else parallel.sharding.tp_size(self.mesh)
         self.lora = lora
-        self.window_pages = window_pages
-        if window_pages is not None:
-            layout = window_pages.layout
+        self.allocator = allocator
+        self.pool_shape = pool_shape
+        self.window_pages = allocator if isinstance(allocator, HybridPageAllocator) else None
+        self.window_layout = None if self.window_pages is None else self.window_pages.layout
+        self.context_length = context_length
+        if self.window_layout is not None:
+            layout = self.window_layout
             if k_pool.shape[:2] != (1, layout.num_flat_pages):
                 raise ValueError(f"pool {k_pool.shape} does not hold the window layout {layout}")
             self._window_layer_maps = (layout.page_base(), layout.uses_window())
         if params is not None and lora is not None:
             if config.quantization is not None:
                 raise ValueError("LoRA adapters are not supported with quantization")
-            if llama.model_class(config).layer_cls is not llama.DecoderLayer:
+            if functional.model_class(config).layer_cls is not decoder.DecoderLayer:
                 raise ValueError(f"LoRA adapters are served for the Llama family only, not {config.architecture}")
-            was_stacked = llama.is_stacked(params["layers"])
-            params = lora_lib.with_lora_slots(llama.unstack_layers(params), config, lora)
-            params = llama.stack_layers(params) if was_stacked else params
+            was_stacked = functional.is_stacked(params["layers"])
+            params = lora_lib.with_lora_slots(functional.unstack_layers(params), config, lora)
+            params = functional.stack_layers(params) if was_stacked else params
         if params is not None:
-            params = llama.unstack_layers(params) if layer_loop == "host" else params
-        attn_fn = llama.paged_attention(attn_fn)
+            params = functional.unstack_layers(params) if layer_loop == "host" else params
+        attn_fn = functional.paged_attention(attn_fn)
         shardings: dict[str, object] = {}
         if self.mesh is not None:
-            axes = llama.logical_axes(config)
+            axes = functional.logical_axes(config)
             params = parallel.shard_params(params, lora_lib.with_lora_axes(axes, config, lora) if lora else axes, self.mesh)
             pool = parallel.pool_sharding(self.mesh, k_pool.shape[2])
             k_pool, v_pool = parallel.sharding.put(k_pool, pool), parallel.sharding.put(v_pool, pool)
@@ -313,14 +310,14 @@ class ModelRunner:
         self._step_jit = {
             flag: jax.jit(
                 functools.partial(forward_step, config=config, attn_fn=attn_fn, return_input_logprobs=flag,
-                                  forward_fn=llama.forward),
+                                  forward_fn=functional.forward),
                 donate_argnums=(1, 2), **out.get("step", {}),
             )
             for flag in (False, True, "full")
         }
         self._embed_jit = jax.jit(functools.partial(embed_step, config=config), **out.get("embed", {}))
         self._layers_jit = jax.jit(
-            functools.partial(llama.decoder_layers, config=config, attn_fn=attn_fn), donate_argnums=(2, 3),
+            functools.partial(functional.decoder_layers, config=config, attn_fn=attn_fn), donate_argnums=(2, 3),
             **out.get("layers", {}),
         )
         self._head_jit = {
@@ -528,7 +525,7 @@ class ModelRunner:
         if self.mesh is None:
             return None
         if flags.all_greedy:
-            return parallel.vocab_sharding(self.mesh, self.config.vocab_size)
+            return parallel.vocab_sharding(self.mesh, self.model_config.vocab_size)
         return self._replicated
 
     def _lower_step(
@@ -539,16 +536,16 @@ class ModelRunner:
         host loop."""
         if self.layer_loop == "scan":
             return {"step": self._step_jit[input_logprobs].lower(self.params, self.k_pool, self.v_pool, batch)}
-        outer = llama.outer_params(self.params)
+        outer = functional.outer_params(self.params)
         # the residual stream and RoPE tables as the embed program makes them ([E, T]; [T, D], or
         # [R, T, D] for a model with R RoPE bases, Gemma 3)
-        (h, rope, _), _ = jax.eval_shape(functools.partial(embed_step, config=self.config), outer, batch)
+        (h, rope, _), _ = jax.eval_shape(functools.partial(embed_step, config=self.model_config), outer, batch)
         h = jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=self._replicated)
         rope = jax.ShapeDtypeStruct(rope.shape, rope.dtype, sharding=self._replicated)
         lower = {
             "embed": lambda: self._embed_jit.lower(outer, batch),
             "layer": lambda: self._layers_jit.lower(
-                llama.per_layer(self.params)[: self.layers_per_call], h, self.k_pool, self.v_pool,
+                functional.per_layer(self.params)[: self.layers_per_call], h, self.k_pool, self.v_pool,
                 self._first_layer_ids[0], batch, rope, rope,
             ),
             "head": lambda: self._head_jit[input_logprobs].lower(outer, h, batch),
@@ -618,7 +615,7 @@ class ModelRunner:
             jobs += [((key, name), lowered) for name, lowered in self._lower_step(batch, False).items()]
         for sampling, flags in sampler_variants:
             s = sampling.temperature.shape[0]
-            logits = jax.ShapeDtypeStruct((s, self.config.vocab_size), jnp.float32,
+            logits = jax.ShapeDtypeStruct((s, self.model_config.vocab_size), jnp.float32,
                                           sharding=self._sampler_logits_sharding(flags))
             key = (s, flags, jax.tree.map(lambda x: x.shape, sampling))
             if key not in self._sample_exec:
@@ -659,11 +656,11 @@ class ModelRunner:
         if not 0 < slot < self.lora.num_slots:
             raise ValueError(f"LoRA slot {slot} out of range 1..{self.lora.num_slots - 1}")
         layers = self.params["layers"]
-        stacked = llama.is_stacked(layers)
-        layout = lora_lib.slot_layout(self.config, self.lora)
+        stacked = functional.is_stacked(layers)
+        layout = lora_lib.slot_layout(self.model_config, self.lora)
         per_layer = adapter.layers if adapter is not None else [
             {k: np.zeros(tuple(n for j, n in enumerate(shape) if j != axis), np.float32)
-             for k, (shape, _, axis) in layout.items()}] * self.config.num_layers
+             for k, (shape, _, axis) in layout.items()}] * self.model_config.num_layers
         # the slot axis of each array (one further in under a stacked L axis)
         slot_axes = {k: axis + stacked for k, (_, _, axis) in layout.items()}
         if stacked:

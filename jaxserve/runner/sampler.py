@@ -29,8 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int32, UInt32
 
-from jaxserve.engine.request import SamplingParams
-from jaxserve.engine.validation.sampling_params import MAX_LOGIT_BIAS_ENTRIES
+from jaxserve.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 
 # SGLang treats temperatures below this as greedy (`_SAMPLING_EPS` in its sampling_params.py).
 SAMPLING_EPS = 1e-6
