@@ -17,8 +17,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Engine": "jaxserve.engine.engine",
     "EngineLoop": "jaxserve.engine.engine_loop",
-    "SamplingParams": "jaxserve.engine.request",
-    "ServerArgs": "jaxserve.config",
+    "SamplingParams": "jaxserve.core.sampling_params",
+    "ServerArgs": "jaxserve.server_args",
 }
 __all__ = list(_EXPORTS)
 

@@ -37,7 +37,8 @@ from typing import Any, NamedTuple, Sequence
 
 import regex
 
-from jaxserve.engine.request import FinishReason, SamplingParams, finish_abort, finish_length, finish_stop
+from jaxserve.core.request import FinishReason, finish_abort, finish_length, finish_stop
+from jaxserve.core.sampling_params import SamplingParams
 
 # A stop_regex search runs on the engine's thread once per token; a pattern that backtracks
 # catastrophically ("(a|aa)+c" over "aaaa...") took tens of seconds per search and stalled every request.

@@ -4,8 +4,12 @@
     engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
     rids = engine.add_request(GenerateInput([1, 2, 3], {"max_new_tokens": 4})); outs = engine.step(); engine.abort(rid)
 
-`step()` = schedule -> forward (jitted) -> sample (jitted) -> postprocess. The jitted core is
-`jaxserve.runner.model_runner.forward_step`, a pure function of (params, k_pool, v_pool, ForwardBatch).
+The engine composes its parts, each built from its own config (engine/config.py maps `ServerArgs` onto
+them): the model runner (runner/: weights, mesh, KV pool, compiled steps), the prefix cache
+(`CacheManager`: radix tree, release policy, storage tier), the scheduler, the grammar backend, the
+speculator and the output processor. `step()` = schedule -> launch (jitted forward + sample) -> read ->
+process. The jitted core is `jaxserve.runner.model_runner.forward_step`, a pure function of (params,
+k_pool, v_pool, ForwardBatch).
 """
 
 from __future__ import annotations
@@ -14,58 +18,41 @@ import dataclasses
 import logging
 import random
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-from jaxserve.cache.kv_pool import PageAllocator, allocate_pools, available_memory_bytes, size_pool
-from jaxserve.cache.radix_tree import RadixCache
-from jaxserve.cache.release_policy import RadixCacheStats, ReleasePolicy, ReleasePolicyConfig
-from jaxserve.cache.storage import FileStorage, StorageConfig, storage_fingerprint
-from jaxserve.cache.storage_tier import StorageTier
-from jaxserve.cache.window_pool import HybridPageAllocator, check_window_pool_fits, size_hybrid_pool
-from jaxserve.config import ServerArgs
-from jaxserve.constrained import GrammarCompiler, GrammarQueue, get_grammar_backend
+from jaxserve.cache.release_policy import RadixCacheStats
+from jaxserve.cache.storage import storage_fingerprint
+from jaxserve.constrained import GrammarCompiler, GrammarQueue, GrammarSpec, get_grammar_backend
 from jaxserve.constrained.reasoner import ReasonerMatcher
+from jaxserve.core.batch import BatchEntry
+from jaxserve.core.errors import RequestError
+from jaxserve.core.request import Req, finish_abort, finish_length, new_rid
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import overlap, prompt_logprobs
-from jaxserve.engine.context_length import resolve_context_length
+from jaxserve.engine.config import EngineConfig
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.memory_usage import MemoryUsage, measure_array_bytes, process_rss_bytes
 from jaxserve.engine.output_processor import LaunchedBatch, OutputProcessor, StepCounts
-from jaxserve.engine.outputs import (
-    EngineSnapshot,
-    EngineStats,
-    RequestError,
-    StepOutput,
-    sglang_meta_info,
-)
-from jaxserve.engine.request import Req, SamplingParams, finish_abort, finish_length, grammar_spec, new_rid
+from jaxserve.engine.outputs import EngineSnapshot, EngineStats, LogprobKeys, StepOutput, meta_info
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.sampling_rows import grammar_bitmask, sampler_warmup_variants, sampling_rows
 from jaxserve.engine.stats_log import decode_line, prefill_line, prefill_stats, storage_line
-from jaxserve.engine.validation.pool_limits import PoolLimits
-from jaxserve.engine.validation.validator import CheckedInput, RequestValidator
-from jaxserve.model import llama
+from jaxserve.engine.validation.check import CheckedInput, RequestChecker
+from jaxserve.engine.validation.limits import ModelLimits
 from jaxserve.model import lora as lora_lib
-from jaxserve.model.architecture import check_architecture
-from jaxserve.model.loader import load_model, replicate_kv_heads
-from jaxserve.model.quant import quantize_params
-from jaxserve.model.tokenizer import load_tokenizer, resolve_model_path, source_fingerprint
-from jaxserve.pallas import get_attention_backend
-from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
+from jaxserve.model.tokenizer import cache_root, load_tokenizer, source_fingerprint
 from jaxserve.runner import sampler as sampler_lib
-from jaxserve.runner.buckets import EXTEND_BLOCK_Q
-from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+from jaxserve.runner.loader import load_runner
 from jaxserve.scheduler.cache_manager import CacheManager
 from jaxserve.scheduler.lora_slots import LoraSlots
-from jaxserve.scheduler.scheduler import ScheduleBatch, Scheduler, SchedulerConfig
-from jaxserve.speculative import NgramSpeculator, SpeculativeConfig, SpeculativeStats, constrain_drafts
+from jaxserve.scheduler.scheduler import ScheduleBatch, Scheduler
+from jaxserve.server_args import ServerArgs
+from jaxserve.speculative import NgramSpeculator, SpeculativeStats, constrain_drafts
 
 logger = logging.getLogger(__name__)
-
-MAX_DEFAULT_CONTEXT = 8192
 
 
 class Engine:
@@ -79,162 +66,78 @@ class Engine:
     """
 
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any):
-        args = dataclasses.replace(server_args or ServerArgs(), **kwargs)
-        platform = jax.default_backend()
-        self.args = args = args.resolved(platform)
-        _enable_compilation_cache(args.compilation_cache_dir)
-        if ignored := args.ignored_speculative_flags():  # SGLang 0.5.23 ignores them silently
-            logger.warning("%s given without --speculative-algorithm: ignored (decoding is one token per step)",
-                           ", ".join(ignored))
-        if args.speculative_algorithm is not None and args.speculative_max_batch_size == 0:
-            logger.warning("--speculative-max-batch-size 0: no decode step verifies drafts (speculation is off)")
-        if ignored := args.ignored_radix_cache_flags():
-            logger.warning("%s given with --disable-radix-cache: ignored (there are no radix-cache nodes to move or merge)",
-                           ", ".join(ignored))
-        self.model_path = resolve_model_path(args.model_path)
-        check_architecture(self.model_path)  # before the tokenizer and weights: a refusal costs milliseconds
+        args = dataclasses.replace(server_args or ServerArgs(), **kwargs).resolved(jax.default_backend())
+        self.config = config = EngineConfig.of(args)
+        enable_compilation_cache(args.compilation_cache_dir)
+        self.runner = runner = load_runner(config.runner)
+        # /get_server_info reports the pool the model got: a window model without the hybrid pool keeps every layer's pages
+        has_windows = runner.model_config.has_sliding_window_layers and runner.window_layout is None
+        self.args = dataclasses.replace(args, disable_hybrid_swa_memory=True) if has_windows else args
         self.tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
-        self.model_config, params = load_model(
-            args.model_path, args.dtype, args.weights_cache_dir, use_weights_cache=bool(args.weights_cache)
-        )
-        # tensor parallelism: refuse a tp size the heads or the devices do not allow before any allocation
-        model_name = args.served_model_name or Path(self.model_path.rstrip("/")).name.split(".")[0]
-        plan = plan_tensor_parallel(self.model_config, args.tp_size, model_name)
-        self.mesh = make_mesh(args.tp_size)
-        self.model_config, params = replicate_kv_heads(self.model_config, params, plan.kv_replicas)
-        self.model_config, params = quantize_params(self.model_config, params, args.quantization)
-        cfg = self.model_config
-        self.context_length = resolve_context_length(args.context_length, cfg.max_position_embeddings, MAX_DEFAULT_CONTEXT,
-                                                     refuse_longer=False)  # serve.py refused it already
-        self.eos_token_ids = tuple(cfg.eos_token_ids) or (
-            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
-        )
-        # each device holds its share of the weights and of every page: size the pool to one device's budget
-        weights_bytes = per_device_nbytes(params, llama.logical_axes(cfg), args.tp_size)
-        dtype = jax.tree.leaves(params)[0].dtype
-        pool_args = dict(
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            page_size=args.page_size,
-            dtype=str(dtype),
-            max_total_tokens=args.max_total_tokens,
-            mem_fraction_static=args.mem_fraction_static,
-            weights_bytes=weights_bytes,
-            platform=platform,
-            max_num_pages=args.radix_cache_max_num_blocks,
-            pool_shards=pool_shards(cfg.num_kv_heads, args.tp_size),
-            available_bytes=available_memory_bytes(self.mesh.devices.flat),
-        )
-        self.window_layout = None  # the hybrid sliding-window pool's layout (D-46), or None
-        if (all_pages_reason := self._hybrid_swa_pool_off_reason(args)) is not None:
-            logger.info("sliding-window model with %s: every layer keeps all its pages", all_pages_reason)
-            self.args = args = dataclasses.replace(args, disable_hybrid_swa_memory=True)  # as /get_server_info reports it
-        if self.model_config.has_sliding_window_layers and all_pages_reason is None:
-            self.pool_shape, self.window_layout = size_hybrid_pool(
-                cfg.layer_sliding_windows(), args.swa_full_tokens_ratio, **pool_args)
-            chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
-            check_window_pool_fits(self.window_layout, min(chunk, self.context_length), args.page_size)
-        else:
-            self.pool_shape = size_pool(num_layers=cfg.num_layers, **pool_args)
-        self.pool_limits = PoolLimits(self.pool_shape.num_tokens)
-        if self.pool_shape.num_tokens < self.context_length:
-            logger.warning(
-                "the KV pool holds %d tokens, fewer than the context length %d: a prompt of %d tokens or more "
-                "is refused and max_new_tokens is cut to what the pool holds (raise --max-total-tokens or "
-                "--mem-fraction-static)", self.pool_shape.num_tokens, self.context_length,
-                self.pool_limits.max_req_input_len,
-            )
-        self.validator = RequestValidator(self.tokenizer, cfg.vocab_size, self.context_length, self.pool_limits,
-                                          args.chunked_prefill_size, args.max_prefill_tokens)
-        self.lora_config, self.lora_slots, lora_sources = self._lora_setup(args, plan.kv_replicas)
-        k_pool, v_pool = allocate_pools(self.pool_shape if self.window_layout is None
-                                        else self.window_layout.device_pool_shape(self.pool_shape))
-        self.allocator = (PageAllocator(self.pool_shape.num_pages) if self.window_layout is None
-                          else HybridPageAllocator(self.window_layout))
-        self.tree = RadixCache(page_size=args.page_size, disable=args.disable_radix_cache)
-        storage = None if args.disable_radix_cache else self._open_storage(args, self.pool_shape.dtype)
-        self.release_policy = None if args.disable_radix_cache else ReleasePolicy(
-            ReleasePolicyConfig.from_server_args(args), self.tree, self.allocator, self.pool_shape, storage=storage
-        )
-        self.cache = CacheManager(self.allocator, self.tree, args.page_size, self.release_policy)
-        chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else args.max_prefill_tokens
-        self.runner = ModelRunner(
-            cfg,
-            params,
-            k_pool,
-            v_pool,
-            attn_fn=get_attention_backend(args.attention_backend),
-            layer_loop=args.layer_loop,
-            max_running_requests=args.max_running_requests,
-            max_extend_tokens=min(chunk, self.context_length),
-            context_length=self.context_length,
-            min_extend_tokens=2 if args.speculative_algorithm else EXTEND_BLOCK_Q,
-            mesh=self.mesh,
-            lora=self.lora_config,
-            window_pages=self.allocator if self.window_layout is not None else None,
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                page_size=args.page_size,
-                max_running_requests=args.max_running_requests,
-                # the token budget of a step never exceeds the largest compiled extend bucket
-                max_prefill_tokens=min(args.max_prefill_tokens, self.context_length),
-                chunked_prefill_size=min(args.chunked_prefill_size, self.context_length),
-                enable_mixed_chunk=args.enable_mixed_chunk,
-                schedule_policy=args.schedule_policy,
-                disable_radix_cache=args.disable_radix_cache,
-                seed=args.random_seed,
-                prefill_decode_itl_ratio=args.prefill_decode_itl_ratio,
-                min_prefill_budget=args.min_prefill_budget,
-                prefill_decode_stall_fraction=args.prefill_decode_stall_fraction,
-                extend_token_buckets=tuple(self.runner.extend_tokens),
-            ),
-            self.cache,
-            self.lora_slots,
-        )
-        for source in lora_sources:
-            self.load_lora_adapter(source.lora_name, source.lora_path, source.pinned)
-        if self.release_policy is not None and self.window_layout is None:
-            # host tier and copy-on-write copy whole pages through the runner (not over the hybrid pool,
-            # whose pages lose their window parts: D-46)
-            self.release_policy.attach_io(self.runner)
+        self.eos_token_ids = tuple(runner.model_config.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        page_io = runner if runner.window_layout is None else None  # whole-page copies: not over the hybrid pool (D-46)
+        self.cache = CacheManager.build(config.cache, runner.allocator, runner.pool_shape, page_io, self.kv_fingerprint())
+        lora_slots = None if config.lora is None else LoraSlots(runner.lora.num_slots, config.lora.max_loras_per_batch,
+                                                                config.lora.max_loaded_loras)
+        self.scheduler = Scheduler(config.scheduler_config(runner), self.cache, lora_slots)
         self.grammar_backend = get_grammar_backend(
-            args.grammar_backend, self.tokenizer, whitespace_pattern=args.constrained_json_whitespace_pattern,
-            vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids,
-        )
+            config.grammar_backend, self.tokenizer, whitespace_pattern=config.json_whitespace_pattern,
+            vocab_size=runner.model_config.vocab_size, eos_token_ids=self.eos_token_ids)
         self.grammar_queue: GrammarQueue[Req] = GrammarQueue(GrammarCompiler(self.grammar_backend))
-        spec_config = SpeculativeConfig.from_server_args(args)
-        self.speculator = NgramSpeculator(spec_config, self.tree) if spec_config is not None else None
-        self._rng = random.Random(args.random_seed)
-        self.processor = OutputProcessor(self.scheduler, self.cache, self.speculator, args.disable_jump_forward)
-        self._finished_outside_step: list[StepOutput] = []
+        self.limits = ModelLimits(runner.model_config.vocab_size, runner.context_length, runner.pool_shape.num_tokens,
+                                  None if args.chunked_prefill_size > 0 else args.max_prefill_tokens, lora_slots)
+        self.checker = RequestChecker(self.tokenizer, self.limits, self.grammar_backend.compile)
+        self.speculator = None if config.speculative is None else NgramSpeculator(config.speculative, self.cache.tree)
+        self.processor = OutputProcessor(self.scheduler, self.cache, self.speculator, config.disable_jump_forward)
         self.stats = EngineStats()
-        self._throughput_mark = (time.perf_counter(), 0)
-        self._gen_throughput = 0.0
+        self._rng = random.Random(config.random_seed)
+        self._finished_outside_step: list[StepOutput] = []
+        self._throughput_mark, self._gen_throughput = (time.perf_counter(), 0), 0.0
         self._inflight: LaunchedBatch | None = None  # a decode step whose tokens are not read yet (overlap)
         self._last_tokens_read = time.perf_counter()
         # the overlap schedule needs the sampled tokens on the device: one process on one device
-        self._overlap_enabled = not args.disable_overlap_schedule and self.runner.mesh is None and self.runner.channel is None
-        self.array_bytes = measure_array_bytes(self.runner.params, self.runner.k_pool, self.runner.v_pool,
-                                               len(self.devices))
-        if not args.disable_precompile:
-            self.runner.precompile(sampler_warmup_variants(
-                (k.num_seqs for k in self.runner.all_buckets()), cfg.vocab_size))
+        self._overlap_enabled = not config.disable_overlap_schedule and runner.mesh is None and runner.channel is None
+        for source in config.runner.lora_sources:
+            self.load_lora_adapter(source.lora_name, source.lora_path, source.pinned)
+        self.array_bytes = measure_array_bytes(runner.params, runner.k_pool, runner.v_pool, len(self.devices))
+        self._precompile()
+
+    def _precompile(self) -> None:
+        runner, shape = self.runner, self.runner.pool_shape
+        if self.config.disable_precompile:
+            runner.mark_warmed_up()
         else:
-            self.runner.mark_warmed_up()
+            runner.precompile(sampler_warmup_variants((k.num_seqs for k in runner.all_buckets()), runner.model_config.vocab_size))
         logger.info(
             # the page count as the "KV pool:" line of kv_pool.size_pool gives it: page 0 is the dummy page
             "engine ready: %s, KV pool %d tokens (%d pages of %d, one of them the reserved dummy page), context "
             "%d, attention %s, layer loop %s, tp_size %d on %s",
-            cfg.architecture, self.pool_shape.num_tokens, self.pool_shape.num_pages,
-            args.page_size, self.context_length, args.attention_backend, args.layer_loop,
-            args.tp_size, ", ".join(self.devices),
+            runner.model_config.architecture, shape.num_tokens, shape.num_pages, shape.page_size, runner.context_length,
+            self.args.attention_backend, self.args.layer_loop, self.args.tp_size, ", ".join(self.devices),
+        )
+        if shape.num_tokens < runner.context_length:
+            logger.warning(
+                "the KV pool holds %d tokens, fewer than the context length %d: a prompt of %d tokens or more "
+                "is refused and max_new_tokens is cut to what the pool holds (raise --max-total-tokens or "
+                "--mem-fraction-static)", shape.num_tokens, runner.context_length, self.limits.max_req_input_len,
+            )
+
+    def kv_fingerprint(self) -> str:
+        """What changes a page's KV bytes (model and weights, dtype, quantization, page size, pool layout, tp
+        size, RoPE): the storage tier salts its keys with it, so pages of another model are never served."""
+        cfg, shape = self.runner.model_config, self.runner.pool_shape
+        return storage_fingerprint(
+            weights=source_fingerprint(self.runner.model_path), architecture=cfg.architecture, dtype=shape.dtype,
+            quantization=cfg.quantization, page_size=shape.page_size,
+            pool_layout=("layers, pages, kv_heads, page, head_dim", cfg.num_layers, shape.num_kv_heads, shape.head_dim),
+            tp_size=self.args.tp_size, rope=(cfg.rope_theta, cfg.rope_scaling),
         )
 
     @property
     def devices(self) -> list[str]:
         """The devices the model runs on, as "platform:id" (one per tensor-parallel shard)."""
-        return [f"{d.platform}:{d.id}" for d in self.mesh.devices.flat]
+        return [f"{d.platform}:{d.id}" for d in self.runner.devices]
 
     def memory_usage(self) -> MemoryUsage:
         """The weights' and the KV pool's bytes (measured at start-up) and the process's RSS now; safe
@@ -249,36 +152,36 @@ class Engine:
         """Queue one prompt; returns the rids of its `n` sequences.
 
         `request`: a `GenerateInput` (its fields: request_input.py), checked here once
-        (`RequestValidator.check`), or a `CheckedInput` that passed the server's checks already
-        (`check_submit`), queued as it is. Research code may give the prompt (text or token ids), its
-        sampling params and the other fields by name instead (`GenerateInput.of`).
+        (`RequestChecker.check`), or a `CheckedInput` that passed that check already (the server's
+        `EngineLoop.submit`, which also made its rid unique), queued as it is. Research code may give the
+        prompt (text or token ids), its sampling params and the other fields by name instead
+        (`GenerateInput.of`).
 
         Raises:
             SamplingParamsError: an invalid sampling parameter (names it).
-            RequestError: empty prompt, prompt longer than the context, bad token ids, with logprobs
-                asked for a `logprob_start_len` below -1 or past the prompt (`logprob_start.py`), a rid
-                in use.
+            RequestError: what `RequestChecker.check` refuses; a rid in use; an adapter unloaded since
+                the request was checked.
         """
         if isinstance(request, CheckedInput):
             if sampling_params is not None or fields:
                 raise TypeError("give a CheckedInput alone")
             checked = request
         else:
-            checked = self.validator.check(GenerateInput.of(request, sampling_params, **fields))
+            checked = self.checker.check(GenerateInput.of(request, sampling_params, **fields))
+            base = checked.request.rid or new_rid()
+            if base in self.processor.reqs or any(f"{base}-{i}" in self.processor.reqs for i in range(checked.params.n)):
+                raise RequestError("rid", f"request id {base!r} is already in use")
+            checked = dataclasses.replace(checked, request=dataclasses.replace(checked.request, rid=base))
         request, input_ids, params = checked.request, checked.input_ids, checked.params
-        if request.lora_path is not None:
-            self.validate_lora_path(request.lora_path)
-        base = request.rid or new_rid()
-        if base in self.processor.reqs or any(f"{base}-{i}" in self.processor.reqs for i in range(params.n)):
-            raise RequestError("rid", f"request id {base!r} is already in use")
-        rids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
+        lora_slots = self.scheduler.lora
+        rids = [request.rid] if params.n == 1 else [f"{request.rid}-{i}" for i in range(params.n)]
         now = time.perf_counter()
         for i, r in enumerate(rids):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
-            lora_id = None if request.lora_path is None else self.lora_slots.acquire(request.lora_path)
+            lora_id = None if request.lora_path is None else lora_slots.acquire(request.lora_path)
             # the KV caches key on the adapter's contents: KV computed under one adapter is never another's
             namespace = (request.namespace if lora_id is None
-                         else ("lora", self.lora_slots.cache_key_of(lora_id), request.namespace))
+                         else ("lora", lora_slots.cache_key_of(lora_id), request.namespace))
             req = Req(r, list(input_ids), params, request.return_logprob or request.top_logprobs_num > 0,
                       request.top_logprobs_num, request.logprob_start_len, tuple(request.token_ids_logprob),
                       namespace, arrival_time=now, seed=seed, think_end_ids=tuple(request.think_end_ids),
@@ -286,7 +189,7 @@ class Engine:
             self.processor.track(req, IncrementalDetokenizer(self.tokenizer, input_ids, params, self.eos_token_ids))
             self.stats.num_requests += 1
             self.stats.prompt_tokens += len(input_ids)
-            spec = grammar_spec(params)
+            spec = GrammarSpec.of_sampling_params(params)
             if params.max_new_tokens == 0 and not req.wants_input_logprobs:
                 self._finish_outside_step(req, finish_length(0))
             elif params.max_new_tokens == 0:  # prompt logprobs only (SGLang's select scores choices so)
@@ -297,54 +200,7 @@ class Engine:
                 self.scheduler.add(req)
         return rids
 
-    def compile_grammar(self, params: SamplingParams) -> None:
-        """Compile the request's constraint now (cached), so an invalid one is an error at submit time.
-
-        Thread-safe; the server calls it in the request handler, off the engine thread.
-
-        Raises:
-            InvalidGrammarError: the regex / schema / EBNF is invalid (the message names the problem).
-            GrammarDisabledError: a constraint was given with `--grammar-backend none`.
-        """
-        spec = grammar_spec(params)
-        if spec is not None:
-            self.grammar_backend.compile(spec)
-
-    # the checks of a request against the model (validation/validator.py); thread-safe, read-only
-    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text or of a list (`RequestValidator.tokenize`; RequestError "prompt")."""
-        return self.validator.tokenize(prompt, add_special_tokens)
-
-    def validate_logit_bias(self, params: SamplingParams) -> None:
-        self.validator.validate_logit_bias(params)
-
-    def validate_stop_token_ids(self, params: SamplingParams) -> None:
-        self.validator.validate_stop_token_ids(params)
-
-    def validate_input_ids(self, input_ids: Sequence[int], max_new_tokens: int = 0) -> None:
-        self.validator.validate_input_ids(input_ids, max_new_tokens)
-
     # ---- LoRA adapters (thread-safe: the server calls these off the engine thread) ---------------
-    def _lora_setup(self, args: ServerArgs, kv_replicas: int):
-        """The LoRA slots' config, their table and the --lora-paths adapters (None, None, [] without LoRA)."""
-        if not args.enable_lora:
-            return None, None, []
-        if jax.process_count() > 1:
-            raise ValueError("--enable-lora runs in one process: give --nnodes 1")
-        sources = lora_lib.parse_lora_paths(args.lora_paths)
-        rank, targets = lora_lib.infer_rank_and_targets(sources)
-        config = lora_lib.LoraConfig.of(args.max_loras_per_batch + 1, args.max_lora_rank or rank or 16,
-                                        args.lora_target_modules or targets, kv_replicas)
-        slots = LoraSlots(config.num_slots, args.max_loras_per_batch, args.max_loaded_loras)
-        return config, slots, sources
-
-    def validate_lora_path(self, name: str) -> None:
-        """Raises RequestError (naming lora_path) unless adapter `name` is loaded."""
-        if self.lora_slots is None:
-            raise RequestError("lora_path", "LoRA is not enabled; start the server with --enable-lora")
-        if not isinstance(name, str) or not self.lora_slots.has(name):
-            raise RequestError("lora_path", f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.lora_slots.loaded())}")
-
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> list[str]:
         """Read a PEFT adapter into host memory and make `lora_name` servable (its device slot is
         written when a request under it is first admitted). Returns the names unloaded to stay within
@@ -354,16 +210,17 @@ class Engine:
             ValueError: LoRA is not enabled, the name is loaded already, or `lora.LoraError` (the adapter
                 cannot serve this model: files, rank, shapes, targets).
         """
-        if self.lora_slots is None:
+        lora_slots = self.scheduler.lora
+        if lora_slots is None:
             raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         if not lora_name or not isinstance(lora_name, str):
             raise ValueError(f"lora_name must be a non-empty string, got {lora_name!r}")
         if not isinstance(lora_path, str) or not lora_path:
             raise ValueError(f"lora_path must be a non-empty string, got {lora_path!r}")
-        if self.lora_slots.has(lora_name):
+        if lora_slots.has(lora_name):
             raise ValueError(f"LoRA adapter {lora_name!r} is already loaded")
-        adapter = lora_lib.load_adapter(lora_path, self.model_config, self.lora_config)
-        _, evicted = self.lora_slots.register(lora_name, lora_path, adapter, bool(pinned), cache_key=adapter.digest)
+        adapter = lora_lib.load_adapter(lora_path, self.runner.model_config, self.runner.lora)
+        _, evicted = lora_slots.register(lora_name, lora_path, adapter, bool(pinned), cache_key=adapter.digest)
         logger.info("loaded LoRA adapter %s from %s (rank %d, %s)%s", lora_name, lora_path, adapter.rank,
                     ", ".join(adapter.targets), f"; unloaded {', '.join(evicted)}" if evicted else "")
         return evicted
@@ -376,25 +233,22 @@ class Engine:
         Raises:
             ValueError: LoRA is not enabled, or the name is not loaded.
         """
-        if self.lora_slots is None:
+        if self.scheduler.lora is None:
             raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
-        return self.lora_slots.unregister(lora_name)
+        return self.scheduler.lora.unregister(lora_name)
 
     def lora_in_use(self, lora_id: str) -> bool:
-        return self.lora_slots is not None and self.lora_slots.is_in_use(lora_id)
+        return self.scheduler.lora is not None and self.scheduler.lora.is_in_use(lora_id)
 
     def loaded_lora_adapters(self) -> dict[str, str]:
         """name -> path of the loaded adapters ({} without LoRA)."""
-        return {} if self.lora_slots is None else self.lora_slots.loaded()
+        return {} if self.scheduler.lora is None else self.scheduler.lora.loaded()
 
     def _write_lora_slots(self) -> None:
         """Write the adapters the scheduler gave slots to into the device slots, before the step runs."""
-        if self.lora_slots is not None:
-            for write in self.lora_slots.take_writes():
+        if self.scheduler.lora is not None:
+            for write in self.scheduler.lora.take_writes():
                 self.runner.write_lora_slot(write.slot, write.payload)
-
-    def validate_token_ids_logprob(self, ids: Sequence[int]) -> None:
-        self.validator.validate_token_ids_logprob(ids)
 
     def abort(self, rid: str) -> bool:
         """Stop a request wherever it is and free its pages. Returns False for an unknown rid."""
@@ -405,47 +259,10 @@ class Engine:
         self._finish_outside_step(req, finish_abort("aborted by the client"), is_abort=True)
         return True
 
-    def _hybrid_swa_pool_off_reason(self, args: ServerArgs) -> str | None:
-        """Why a sliding-window model keeps every layer's pages instead of the hybrid window pool (D-46):
-        --disable-hybrid-swa-memory, or a tier that copies whole pages (host, storage); None when the
-        hybrid pool is used or the model has no window layers."""
-        if not self.model_config.has_sliding_window_layers:
-            return None
-        if args.disable_hybrid_swa_memory:
-            return "--disable-hybrid-swa-memory"
-        if args.enable_hierarchical_cache and not args.disable_radix_cache:
-            return "--enable-hierarchical-cache"
-        if args.hicache_storage_backend is not None and not args.disable_radix_cache:
-            return "--hicache-storage-backend"
-        return None
-
-    def _open_storage(self, args: ServerArgs, dtype: str) -> StorageTier | None:
-        """The storage tier of `--hicache-storage-backend` (None without it), its keys salted with everything
-        that changes a page's KV bytes.
-
-        Raises:
-            StorageError (a ValueError): a bad setting or a directory that cannot be written.
-        """
-        config = StorageConfig.from_server_args(args)
-        if config is None:
-            return None
-        cfg, shape = self.model_config, self.pool_shape
-        fingerprint = storage_fingerprint(
-            weights=source_fingerprint(self.model_path), architecture=cfg.architecture, dtype=dtype,
-            quantization=args.quantization, page_size=shape.page_size,
-            pool_layout=("layers, pages, kv_heads, page, head_dim", cfg.num_layers, shape.num_kv_heads, shape.head_dim),
-            tp_size=args.tp_size, rope=(cfg.rope_theta, cfg.rope_scaling),
-        )
-        page_shape = (shape.num_layers, shape.num_kv_heads, shape.page_size, shape.head_dim)
-        storage = FileStorage(config, page_shape, np.dtype(jax.numpy.dtype(dtype)))
-        logger.info("storage tier: %s (bound %s bytes), prefetch %s, writes %s", config.storage_dir,
-                    config.max_size_bytes or "no", config.prefetch_policy, config.write_policy)
-        return StorageTier(storage, fingerprint, shape.page_size)
-
     def close(self) -> None:
         """Finish the storage tier's queued writes and stop its threads (a no-op without one)."""
-        if self.release_policy is not None:
-            self.release_policy.close()
+        if self.cache.policy is not None:
+            self.cache.policy.close()
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (the radix tree, device and host tiers) and return its pages to the free
@@ -507,7 +324,7 @@ class Engine:
         drafts = [[] for _ in batch.reqs]
         if self.speculator is not None and self.speculator.should_speculate(batch.reqs, batch.is_decode):
             rows = min(self.runner.max_seqs, self.runner.max_extend_tokens)  # logits rows of a verify step
-            drafts = self.speculator.propose_batch(batch.reqs, rows, self.context_length, self.cache.grow)
+            drafts = self.speculator.propose_batch(batch.reqs, rows, self.runner.context_length, self.cache.grow)
         if any(drafts):
             return self._launch_verify(batch, drafts, started)
         prompt_variant = prompt_logprobs.step_variant(batch.reqs)  # False, or which prompt logprobs
@@ -515,7 +332,7 @@ class Engine:
         if prompt_variant:
             logits, prompt_rows = logits
             prompt_logprobs.record(batch.reqs, batch.extend_lens, prompt_rows)
-        bitmask = grammar_bitmask(batch.reqs, self.grammar_backend, self.model_config.vocab_size)
+        bitmask = grammar_bitmask(batch.reqs, self.grammar_backend, self.runner.model_config.vocab_size)
         sampling, flags = self._sampling_rows([(r, ()) for r in batch.reqs], bitmask, logits.shape[0])
         sample = self.runner.sample_async if self._overlap_enabled else self.runner.sample
         return LaunchedBatch.plain(batch, sample(logits, sampling, flags), started)
@@ -525,7 +342,7 @@ class Engine:
         per (request, draft prefix) (speculative/acceptance.py)."""
         reqs, bitmask = batch.reqs, None
         if any(r.grammar is not None for r in reqs):
-            drafts, bitmask = constrain_drafts(reqs, drafts, self.model_config.vocab_size)
+            drafts, bitmask = constrain_drafts(reqs, drafts, self.runner.model_config.vocab_size)
         entries = [BatchEntry([r.fill_ids[r.kv_len]] + d, r.kv_len, r.page_table, num_logits=1 + len(d),
                               lora_slot=r.lora_slot) for r, d in zip(reqs, drafts)]
         logits = self.runner.forward(entries)
@@ -595,7 +412,7 @@ class Engine:
 
     def _sampling_rows(self, rows: Sequence[tuple[Req, Sequence[int]]], bitmask: np.ndarray | None, num_seqs: int):
         """`sampling_rows.sampling_rows` for this model: one row per (request, draft tokens before it)."""
-        return sampling_rows(rows, bitmask, num_seqs, self.model_config.vocab_size, self.eos_token_ids)
+        return sampling_rows(rows, bitmask, num_seqs, self.runner.model_config.vocab_size, self.eos_token_ids)
 
     def _count_step(self, is_decode_only: bool, started: float) -> None:
         """Count a step that began at `started` (perf_counter seconds) before its tokens are appended."""
@@ -603,18 +420,18 @@ class Engine:
         self.stats.release_mode = self.cache.release_mode
         if is_decode_only:
             self.stats.num_decode_steps += 1
-            if self.stats.num_decode_steps % self.args.decode_log_interval == 1 % self.args.decode_log_interval:
+            if self.stats.num_decode_steps % self.config.decode_log_interval == 1 % self.config.decode_log_interval:
                 # the gen throughput window opens at the interval's first step, as SGLang's: not at the last
                 # log line, which left the idle time between them in the average
                 self._throughput_mark = (started, self.stats.generation_tokens)
-            if self.stats.num_decode_steps % self.args.decode_log_interval == 0:
+            if self.stats.num_decode_steps % self.config.decode_log_interval == 0:
                 self._log_stats()
 
     def snapshot(self) -> EngineSnapshot:
         """Counters and gauges now. Safe to call from another thread (reads only)."""
-        used = self.cache.used_tokens() - self.tree.evictable_size()
-        total = self.pool_shape.num_tokens
-        window = self.window_layout
+        used = self.cache.used_tokens() - self.cache.tree.evictable_size()
+        total = self.runner.pool_shape.num_tokens
+        window = self.runner.window_layout
         s = dataclasses.replace(self.stats)
         spec = SpeculativeStats(s.num_spec_verifications, s.num_spec_draft_tokens, s.num_spec_accepted_tokens)
         return EngineSnapshot(
@@ -625,14 +442,14 @@ class Engine:
             num_queue_reqs=len(self.scheduler.waiting),
             num_grammar_queue_reqs=self.grammar_queue.num_pending,
             kv_used_tokens=max(0, used),
-            kv_evictable_tokens=self.tree.evictable_size(),
+            kv_evictable_tokens=self.cache.tree.evictable_size(),
             kv_total_tokens=total,
             cache_hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             gen_throughput=self._gen_throughput,
             spec_accept_length=spec.accept_length,
             spec_accept_rate=spec.accept_rate,
             kv_swa_used_tokens=self.cache.window_used_tokens(),
-            kv_swa_total_tokens=None if window is None else (window.num_window_pages - 1) * self.pool_shape.page_size,
+            kv_swa_total_tokens=None if window is None else (window.num_window_pages - 1) * self.runner.pool_shape.page_size,
         )
 
     def _log_stats(self) -> None:
@@ -644,7 +461,7 @@ class Engine:
         logger.info(decode_line(snap))
         if self.speculator is not None:  # SGLang's decode log adds the same two numbers
             logger.info("Speculative decoding. accept len: %.2f, accept rate: %.2f", snap.spec_accept_length, snap.spec_accept_rate)
-        if self.args.hicache_storage_backend is not None and (radix := self.radix_cache_stats()) is not None:
+        if self.config.log_storage_stats and (radix := self.radix_cache_stats()) is not None:
             logger.info(storage_line(radix))
 
     def radix_cache_stats(self) -> RadixCacheStats | None:
@@ -652,10 +469,10 @@ class Engine:
         return self.cache.radix_cache_stats(self.scheduler.live_reqs())
 
     def _idle_checks(self) -> None:
-        if self.args.enable_debug_checks and not self.scheduler.has_work():
+        if self.config.enable_debug_checks and not self.scheduler.has_work():
             self.cache.check_integrity(self.scheduler.live_reqs())
-            if self.lora_slots is not None:
-                self.lora_slots.check_integrity((r.lora_id, r.lora_slot) for r in self.scheduler.live_reqs())
+            if self.scheduler.lora is not None:
+                self.scheduler.lora.check_integrity((r.lora_id, r.lora_slot) for r in self.scheduler.live_reqs())
 
     # ---- convenience ----------------------------------------------------------------------------
     def generate(
@@ -668,9 +485,10 @@ class Engine:
         lora_path: str | Sequence[str | None] | None = None,
     ) -> dict | list[dict]:
         """Run prompts to completion (blocking). A single prompt gives one dict (a list when n > 1);
-        a list of prompts gives a list with n dicts per prompt, in order. Each dict has `text`,
-        `output_ids` and `meta_info` (SGLang's shape). `lora_path`: a loaded LoRA adapter's name for
-        every prompt, or one per prompt (None: the base model)."""
+        a list of prompts gives a list with n dicts per prompt, in order. Each dict is /generate's output:
+        `text`, `output_ids` and `meta_info` (`outputs.meta_info`, the builder /generate uses; logprobs as
+        `[logprob, token_id, null]` triples). `lora_path`: a loaded LoRA adapter's name for every prompt,
+        or one per prompt (None: the base model)."""
         single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer)))
         prompts = [prompt] if single else list(prompt)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -684,27 +502,23 @@ class Engine:
                                            lora_path=lo))
             for p, sp, lo in zip(prompts, params, loras)
         ]
+        keys = LogprobKeys.of(return_logprob, top_logprobs_num)
         results: dict[str, dict] = {}
         wanted = {r for group in rids for r in group}
         while wanted - results.keys():
             for out in self.step():
                 if out.finished and out.rid in wanted:
-                    results[out.rid] = {
-                        "text": out.text,
-                        "output_ids": out.output_ids,
-                        "meta_info": sglang_meta_info(out.meta),
-                    }
+                    results[out.rid] = {"text": out.text, "output_ids": out.output_ids, "meta_info": meta_info(out.meta, keys)}
         flat = [results[r] for group in rids for r in group]
         if single:
             return flat[0] if len(flat) == 1 else flat
         return flat
 
 
-def _enable_compilation_cache(cache_dir: str | None) -> None:
+def enable_compilation_cache(cache_dir: str | None) -> None:
+    """JAX's persistent compilation cache under `cache_dir` (None: ~/.cache/jaxserve/xla; "none": off)."""
     if cache_dir == "none":
         return
-    from jaxserve.model.tokenizer import cache_root
-
     path = cache_dir or str(cache_root() / "xla")
     jax.config.update("jax_compilation_cache_dir", path)
     # every executable: the host layer loop's programs compile in well under a second each, but there

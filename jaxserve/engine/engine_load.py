@@ -7,9 +7,9 @@ import dataclasses
 from typing import Any
 
 from jaxserve.cache.release_policy import RadixCacheStats
+from jaxserve.core.request import Req
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.outputs import EngineSnapshot, EngineStats
-from jaxserve.engine.request import Req
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +57,11 @@ def snapshot_load(engine: Engine, **loop_fields: Any) -> EngineLoad:
         num_running_reqs=scheduler.num_running,
         num_waiting_reqs=len(scheduler.waiting),
         num_free_slots=free_slots,
-        kv_total_tokens=engine.pool_shape.num_tokens,
+        kv_total_tokens=engine.limits.pool_tokens,
         kv_swa_total_tokens=None if snapshot is None else snapshot.kv_swa_total_tokens,
         kv_used_tokens=engine.cache.used_tokens(),
-        kv_cached_tokens=engine.tree.total_size(),
-        kv_locked_tokens=engine.tree.protected_size(),
+        kv_cached_tokens=engine.cache.tree.total_size(),
+        kv_locked_tokens=engine.cache.tree.protected_size(),
         num_waiting_tokens=sum(r.fill_len for r in scheduler.waiting),
         num_chunked_rest_tokens=_chunked_rest(scheduler.chunked_req),
         stats=dataclasses.replace(engine.stats),

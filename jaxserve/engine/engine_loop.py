@@ -20,10 +20,10 @@ schedule. The load snapshot published then carries fresh radix-cache stats (they
 refreshed at most once a second), so /metrics read while idle is not a snapshot from up to a second
 before the last step.
 
-Validation (sampling params, tokenization, prompt length, grammar compilation; `validation/validator.py`)
-runs once, synchronously in the caller's thread, through the engine's read-only, thread-safe methods
-(`tokenize`, `validate_input_ids`, `compile_grammar`), so a bad request raises at `submit` and never
-reaches the loop, which queues the checked request as it is.
+Validation (`RequestChecker.check`, engine/validation/check.py: sampling values, tokenization, prompt
+length, adapter, grammar compilation) runs once, synchronously in the caller's thread, through the engine's
+read-only, thread-safe checker, so a bad request raises at `submit` and never reaches the loop, which
+queues the checked request as it is; `submit` also makes its rid unique among the pending ones.
 
 Engine death: a step that raises (a bug, an XLA error, out of memory) ends the loop for good. Every
 pending request (running, queued or still in the inbox) gets at once an abort finish reason carrying
@@ -56,14 +56,14 @@ import time
 from typing import Any, Callable, Sequence
 
 from jaxserve.cache.release_policy import RadixCacheStats
+from jaxserve.core.errors import RequestError
+from jaxserve.core.request import finish_abort, new_rid
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.engine_load import EngineLoad, snapshot_load
-from jaxserve.engine.memory_usage import MemoryUsage
-from jaxserve.engine.outputs import RequestError, RequestMeta, StepOutput
+from jaxserve.engine.outputs import RequestMeta, StepOutput
 from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
-from jaxserve.engine.request import SamplingParams, finish_abort, new_rid
 from jaxserve.engine.request_input import GenerateInput
-from jaxserve.engine.validation.validator import check_submit, tokenize_for_submit
 from jaxserve.parallel.distributed import RankLostError
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, *, max_queued_requests: int | None = None, queue_timeout_s: float | None = None):
         self.engine = engine
-        self.max_queued_requests = max_queued_requests or default_max_queued_requests(engine.pool_shape.num_tokens)
+        self.max_queued_requests = max_queued_requests or default_max_queued_requests(engine.limits.pool_tokens)
         self.queue_timeout_s = queue_timeout_s
         self._fault_file = os.environ.get(FAULT_FILE_ENV) or None
         self._error: str | None = None
@@ -136,59 +136,9 @@ class EngineLoop:
         self._radix_stats: RadixCacheStats | None = None
         self._radix_stats_time = float("-inf")
 
-    # ---- what the server reads (immutable after construction) ------------------------------------
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def context_length(self) -> int:
-        return self.engine.context_length
-
-    @property
-    def max_req_input_len(self) -> int:
-        """A prompt must have fewer tokens than this: the context's and the KV pool's bound (PoolLimits)."""
-        return max(0, min(self.engine.context_length, self.engine.pool_limits.max_req_input_len))
-
-    @property
-    def server_args(self):
-        """The engine's resolved `ServerArgs`."""
-        return self.engine.args
-
-    @property
-    def model_path(self) -> str:
-        """The resolved model location (a directory or a .gguf file)."""
-        return self.engine.model_path
-
-    def memory_usage(self) -> MemoryUsage:
-        """The engine's `memory_usage()`: array bytes from start-up, the process's RSS now."""
-        return self.engine.memory_usage()
-
-    @property
-    def devices(self) -> list[str]:
-        """The devices the model runs on ("platform:id", one per tensor-parallel shard)."""
-        return self.engine.devices
-
-    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text (the tokenizer's special tokens added unless `add_special_tokens` is
-        False: text a chat template rendered), or a validated copy of a list of ids
-        (`validator.tokenize_for_submit`; RequestError for a list of non-integers)."""
-        return tokenize_for_submit(self.engine, prompt, add_special_tokens)
-
-    # LoRA adapters: the engine's registry is thread-safe (scheduler/lora_slots.py); these run in the caller's thread
-    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> list[str]:
-        """`Engine.load_lora_adapter` (reads the adapter's files in the caller's thread)."""
-        return self.engine.load_lora_adapter(lora_name, lora_path, pinned)
-
-    def unload_lora_adapter(self, lora_name: str) -> str:
-        """`Engine.unload_lora_adapter`: the adapter's lora_id; `lora_in_use` says when it is gone."""
-        return self.engine.unload_lora_adapter(lora_name)
-
-    def lora_in_use(self, lora_id: str) -> bool:
-        return self.engine.lora_in_use(lora_id)
-
-    def loaded_lora_adapters(self) -> dict[str, str]:
-        return self.engine.loaded_lora_adapters()
+    # The server reads what the engine fixed at start-up (tokenizer, `limits`, `args`, devices, ...) from
+    # `engine` directly: it does not change after construction. LoRA's registry is thread-safe, so its
+    # Engine methods run in the caller's thread too.
 
     def add_output_observer(self, observer: OutputCallback) -> None:
         """Also hand every delivered `StepOutput` to `observer` (on the loop thread; metrics use it),
@@ -272,12 +222,10 @@ class EngineLoop:
         """Check a request now and queue it; returns the rids of its `n` sequences.
 
         `request`: a `GenerateInput`, or its prompt with the sampling params and other fields by name
-        (`GenerateInput.of`). It is checked once, here (`check_submit`); the loop thread queues the
+        (`GenerateInput.of`). It is checked once, here (`RequestChecker.check`); the loop thread queues the
         checked request as it is. `on_output` is called on the loop thread with every `StepOutput` of
         those rids; the last one has `finished=True`. With `reservation` (from `reserve`) its sequences
-        take the batch's held room instead of being checked against the queue again. A `max_new_tokens`
-        absent from a dict `sampling_params` defaults to SGLang's 128, cut to what the context leaves;
-        one given explicitly must fit the context.
+        take the batch's held room instead of being checked against the queue again.
 
         Raises:
             SamplingParamsError: an invalid sampling parameter (names it).
@@ -286,7 +234,7 @@ class EngineLoop:
             EngineUnavailableError: the waiting queue is full, or the engine died.
             RuntimeError: the loop is shut down.
         """
-        checked = check_submit(self.engine, GenerateInput.of(request, sampling_params, **fields))
+        checked = self.engine.checker.check(GenerateInput.of(request, sampling_params, **fields))
         input_ids, params = checked.input_ids, checked.params
         base = checked.request.rid or new_rid()
         if base != checked.request.rid:  # no rid, or "" (SGLang's client sends none): the engine gets this one

@@ -20,9 +20,9 @@ import dataclasses
 import time
 from typing import Sequence
 
+from jaxserve.core.request import Req, finish_abort, finish_length, finish_stop
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.outputs import StepOutput, request_meta
-from jaxserve.engine.request import Req, finish_abort, finish_length, finish_stop
 from jaxserve.runner.sampler import SampleOutput
 from jaxserve.scheduler.cache_manager import CacheManager
 from jaxserve.scheduler.scheduler import ScheduleBatch, Scheduler

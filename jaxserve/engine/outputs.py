@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable
 
-from jaxserve.engine.request import CachedTokensDetails, FinishReason, Req
-from jaxserve.engine.validation.errors import ContextLengthError, RequestError
-
-__all__ = ["CachedTokensDetails", "ContextLengthError", "EngineSnapshot", "EngineStats", "RequestError", "RequestMeta",
-           "StepOutput", "request_meta", "sglang_cached_tokens_details", "sglang_finish_reason", "sglang_meta_info"]
+from jaxserve.core.request import CachedTokensDetails, FinishReason, Req
 
 # SGLang reports its storage backend's class name; jaxserve's file backend is SGLang's `HiCacheFile`
 STORAGE_BACKEND_NAME = "HiCacheFile"
@@ -149,12 +145,63 @@ def sglang_cached_tokens_details(details: CachedTokensDetails | None) -> dict[st
     return wire
 
 
-def sglang_meta_info(meta: RequestMeta) -> dict[str, Any]:
-    """`meta` as a dict of SGLang's meta_info fields, its finish reason and cached-token details in
-    SGLang's shapes (the research API `Engine.generate` and jaxserve.lang's engine backend answer so,
-    as /generate does)."""
-    return {**dataclasses.asdict(meta), "finish_reason": sglang_finish_reason(meta.finish_reason),
-            "cached_tokens_details": sglang_cached_tokens_details(meta.cached_tokens_details)}
+@dataclasses.dataclass(frozen=True)
+class LogprobKeys:
+    """Which logprob keys a sequence's meta_info has (SGLang 0.5.23's rule,
+    `TokenizerManager.add_logprob_to_meta_info`): with logprobs asked for, `input_token_logprobs`,
+    `output_token_logprobs` and `output_token_logprobs_length`; `top` (top_logprobs_num > 0) adds
+    `input_top_logprobs` and `output_top_logprobs`; `token_ids` (a non-empty token_ids_logprob) adds
+    `input_token_ids_logprobs` and `output_token_ids_logprobs`."""
+
+    top: bool
+    token_ids: bool
+
+    @staticmethod
+    def of(return_logprob: bool, top_logprobs_num: int, token_ids_logprob=()) -> "LogprobKeys | None":
+        """The keys of a request's logprob fields; None when it asks for no logprobs."""
+        if not (return_logprob or top_logprobs_num > 0):
+            return None
+        return LogprobKeys(top_logprobs_num > 0, bool(token_ids_logprob))
+
+
+def meta_info(meta: RequestMeta, logprobs: LogprobKeys | None, token_text: Callable[[int], str] | None = None) -> dict[str, Any]:
+    """SGLang's `meta_info` of one sequence, as /generate and `Engine.generate` answer it: lengths in tokens,
+    latency in seconds, its finish reason and cached-token details in SGLang's shapes, and the logprob keys
+    of `logprobs` (None: none) as `[logprob, token_id, token text or null]` triples, the text from
+    `token_text` (None: null; SGLang's `return_text_in_logprobs`). The `input_*` lists are empty without
+    prompt positions (`logprob_start_len` -1 or the prompt's length); keys that do not apply are left out,
+    but `finish_reason` and `cached_tokens_details`, which SGLang always sends (null or not)."""
+
+    def triple(logprob: float, token_id: int) -> list[Any]:
+        return [logprob, token_id, None if token_text is None else token_text(token_id)]
+
+    def per_position(rows: list | None) -> list:  # null where no logprob (position 0), else triples
+        return [None if row is None else [triple(lp, t) for lp, t in row] for row in rows or []]
+
+    info: dict[str, Any] = {
+        "id": meta.id,
+        "prompt_tokens": meta.prompt_tokens,
+        "completion_tokens": meta.completion_tokens,
+        "cached_tokens": meta.cached_tokens,
+        "finish_reason": sglang_finish_reason(meta.finish_reason),
+        "e2e_latency": meta.e2e_latency,
+        "cached_tokens_details": sglang_cached_tokens_details(meta.cached_tokens_details),
+    }
+    if logprobs is None:
+        return info
+    output = [triple(lp, t) for lp, t in meta.output_token_logprobs or []]
+    info["output_token_logprobs"] = output
+    if logprobs.top:
+        info["output_top_logprobs"] = [[triple(lp, t) for lp, t in top] for top in meta.output_top_logprobs or []]
+    info["output_token_logprobs_length"] = len(output)
+    info["input_token_logprobs"] = [triple(lp, t) for lp, t in meta.input_token_logprobs or []]
+    if logprobs.top:
+        info["input_top_logprobs"] = per_position(meta.input_top_logprobs)
+    if logprobs.token_ids:
+        info["input_token_ids_logprobs"] = per_position(meta.input_token_ids_logprobs)
+        info["output_token_ids_logprobs"] = [[triple(lp, t) for lp, t in picked]
+                                             for picked in meta.output_token_ids_logprobs or []]
+    return info
 
 
 def request_meta(req: Req) -> RequestMeta:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jaxserve.engine.request import Req
+from jaxserve.core.request import Req
 
 
 def can_follow(reqs: Sequence[Req]) -> bool:

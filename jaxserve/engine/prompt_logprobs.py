@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.engine.request import Req
+from jaxserve.core.request import Req
 
 
 def wants_prompt_rows(req: Req) -> bool:

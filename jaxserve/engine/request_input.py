@@ -1,8 +1,8 @@
 """GenerateInput: one prompt of a generation request, as it goes from the HTTP handler (or research code)
 through `EngineLoop.submit` to `Engine.add_request` (SGLang's `GenerateReqInput`, one prompt of it).
 
-Handlers build it once; every hop passes it on unchanged. Its values are checked once, by
-`engine/validation/validator.py`, which turns it into a `CheckedInput` (token ids, built SamplingParams).
+Handlers build it once, from their parsed request; every hop passes it on unchanged. It is checked once, by
+`RequestChecker.check` (engine/validation/check.py), which turns it into a `CheckedInput`.
 """
 
 from __future__ import annotations
@@ -10,25 +10,33 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Hashable, Mapping, Sequence
 
-from jaxserve.engine.request import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default, the /generate route's and research code's
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateInput:
     """One prompt and how to serve it.
 
-    `prompt`: a text or token ids. `sampling_params`: a `SamplingParams`, or SGLang's JSON-like dict of
-    them (None: the defaults; a dict without `max_new_tokens` has it cut to what the context leaves on
-    the server's path). `rid`: the request id (None: a fresh one); with `n` > 1 the sequences are
-    `<rid>-<i>`. `return_logprob`, `top_logprobs_num` (0..20), `logprob_start_len` (-1: no prompt
-    positions) and `token_ids_logprob` are SGLang's logprob fields. `namespace`: the prefix cache shares
-    KV only between requests of one namespace (SGLang's `cache_salt`). `think_end_ids` (with a grammar):
-    the reply reasons first and the grammar applies only after these tokens (constrained/reasoner.py).
-    `lora_path`: the name of a loaded LoRA adapter to run under (SGLang's field; None: the base model).
+    `prompt`: a text or token ids; `add_special_tokens`: tokenize a text with the tokenizer's own special
+    tokens (False for a chat template's output, which holds them). `sampling_params`: a `SamplingParams`;
+    SGLang's JSON-like dict of them (or None: the defaults) is built here with `SamplingParams.from_dict`,
+    the one check of its JSON types. `default_max_new_tokens`: the route's `max_new_tokens` when the request
+    gives none (SGLang's 128; OpenAI's 16 on /v1/completions; None: all the context leaves, as SGLang's
+    chat). `rid`: the request id (None or "": a fresh one); with `n` > 1 the sequences are `<rid>-<i>`.
+    `return_logprob`, `top_logprobs_num` (0..20), `logprob_start_len` (-1: no prompt positions) and
+    `token_ids_logprob` are SGLang's logprob fields. `namespace`: the prefix cache shares KV only between
+    requests of one namespace (SGLang's `cache_salt`). `think_end_ids` (with a grammar): the reply reasons
+    first and the grammar applies only after these tokens (constrained/reasoner.py). `lora_path`: the name
+    of a loaded LoRA adapter to run under (SGLang's field; None: the base model).
+
+    Raises:
+        SamplingParamsError: a dict `sampling_params` with an unknown field or a value of the wrong type.
     """
 
     prompt: str | Sequence[int]
-    sampling_params: SamplingParams | Mapping[str, Any] | None = None
+    sampling_params: SamplingParams = SamplingParams()
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -37,6 +45,12 @@ class GenerateInput:
     namespace: Hashable = None
     think_end_ids: tuple[int, ...] = ()
     lora_path: str | None = None
+    add_special_tokens: bool = True
+    default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling_params, SamplingParams):
+            object.__setattr__(self, "sampling_params", SamplingParams.from_dict(self.sampling_params))
 
     @staticmethod
     def of(prompt: "GenerateInput | str | Sequence[int]", sampling_params: SamplingParams | Mapping[str, Any] | None = None,

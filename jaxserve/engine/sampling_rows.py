@@ -13,7 +13,8 @@ import numpy as np
 
 from jaxserve.constrained.bitmask import allocate_bitmask
 from jaxserve.constrained.reasoner import ReasonerMatcher
-from jaxserve.engine.request import Req, SamplingParams
+from jaxserve.core.request import Req
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.runner import sampler as sampler_lib
 
 

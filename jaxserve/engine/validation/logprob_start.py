@@ -3,12 +3,12 @@
 SGLang 0.5.23 (`Scheduler.handle_generate_request`): the field matters only when logprobs are asked
 for; then -1 means no prompt positions, a value past the prompt's length is refused, and the
 prompt's length itself gives no positions (`input_token_logprobs: []`). Values below -1 have no
-meaning in SGLang and are refused here. A request's checks (validator.py) call it once, on either path.
+meaning in SGLang and are refused here. The request's one check (check.py) calls it, on either path.
 """
 
 from __future__ import annotations
 
-from jaxserve.engine.outputs import RequestError
+from jaxserve.core.errors import RequestError
 
 
 def is_checked(return_logprob: bool, top_logprobs_num: int) -> bool:
