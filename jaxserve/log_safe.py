@@ -6,7 +6,7 @@ a 401), rids (`--log-requests`, retraction), model names, error messages quoting
 `%00` would put a NUL in the log, a lone surrogate in a JSON string could not even be written out.
 
 Rather than wrap each logger call that may carry client data (and miss the next one), the handler
-that `jaxserve.launch.server.configure_logging` installs formats with `LogSafeFormatter`: it escapes
+that `jaxserve.launch.process.configure_logging` installs formats with `LogSafeFormatter`: it escapes
 every argument of every record (jaxserve's, uvicorn's, the libraries') before it is put into the
 message. The format string itself is the code's own and is left alone, so a message may still span
 lines on purpose, and so may a traceback. The numbers of `%d`/`%f` are passed through as numbers.

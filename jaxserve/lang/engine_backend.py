@@ -15,10 +15,10 @@ from __future__ import annotations
 import queue
 from typing import Any, Iterator, Sequence
 
+from jaxserve.core.errors import RequestError, SamplingParamsError
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.engine_loop import EngineLoop
-from jaxserve.engine.outputs import RequestError, StepOutput, sglang_meta_info
-from jaxserve.engine.request import SamplingParamsError
+from jaxserve.engine.outputs import LogprobKeys, StepOutput, meta_info
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.lang.backend import SCORING_MAX_NEW_TOKENS, Backend, GenChunk, GenResult, split_request_fields
 from jaxserve.lang.chat_template import ChatTemplate
@@ -43,11 +43,11 @@ class EngineBackend(Backend):
 
     @property
     def tokenizer(self) -> Any:
-        return self.loop.tokenizer
+        return self.loop.engine.tokenizer
 
     @property
     def caches_prefixes(self) -> bool:
-        return not self.loop.server_args.disable_radix_cache
+        return not self.loop.engine.args.disable_radix_cache
 
     def generate(self, prompt: str, params: dict[str, Any]) -> GenResult:
         outputs = self._submit(prompt, params)
@@ -76,9 +76,9 @@ class EngineBackend(Backend):
         for outputs in pending:
             while not (out := outputs.get()).finished:
                 pass
-            result = _result(out)
+            result = _result(out, LogprobKeys.of(True, 0))
             entries = result.meta_info.get("input_token_logprobs") or []
-            logprobs.append([lp for lp, _ in entries])
+            logprobs.append([lp for lp, *_ in entries])  # [logprob, token_id, text] triples
         return logprobs
 
     def cache_prefix(self, prompt: str) -> None:
@@ -108,9 +108,10 @@ class EngineBackend(Backend):
         self.shutdown()
 
 
-def _result(out: StepOutput) -> GenResult:
-    """The finished output as a GenResult; an aborted request raises BackendError."""
+def _result(out: StepOutput, logprobs: LogprobKeys | None = None) -> GenResult:
+    """The finished output as a GenResult, its meta_info as /generate's (`logprobs`: which logprob keys it
+    has); an aborted request raises BackendError."""
     reason = out.meta.finish_reason
     if reason is not None and reason.kind == "abort":
         raise BackendError(reason.status_code or 500, reason.message if reason.message is not None else "the request was aborted")
-    return GenResult(out.text, list(out.output_ids), sglang_meta_info(out.meta))
+    return GenResult(out.text, list(out.output_ids), meta_info(out.meta, logprobs))

@@ -41,8 +41,8 @@ from typing import IO
 
 import httpx
 
-from jaxserve.config import ServerArgs
 from jaxserve.launch.server import ready_line_flags
+from jaxserve.server_args import ServerArgs
 
 WORKER_HOST = "127.0.0.1"
 # flags the launcher owns: a worker gets its own port and never starts a router of its own
@@ -306,7 +306,7 @@ def launch_data_parallel(args: ServerArgs) -> None:
         SystemExit: sglang-router is not installed, a port is taken, the devices cannot be split, or a
             process failed (status 1).
     """
-    from jaxserve.launch.server import bind_socket, configure_logging
+    from jaxserve.launch.process import bind_socket, configure_logging
 
     configure_logging(args.log_level)
     if importlib.util.find_spec("sglang_router") is None:

@@ -26,7 +26,7 @@ import os
 import pkgutil
 from typing import NamedTuple
 
-from jaxserve.config import DEVICE_PLATFORMS
+from jaxserve.server_args import DEVICE_PLATFORMS
 
 # mallopt's parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1

@@ -1,10 +1,9 @@
-"""`launch_server(server_args)`: what `python scripts/serve.py` and `python -m jaxserve.launch` run.
+"""`launch_server(server_args)`: one server, as `python scripts/serve.py` runs it (cli.py parses and checks the
+flags first).
 
-Order: parse the flags, on CPU set glibc malloc to keep freed memory (D-45; before jax starts its threads),
-check the flags (`check_start_up_args`; exit 2 with one line), configure logging, check the model
-path, bind the port (so a port in use fails in a second, not after loading), load the model and compile
-(the engine shows progress bars), start the engine loop, then serve the Starlette app with uvicorn and
-print one line saying where.
+Order: check the model path, bind the port (so a port in use fails in a second, not after loading), load the
+model and compile (the engine shows progress bars), start the engine loop, then serve the Starlette app
+with uvicorn and print one line saying where.
 
 Stopping:
 - SIGTERM drains: new requests get 503 at once (`app.state.draining`), running and queued ones may
@@ -18,34 +17,27 @@ Stopping:
 `--help` and a bad flag answer before jax is imported: this module imports only uvicorn and the
 flags at the top, the engine and the app inside `launch_server`.
 
-Several processes (`--nnodes N`, jaxserve/parallel/distributed.py): every rank joins jax.distributed
-first and checks its flags against rank 0's; rank 0 then runs everything above, its runner sending
-each device program to the others, and a lost rank is an engine death. Ranks 1..N-1 build the same
-engine, bind no port and replay rank 0's programs (`run_follower`) until it sends shutdown.
-
-Test hook (not a user flag): `JAXSERVE_TEST_FOLLOWER_START_DELAY_S=S` in a follower's environment makes
-it wait S seconds after building its engine, before its configuration check: a compile that outlasts
-`--dist-timeout` while the rank heartbeats.
+The command line itself (flags, the checks before anything loads, one server or several processes or
+data-parallel workers) is cli.py's; several processes (`--nnodes N`) are multihost.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 
 import uvicorn
 
-from jaxserve.config import ServerArgs
-from jaxserve.launch.malloc import keep_freed_memory, return_freed_memory
+from jaxserve.launch.malloc import return_freed_memory
 from jaxserve.launch.model_path_check import model_path_problem
-from jaxserve.log_safe import LogSafeFormatter
+from jaxserve.launch.multihost import check_engine_config
+from jaxserve.launch.process import bind_socket, configure_logging
 from jaxserve.server.gc_pauses import freeze_gc, warn_on_long_gc
+from jaxserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -53,36 +45,6 @@ GRACEFUL_SHUTDOWN_S = 5
 # Seconds between the engine's death and the exit: the failed requests' answers go out, and a health
 # probe in that window reads the 503 instead of a refused connection.
 ENGINE_DEATH_EXIT_DELAY_S = 3.0
-REFUSAL_LINGER_S = 3.0
-FOLLOWER_START_DELAY_ENV = "JAXSERVE_TEST_FOLLOWER_START_DELAY_S"
-
-
-def configure_logging(level: str) -> None:
-    """One format for jaxserve, uvicorn and the libraries; uvicorn's start-up chatter only at debug.
-    Every value formatted into a message is escaped (jaxserve.log_safe): a client cannot forge lines."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(LogSafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-    quiet = logging.DEBUG if level == "debug" else logging.WARNING
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "httpx", "urllib3", "absl", "jax._src.xla_bridge"):
-        logging.getLogger(name).setLevel(quiet)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (uvicorn starts listening on it later).
-
-    Raises:
-        SystemExit: the address cannot be bound (in use, no permission, unknown host).
-    """
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as e:
-        raise SystemExit(f"jaxserve: cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 class _Server(uvicorn.Server):
@@ -193,7 +155,7 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     ready = (
-        f"jaxserve ready: serving {served_model_name(server_args, engine.model_path)} at "
+        f"jaxserve ready: serving {served_model_name(server_args, engine.runner.model_path)} at "
         f"http://{shown_host}:{port} (OpenAI API at /v1{ready_line_flags(server_args)})"
     )
     config = uvicorn.Config(
@@ -224,149 +186,3 @@ def launch_server(server_args: ServerArgs, cluster=None) -> None:
             os._exit(1)
     if server.engine_died:
         raise SystemExit(1)
-
-
-def join_cluster(server_args: ServerArgs):
-    """`--nnodes > 1`: join jax.distributed, then refuse a rank whose flags differ from rank 0's or a
-    `--tp-size` other than the devices of all ranks. Returns the `Cluster`.
-
-    Raises:
-        SystemExit: any of those, with the reason (a missing rank exits inside `initialize`).
-    """
-    from jaxserve.parallel import distributed
-
-    configure_logging(server_args.log_level)
-    if server_args.gc_warning_threshold_secs > 0:
-        warn_on_long_gc(server_args.gc_warning_threshold_secs)
-    cluster = distributed.initialize(distributed.Topology.from_server_args(server_args))
-    cluster.start_heartbeat()  # every rank: a start-up wait lasts as long as the awaited rank beats
-    try:
-        cluster.check_same_config("flags", distributed.args_fingerprint(server_args))
-        cluster.check_devices(server_args.tp_size)
-    except distributed.DistributedStartError as e:
-        _refuse_start(f"jaxserve: cannot start: {e}", server_args.node_rank)
-    return cluster
-
-
-def _refuse_start(message: str, rank: int) -> None:
-    """Exit 1 with `message` on stderr, as SystemExit would, but past jax.distributed's shutdown
-    handshake (the runtime aborts a process whose shutdown finds its coordinator gone). Rank 0, whose
-    process holds the coordination service, leaves `REFUSAL_LINGER_S` later, so that the followers
-    read its verdict and exit with their own message first (JAX terminates them once it is gone)."""
-    print(message, file=sys.stderr, flush=True)
-    logging.shutdown()
-    if rank == 0:
-        time.sleep(REFUSAL_LINGER_S)
-    os._exit(1)
-
-
-def check_engine_config(cluster, engine) -> None:
-    """What the flags alone do not fix must match too: the model's shape and the KV pool size (sized
-    from each host's memory unless --max-total-tokens is given)."""
-    from jaxserve.parallel.distributed import DistributedStartError
-
-    fields = {"model config": engine.model_config, "KV pool pages": engine.pool_shape.num_pages,
-              "context length": engine.context_length}
-    try:
-        cluster.check_same_config("engine", fields)
-    except DistributedStartError as e:
-        _refuse_start(f"jaxserve: cannot start: {e}", cluster.topology.node_rank)
-
-
-def run_follower(server_args: ServerArgs, cluster) -> None:
-    """Ranks 1..N-1 of `--nnodes N`: build the engine as rank 0 does, then replay rank 0's device
-    programs until it sends shutdown (no HTTP server, no scheduling). Blocks.
-
-    Raises:
-        SystemExit: the model cannot be loaded, or the configuration differs from rank 0's.
-    """
-    from jaxserve.engine.engine import Engine
-    from jaxserve.parallel.distributed import RankLostError, follow, short_cause
-
-    rank = server_args.node_rank
-    try:
-        engine = Engine(server_args)
-    except (FileNotFoundError, ValueError) as e:
-        _refuse_start(f"jaxserve: cannot start rank {rank}: {e}", rank)
-    time.sleep(float(os.environ.get(FOLLOWER_START_DELAY_ENV, 0)))
-    check_engine_config(cluster, engine)
-    return_freed_memory()
-    freeze_gc(f"rank {rank} start-up", server_args.gc_threshold)
-    # SIGTERM of a follower alone would stall rank 0's next collective; rank 0's watchdog then fails it
-    print(f"jaxserve follower ready: rank {rank} of --nnodes {server_args.nnodes} runs rank 0's steps "
-          f"({server_args.dist_init_addr})", flush=True)
-    try:
-        num_calls = follow(engine.runner, cluster)
-    except Exception as e:  # noqa: BLE001 - the cluster is broken: one line, not a gloo traceback
-        logger.debug("rank %d: the follower loop failed", rank, exc_info=True)
-        if isinstance(e, RankLostError):
-            why = str(e)
-        else:
-            why = f"a step failed, so another rank (or the link to it) is gone ({short_cause(e)})"
-            cluster.report_failure(why)  # rank 0 then names the rank that stopped, not this one
-        print(f"jaxserve: rank {rank} of --nnodes {server_args.nnodes}: {why}: exiting with status 1", flush=True)
-        logging.shutdown()
-        os._exit(1)
-    logger.info("rank 0 sent shutdown after %d device programs: rank %d exits", num_calls, rank)
-    # not through jax.distributed.shutdown: rank 0, whose process holds the coordination service, may
-    # already be gone, and the runtime aborts a process whose shutdown call finds no coordinator
-    logging.shutdown()
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def check_start_up_args(args: ServerArgs) -> None:
-    """The flag checks that argparse cannot make, made before any port binds or model loads: the
-    --chat-template file, and (for one process: --dp-size 1, --nnodes 1) the flags that depend on the JAX
-    platform (--device, --kv-cache-dtype, against `jax.default_backend()`) and on its devices (--tp-size,
-    against the visible ones), and --context-length against the model's trained length (SGLang's rule,
-    engine/context_length.py). `main` reports a failure as argparse does: `serve.py: error: ...` and
-    exit status 2.
-
-    Raises:
-        ValueError: the first bad flag, named.
-    """
-    from jaxserve.engine.context_length import resolve_context_length, trained_context_length
-    from jaxserve.server.openai.chat_template import load_chat_template
-
-    load_chat_template(args.chat_template)
-    if args.dp_size == 1 and args.nnodes == 1:  # a launcher's workers (or ranks) check their own platform
-        import jax  # the process that serves imports it next anyway
-
-        from jaxserve.parallel.mesh import make_mesh
-
-        args.check_platform_flags(jax.default_backend())
-        make_mesh(args.tp_size)  # raises when --tp-size is more than the visible devices
-    if args.context_length is not None and (trained := trained_context_length(args.model_path)) is not None:
-        resolve_context_length(args.context_length, trained, default_cap=trained)  # raises above the model's
-
-
-def main(argv: list[str] | None = None) -> None:
-    """scripts/serve.py and `python -m jaxserve.launch`: one server, or with `--dp-size N` N workers
-    behind sglang-router (data_parallel.py)."""
-    from jaxserve.server.openai.reasoning import REASONING_PARSERS
-    from jaxserve.server.openai.tools.parsers import PARSERS  # the one table of names; imports no jax
-
-    args = ServerArgs.from_cli(argv if argv is not None else sys.argv[1:],
-                               choices={"tool_call_parser": tuple(PARSERS), "reasoning_parser": tuple(REASONING_PARSERS)})
-    malloc_line = keep_freed_memory(args.device)  # D-45, on CPU: before jax starts its threads (check_start_up_args)
-    try:
-        check_start_up_args(args)
-    except ValueError as e:
-        print(f"serve.py: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    configure_logging(args.log_level)
-    logger.info(malloc_line)
-    if args.dp_size > 1:
-        from jaxserve.launch.data_parallel import launch_data_parallel
-
-        return launch_data_parallel(args)
-    if args.nnodes > 1:
-        # the converted-weights cache is an orbax checkpoint, whose reads and writes under jax.distributed
-        # wait for every process (sync_global_devices) while each rank loads on its own: they stalled
-        args = dataclasses.replace(args, weights_cache=False)
-        cluster = join_cluster(args)
-        if args.node_rank > 0:
-            return run_follower(args, cluster)
-        return launch_server(args, cluster)
-    launch_server(args)

@@ -50,12 +50,11 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxserve
-from jaxserve.config import ServerArgs
+from jaxserve.core.field_types import describe
 from jaxserve.engine.engine_load import EngineLoad
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.engine.memory_usage import MemoryUsage
 from jaxserve.engine.request_input import GenerateInput
-from jaxserve.engine.validation.field_types import describe
 from jaxserve.model.tokenizer import tokenizer_files_path
 from jaxserve.server.auth import APIKeyMiddleware
 from jaxserve.server.body_limit import BodySizeLimitMiddleware
@@ -77,6 +76,7 @@ from jaxserve.server.openai.reasoning import reasoning_format
 from jaxserve.server.openai.responses import api as responses
 from jaxserve.server.openai.tools import get_parser
 from jaxserve.server.openapi import openapi_document
+from jaxserve.server_args import ServerArgs
 
 access_logger = logging.getLogger("jaxserve.access")
 
@@ -175,7 +175,7 @@ async def health_generate(request: Request) -> Response:
     if not engine_loop.is_running:
         return error_response("the engine loop is not running", 503, code="unavailable")
     group = RequestGroup(engine_loop, is_probe=True)
-    group.submit(GenerateInput(engine_loop.tokenize("ping") or [0], {"max_new_tokens": 1, "temperature": 0}))
+    group.submit(GenerateInput(engine_loop.engine.checker.tokenize("ping") or [0], {"max_new_tokens": 1, "temperature": 0}))
     mark_unlogged(request, group.rids)  # SGLang's probe is log_metrics=False too
     try:
         outputs = await asyncio.wait_for(group.wait(), HEALTH_GENERATE_TIMEOUT_S)
@@ -189,17 +189,17 @@ async def health_generate(request: Request) -> Response:
 
 async def get_model_info(request: Request) -> Response:
     engine_loop: EngineLoop = request.app.state.engine_loop
-    args = engine_loop.server_args
+    args = engine_loop.engine.args
     # a path HF-style loaders read (sglang-router loads the tokenizer from it): for a GGUF model, the
     # directory of its converted tokenizer, since neither "default" nor a .gguf file is one
     tokenizer_path = tokenizer_files_path(args.model_path, args.tokenizer_path)
-    architecture = engine_loop.engine.model_config.architecture
+    architecture = engine_loop.engine.runner.model_config.architecture
     return JSONResponse({
-        "model_path": engine_loop.model_path,
+        "model_path": engine_loop.engine.runner.model_path,
         "tokenizer_path": tokenizer_path,
         "is_generation": True,
         "served_model_name": request.app.state.model_name,
-        "context_length": engine_loop.context_length,
+        "context_length": engine_loop.engine.limits.context_length,
         # as SGLang reports the HF config's: sglang-router reads them when it registers a worker
         "model_type": architecture.removesuffix("ForCausalLM").lower(),
         "architectures": [architecture],
@@ -210,30 +210,30 @@ async def get_server_info(request: Request) -> Response:
     """Server args (the API key masked), KV pool usage in tokens, queue sizes, engine counters, and
     `memory`: the weights' and KV pool's bytes (in all and per device) and the process's RSS."""
     engine_loop: EngineLoop = request.app.state.engine_loop
-    args = dataclasses.asdict(engine_loop.server_args)
+    args = dataclasses.asdict(engine_loop.engine.args)
     if args.get("api_key") or request.app.state.server_args.api_key:
         args["api_key"] = "***"
     args.setdefault("tp_size", 1)  # sglang-router reads tp_size and dp_size when it registers a worker
     # sglang-router 0.3.2 loads a worker's tokenizer from this model_path (HF directory or hub name):
     # for a GGUF model ("default" included) report the directory of its converted tokenizer, which it
     # can read, instead of a name it would try to download; resolved_model_path names the file served
-    tokenizer_files = tokenizer_files_path(engine_loop.server_args.model_path, engine_loop.server_args.tokenizer_path)
+    tokenizer_files = tokenizer_files_path(engine_loop.engine.args.model_path, engine_loop.engine.args.tokenizer_path)
     args["tokenizer_path"] = tokenizer_files
-    if engine_loop.model_path.endswith(".gguf") and not tokenizer_files.endswith(".gguf"):
+    if engine_loop.engine.runner.model_path.endswith(".gguf") and not tokenizer_files.endswith(".gguf"):
         args["model_path"] = tokenizer_files
     load = engine_loop.load()
-    memory, startup = engine_loop.memory_usage(), request.app.state.startup_memory
+    memory, startup = engine_loop.engine.memory_usage(), request.app.state.startup_memory
     info: dict[str, Any] = {
         **args,
         "version": getattr(jaxserve, "__version__", "0.1.0"),
         "served_model_name": request.app.state.model_name,
-        "resolved_model_path": engine_loop.model_path,
-        "context_length": engine_loop.context_length,
+        "resolved_model_path": engine_loop.engine.runner.model_path,
+        "context_length": engine_loop.engine.limits.context_length,
         # SGLang's scheduler get_init_info fields: the pool's capacity in tokens, and the bound a prompt
         # must stay under (it has fewer tokens than this: the context's and the pool's limit)
         "max_total_num_tokens": load.kv_total_tokens,
-        "max_req_input_len": engine_loop.max_req_input_len,
-        "devices": engine_loop.devices,
+        "max_req_input_len": engine_loop.engine.limits.max_prompt_tokens,
+        "devices": engine_loop.engine.devices,
         "num_running_reqs": load.num_running_reqs,
         "num_waiting_reqs": load.num_waiting_reqs,
         "num_pending_reqs": load.num_pending_reqs,
@@ -307,7 +307,7 @@ async def flush_cache(request: Request) -> Response:
 async def freeze_gc_endpoint(request: Request) -> Response:
     """SGLang's /freeze_gc: the objects alive now leave garbage collection (`gc_pauses.freeze_gc`, with
     --gc-threshold); one process holds the HTTP side and the engine, so this covers both."""
-    freeze_gc("/freeze_gc", request.app.state.engine_loop.server_args.gc_threshold)
+    freeze_gc("/freeze_gc", request.app.state.engine_loop.engine.args.gc_threshold)
     return PlainTextResponse("Garbage collection frozen.\n")
 
 
@@ -386,7 +386,7 @@ def create_app(engine_loop: EngineLoop, server_args: ServerArgs, startup_memory:
     get_parser(server_args.tool_call_parser)  # an unknown --tool-call-parser fails at start-up (ValueError)
     chat_template = load_chat_template(server_args.chat_template)  # so do the two below
     reasoning = reasoning_format(server_args.reasoning_parser)
-    model_name = served_model_name(server_args, engine_loop.model_path)
+    model_name = served_model_name(server_args, engine_loop.engine.runner.model_path)
     metrics = None
     if not server_args.disable_metrics and engine_loop.load().snapshot is not None:
         metrics, endpoint = _metrics_endpoint(engine_loop, model_name, server_args.hicache_storage_backend is not None)

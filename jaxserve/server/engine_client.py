@@ -80,13 +80,14 @@ class RequestGroup:
         self._event_loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self.rids: list[str] = []
+        self.base_rids: list[str] = []  # one per submitted prompt: its rid (its n sequences are `<rid>-<i>`)
         self._unfinished: set[str] = set()
         self.final: dict[str, StepOutput] = {}
         self._access = _ACCESS_RECORD.get()
         self._first_of_prompt: set[str] = set()  # one rid per submitted prompt: its prompt counts once
         self._completion_counted: dict[str, int] = {}  # rid -> its completion tokens in the access record
         self._reservation: QueueReservation | None = None
-        self._log_requests = engine_loop.server_args.log_requests and not is_probe
+        self._log_requests = engine_loop.engine.args.log_requests and not is_probe
 
     @contextlib.contextmanager
     def reserved(self, num_sequences: int, field: str) -> Iterator[None]:
@@ -102,6 +103,7 @@ class RequestGroup:
     def submit(self, request: GenerateInput) -> list[str]:
         """Submit one prompt (`EngineLoop.submit`); returns its rids."""
         rids = self._engine_loop.submit(request, on_output=self._on_output, reservation=self._reservation)
+        self.base_rids.append(request.rid or (rids[0] if len(rids) == 1 else rids[0].rpartition("-")[0]))
         self._first_of_prompt.add(rids[0])
         self.rids += rids
         self._unfinished.update(rids)

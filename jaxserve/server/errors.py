@@ -18,8 +18,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve.core.errors import RequestError, SamplingParamsError
 from jaxserve.engine.engine_loop import EngineUnavailableError
-from jaxserve.engine.validation.errors import RequestError, SamplingParamsError
 
 # Hints for the mistakes new users make most, keyed by (where, field): "sampling_params" for a key
 # inside /generate's sampling_params, "generate" for a top-level field of /generate. The unknown-field

@@ -3,7 +3,9 @@
 /v1/models, and SGLang's /tokenize and /detokenize.
 
 Requests validate in strict mode: a string where a number belongs is a 400 naming the field, not a
-silent conversion. A JSON `null` means "the default" for every field (OpenAI clients send
+silent conversion. The sampling fields of the OpenAI requests (`OpenAISampling`) are the exception: the
+model takes any JSON value for them and the schema says their types, since the request's one check types
+them (`SamplingParams.validate`, with the table every route shares, core/field_types.py). A JSON `null` means "the default" for every field (OpenAI clients send
 `"top_p": null`). OpenAI requests ignore fields they do not know (clients add vendor fields); the
 native request rejects them, so a misspelt `return_logprobs` is reported instead of ignored.
 Beyond OpenAI's fields, OpenAI requests take SGLang's extras: regex, json_schema, ebnf, ignore_eos,
@@ -15,12 +17,12 @@ and chat requests vLLM's and SGLang's continue_final_message and add_generation_
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, WithJsonSchema, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from jaxserve.engine.validation.seed import SEED_MAX, SEED_MIN
+from jaxserve.core.sampling_params import SEED_MAX, SEED_MIN
 
 
 class _Request(BaseModel):
@@ -93,7 +95,8 @@ class LoRAUpdateOutput(BaseModel):
 
 
 class MetaInfo(BaseModel):
-    """SGLang's meta_info. Lengths in tokens, latency in seconds. Logprobs are
+    """SGLang's meta_info, as the OpenAPI document describes it (openapi.py); the body itself is built by
+    the engine's one builder, `engine.outputs.meta_info`. Lengths in tokens, latency in seconds. Logprobs are
     `[logprob, token_id, token_text or null]` triples (top: a list of them per output token).
 
     The logprob keys are those of SGLang 0.5.23 (`TokenizerManager.add_logprob_to_meta_info`): with
@@ -141,40 +144,46 @@ class ResponseFormat(_Request):
     json_schema: dict[str, Any] | None = None
 
 
+def _checked_later(json_type: Any) -> Any:
+    """A sampling field that takes any JSON value, its schema `json_type`'s: the request's one check
+    (`SamplingParams.validate`) refuses a wrong type, worded as on every route."""
+    return Annotated[Any, WithJsonSchema(TypeAdapter(json_type).json_schema())]
+
+
 class OpenAISampling(_Request):
     """Fields shared by completions and chat completions. `max_completion_tokens` is OpenAI's newer
     name of `max_tokens`; given both, the smaller one applies. `logit_bias` maps token ids (as
     strings) to a bias in [-100, 100] added to their logits, at most 300 entries."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
+    max_tokens: _checked_later(int | None) = None
+    max_completion_tokens: _checked_later(int | None) = None
+    temperature: _checked_later(float | None) = None
+    top_p: _checked_later(float | None) = None
+    top_k: _checked_later(int | None) = None
+    min_p: _checked_later(float | None) = None
+    frequency_penalty: _checked_later(float | None) = None
+    presence_penalty: _checked_later(float | None) = None
+    repetition_penalty: _checked_later(float | None) = None
+    n: _checked_later(int) = 1
+    stop: _checked_later(str | list[str] | None) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # the range is checked by the engine (validation/seed.py: a 400 naming seed); the schema says it
-    seed: int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
+    # the range is checked by the engine (`check_seed`, core/sampling_params.py: a 400 naming seed); the schema says it
+    seed: _checked_later(int | None) = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
     user: str | None = None
     logit_bias: dict[str, float | int] | None = None
     response_format: ResponseFormat | None = None
     # SGLang's extra sampling fields
-    regex: str | None = None
+    regex: _checked_later(str | None) = None
     json_schema: str | dict[str, Any] | None = None
-    ebnf: str | None = None
-    ignore_eos: bool | None = None
-    no_stop_trim: bool | None = None
-    skip_special_tokens: bool | None = None
-    stop_token_ids: list[int] | None = None
-    stop_regex: str | list[str] | None = None
-    min_tokens: int | None = None
+    ebnf: _checked_later(str | None) = None
+    ignore_eos: _checked_later(bool | None) = None
+    no_stop_trim: _checked_later(bool | None) = None
+    skip_special_tokens: _checked_later(bool | None) = None
+    stop_token_ids: _checked_later(list[int] | None) = None
+    stop_regex: _checked_later(str | list[str] | None) = None
+    min_tokens: _checked_later(int | None) = None
     rid: str | None = None
     # SGLang's: a loaded LoRA adapter (one, or one per prompt); `model: "<served>:<adapter>"` wins over it
     lora_path: str | list[str | None] | None = None
@@ -418,9 +427,9 @@ class ResponsesRequest(_Request):
     model: str | None = None
     input: str | list[ResponseInputMessage | ResponseInputReasoning | ResponseFunctionCallInput | ResponseFunctionCallOutput]
     instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: _checked_later(int | None) = None
+    temperature: _checked_later(float | None) = None
+    top_p: _checked_later(float | None) = None
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -435,13 +444,13 @@ class ResponsesRequest(_Request):
     truncation: Literal["auto", "disabled"] = "disabled"
     user: str | None = None
     # SGLang's extra sampling fields of its ResponsesRequest
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
+    top_k: _checked_later(int | None) = None
+    min_p: _checked_later(float | None) = None
+    frequency_penalty: _checked_later(float | None) = None
+    presence_penalty: _checked_later(float | None) = None
+    repetition_penalty: _checked_later(float | None) = None
+    stop: _checked_later(str | list[str] | None) = None
+    seed: _checked_later(int | None) = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
     request_id: str | None = None
 
 

@@ -22,17 +22,16 @@ from typing import Any, AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.outputs import RequestError, StepOutput, sglang_cached_tokens_details, sglang_finish_reason
-from jaxserve.engine.request import SamplingParamsError
+from jaxserve.core.errors import RequestError, SamplingParamsError
+from jaxserve.core.sampling_params import MAX_N, SamplingParams
+from jaxserve.core.size_limits import check_request_id
+from jaxserve.engine.outputs import LogprobKeys, StepOutput, meta_info
 from jaxserve.engine.request_input import GenerateInput
-from jaxserve.engine.validation.field_types import SAMPLING_FIELD_TYPES, check_field_types
-from jaxserve.engine.validation.sampling_params import MAX_N
-from jaxserve.engine.validation.size_limits import check_request_id, check_stop_sizes
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
 from jaxserve.server.native.sglang_fields import SAMPLING_FIELD_NAMES, check_request, check_sampling_params
-from jaxserve.server.protocol import GenerateOutput, GenerateRequest, MetaInfo
+from jaxserve.server.protocol import GenerateRequest
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
 
@@ -45,6 +44,13 @@ def _per_prompt(name: str, value: Any, num: int, is_one: bool) -> list[Any]:
     return list(value)
 
 
+# SGLang's per-prompt fields of /generate, in the order they are checked: each one value for every prompt,
+# or (a batch, or one prompt with n > 1) a list with one per prompt; token_ids_logprob's per-prompt form
+# is a list of id lists
+PER_PROMPT_FIELDS = ("rid", "return_logprob", "top_logprobs_num", "logprob_start_len", "cache_salt", "extra_key",
+                     "lora_path", "sampling_params", "token_ids_logprob")
+
+
 def _takes_lists(req: GenerateRequest, is_batch: bool) -> bool:
     """Whether the per-prompt fields may be lists: a batch, or one prompt with n > 1, which SGLang
     0.5.23 turns into a batch of one (`GenerateReqInput._handle_parallel_sampling`)."""
@@ -54,9 +60,17 @@ def _takes_lists(req: GenerateRequest, is_batch: bool) -> bool:
     return is_batch or (isinstance(n, int) and not isinstance(n, bool) and n > 1)
 
 
+def _is_per_prompt_list(name: str, value: Any) -> bool:
+    """Whether `value` of field `name` is its per-prompt list form."""
+    if name == "token_ids_logprob":
+        return isinstance(value, list) and bool(value) and isinstance(value[0], list)
+    return isinstance(value, list)
+
+
 def _expand(req: GenerateRequest, think_end_ids: tuple[int, ...] = ()) -> tuple[list[GenerateInput], bool, str]:
-    """The prompts of a request, whether it is a batch, and the name of its prompt field.
-    `think_end_ids`: a grammar applies after these tokens (`require_reasoning`).
+    """The prompts of a request as `GenerateInput`s (their sampling params built once, here: the one check
+    of their JSON types), whether it is a batch, and the name of its prompt field. `think_end_ids`: a grammar
+    applies after these tokens (`require_reasoning`).
 
     A string `rid` of a batch becomes `<rid>_<i>` per prompt (SGLang's `_normalize_rid`). One prompt
     takes no list for a per-prompt field (`sampling_params` included: SGLang fails on it), unless its n
@@ -71,35 +85,33 @@ def _expand(req: GenerateRequest, think_end_ids: tuple[int, ...] = ()) -> tuple[
     num = len(prompts)
     if not prompts:
         raise APIError(f"{field} is an empty batch", 400, param=field, code="invalid_value")
-    rid = [f"{req.rid}_{i}" for i in range(num)] if is_batch and isinstance(req.rid, str) else req.rid
-    fields = {"rid": rid, "return_logprob": req.return_logprob, "top_logprobs_num": req.top_logprobs_num,
-              "logprob_start_len": req.logprob_start_len, "cache_salt": req.cache_salt, "extra_key": req.extra_key,
-              "lora_path": req.lora_path, "sampling_params": req.sampling_params}
+    given = {name: getattr(req, name) for name in PER_PROMPT_FIELDS}
+    given["rid"] = [f"{req.rid}_{i}" for i in range(num)] if is_batch and isinstance(req.rid, str) else req.rid
+    given["sampling_params"] = req.sampling_params or {}
+    given["token_ids_logprob"] = req.token_ids_logprob or []
     if not _takes_lists(req, is_batch):
-        for name, v in fields.items():
-            if isinstance(v, list):
-                raise APIError(f"{name} must not be a list for a single prompt (one prompt with n > 1 takes a list "
-                               "of one, as a batch of one)", 400, param=name, code="invalid_value")
-    del fields["sampling_params"]
-    cols = {name: _per_prompt(name, v, num, not isinstance(v, list)) for name, v in fields.items()}
+        for name, v in given.items():
+            if _is_per_prompt_list(name, v):
+                hint = ("must be a list of ids for a single prompt" if name == "token_ids_logprob" else
+                        "must not be a list for a single prompt (one prompt with n > 1 takes a list of one, as a batch of one)")
+                raise APIError(f"{name} {hint}", 400, param=name, code="invalid_value")
+    cols = {name: _per_prompt(name, v, num, not _is_per_prompt_list(name, v)) for name, v in given.items()}
     first_of: dict[Any, int] = {}
     for i, r in enumerate(cols["rid"]):
         if r is not None and first_of.setdefault(r, i) != i:
             raise APIError(f"rid[{i}] {r!r} repeats rid[{first_of[r]}]: the prompts of a batch need different rids",
                            400, param=f"rid[{i}]", code="invalid_value")
-    params = _per_prompt("sampling_params", req.sampling_params or {}, num, not isinstance(req.sampling_params, list))
-    ids = req.token_ids_logprob or []
-    if ids and isinstance(ids[0], list) and not _takes_lists(req, is_batch):
-        raise APIError("token_ids_logprob must be a list of ids for a single prompt", 400, param="token_ids_logprob",
-                       code="invalid_value")
-    ids = _per_prompt("token_ids_logprob", ids, num, not (ids and isinstance(ids[0], list)))
-    ids = [picked if asked else [] for picked, asked in zip(ids, cols["return_logprob"])]
-    cols["top_logprobs_num"] = [k if asked else 0 for k, asked in zip(cols["top_logprobs_num"], cols["return_logprob"])]
-    namespaces = [None if salt is None and key is None else (salt, key) for salt, key in zip(cols["cache_salt"], cols["extra_key"])]
-    rows = zip(prompts, map(dict, params), cols["rid"], cols["return_logprob"], cols["top_logprobs_num"],
-               cols["logprob_start_len"], ids, namespaces)
-    return ([GenerateInput(*row, think_end_ids=think_end_ids, lora_path=lora) for row, lora in zip(rows, cols["lora_path"])],
-            is_batch, field)
+    in_list = isinstance(req.sampling_params, list)
+    return ([GenerateInput(
+        prompt, _sampling_params_of(cols["sampling_params"][i], i if in_list else None), rid=cols["rid"][i],
+        return_logprob=cols["return_logprob"][i],
+        top_logprobs_num=cols["top_logprobs_num"][i] if cols["return_logprob"][i] else 0,
+        logprob_start_len=cols["logprob_start_len"][i],
+        token_ids_logprob=cols["token_ids_logprob"][i] if cols["return_logprob"][i] else [],
+        namespace=None if cols["cache_salt"][i] is None and cols["extra_key"][i] is None
+        else (cols["cache_salt"][i], cols["extra_key"][i]),
+        think_end_ids=think_end_ids, lora_path=cols["lora_path"][i],
+    ) for i, prompt in enumerate(prompts)], is_batch, field)
 
 
 def sampling_param_path(name: str, index: int | None) -> str:
@@ -115,32 +127,26 @@ def _in_sampling_params(e: APIError, index: int | None) -> APIError:
     return e
 
 
-def _check_sampling(params: Any, index: int | None) -> Any:
-    """One `sampling_params` object through the field table and the JSON types (before the request
-    model, whose wording for a wrong type is pydantic's)."""
-    if not isinstance(params, dict):
-        return params  # the request model names a non-object
+def _sampling_params_of(params: dict[str, Any], index: int | None) -> SamplingParams:
+    """One `sampling_params` object as `SamplingParams` (`from_dict`: unknown fields and JSON types); a
+    refusal names the field's path."""
     try:
-        params = check_sampling_params(params)
-        check_field_types(params, SAMPLING_FIELD_TYPES)
-        check_stop_sizes(params.get("stop"))
-    except APIError as e:
-        raise _in_sampling_params(e, index) from None
+        return SamplingParams.from_dict(params)
     except SamplingParamsError as e:
         raise _in_sampling_params(from_engine_error(e), index) from None
-    return params
 
 
 def _parse(body: dict[str, Any], skip_tokenizer_init: bool = False) -> GenerateRequest:
-    """Validate a /generate body: SGLang's fields through the field table, then the request model.
-    With `--skip-tokenizer-init` a text prompt is a 400 naming `text` (SGLang refuses text then)."""
+    """Validate a /generate body: SGLang's fields through the field table (the request's and each
+    `sampling_params` object's accepted non-implemented fields dropped), then the request model. With
+    `--skip-tokenizer-init` a text prompt is a 400 naming `text` (SGLang refuses text then)."""
     body = check_request(body)
     check_request_id(body.get("rid"))
     sp = body.get("sampling_params")
     if isinstance(sp, list):
-        body["sampling_params"] = [_check_sampling(x, i) for i, x in enumerate(sp)]
+        body["sampling_params"] = [_check_field_table(x, i) for i, x in enumerate(sp)]
     else:
-        body["sampling_params"] = _check_sampling(sp, None)
+        body["sampling_params"] = _check_field_table(sp, None)
     req = GenerateRequest.model_validate(body)
     if skip_tokenizer_init and req.text is not None:
         raise APIError("text: the server runs with --skip-tokenizer-init, so prompts must be input_ids (token ids)",
@@ -148,13 +154,14 @@ def _parse(body: dict[str, Any], skip_tokenizer_init: bool = False) -> GenerateR
     return req
 
 
-@dataclasses.dataclass(frozen=True)
-class LogprobKeys:
-    """Which logprob keys a sequence's meta_info has (SGLang 0.5.23's rule, `protocol.MetaInfo`):
-    `top` with top_logprobs_num > 0, `token_ids` with a non-empty token_ids_logprob."""
-
-    top: bool
-    token_ids: bool
+def _check_field_table(params: Any, index: int | None) -> Any:
+    """One `sampling_params` object through SGLang's field table (`check_sampling_params`)."""
+    if not isinstance(params, dict):
+        return params  # the request model names a non-object
+    try:
+        return check_sampling_params(params)
+    except APIError as e:
+        raise _in_sampling_params(e, index) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,22 +202,15 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[GenerateInp
     return sequences
 
 
-_PER_PROMPT_FIELDS = ("rid", "return_logprob", "top_logprobs_num", "logprob_start_len", "cache_salt", "extra_key",
-                      "token_ids_logprob")
-
-
 def _given_per_prompt(req: GenerateRequest, name: str | None) -> bool:
     """Whether the batch gave `name` as a list of per-prompt values (then an error in it is named with
     the prompt's index, `logprob_start_len[1]`)."""
-    value = getattr(req, name, None) if name in _PER_PROMPT_FIELDS else None
-    if name == "token_ids_logprob":
-        return isinstance(value, list) and bool(value) and isinstance(value[0], list)
-    return isinstance(value, list)
+    return name in PER_PROMPT_FIELDS and _is_per_prompt_list(name, getattr(req, name, None))
 
 
-def _num_sequences(sampling_params: dict[str, Any]) -> int:
+def _num_sequences(params: SamplingParams) -> int:
     """The sequences a prompt will submit (its `n`; an invalid n counts 1 and its submit refuses it)."""
-    n = sampling_params.get("n")
+    n = params.n
     return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
 
 
@@ -223,10 +223,9 @@ def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[Genera
         if req.return_prompt_token_ids:  # tokenized once, here, when the response needs the ids
             p = dataclasses.replace(p, prompt=tokenize(p.prompt))
         rids = group.submit(p)
-        keys = LogprobKeys(p.top_logprobs_num > 0, bool(p.token_ids_logprob))
-        seq = _Sequence(p.sampling_params.get("stream_interval") or 1,
+        seq = _Sequence(p.sampling_params.stream_interval or 1,
                         list(p.prompt) if req.return_prompt_token_ids else None,
-                        keys if p.return_logprob else None)
+                        LogprobKeys(p.top_logprobs_num > 0, bool(p.token_ids_logprob)) if p.return_logprob else None)
         sequences.update(dict.fromkeys(rids, seq))
         num_submitted[0] += 1
 
@@ -235,51 +234,20 @@ def to_output(
     out: StepOutput, tokenizer: Any, with_text: bool, index: int | None = None, prompt_token_ids: list[int] | None = None,
     logprobs: LogprobKeys | None = None, with_output_text: bool = True,
 ) -> dict[str, Any]:
-    """A StepOutput as SGLang's output dict; logprobs become [logprob, token_id, text or None] and
-    `logprobs` says which logprob keys meta_info has (`protocol.MetaInfo`; None: none);
-    `prompt_token_ids` (SGLang's `return_prompt_token_ids`) is added at the top level when given.
-    `with_output_text` False (`--skip-tokenizer-init`) leaves `text` out, as SGLang's outputs have
-    only output_ids and meta_info then."""
-    meta = out.meta
-
-    def triple(logprob: float, token_id: int) -> list[Any]:
-        return [logprob, token_id, tokenizer.decode([token_id]) if with_text else None]
-
-    info = MetaInfo(
-        id=meta.id,
-        prompt_tokens=meta.prompt_tokens,
-        completion_tokens=meta.completion_tokens,
-        cached_tokens=meta.cached_tokens,
-        finish_reason=sglang_finish_reason(meta.finish_reason),
-        e2e_latency=meta.e2e_latency,
-        cached_tokens_details=sglang_cached_tokens_details(meta.cached_tokens_details),
-    )
-    if logprobs is not None:
-        output = [triple(lp, t) for lp, t in meta.output_token_logprobs or []]
-        # SGLang's list is [] without prompt positions (logprob_start_len -1 or the prompt's length)
-        prompt = [triple(lp, t) for lp, t in meta.input_token_logprobs or []]
-        info.output_token_logprobs, info.output_token_logprobs_length = output, len(output)
-        info.input_token_logprobs = prompt
-        if logprobs.top:
-            info.output_top_logprobs = [[triple(lp, t) for lp, t in top] for top in meta.output_top_logprobs or []]
-            # per prompt position, as SGLang: null where no logprob (position 0), else the top-k triples
-            info.input_top_logprobs = [None if top is None else [triple(lp, t) for lp, t in top]
-                                       for top in meta.input_top_logprobs or []]
-        if logprobs.token_ids:
-            info.output_token_ids_logprobs = [[triple(lp, t) for lp, t in picked]
-                                              for picked in meta.output_token_ids_logprobs or []]
-            info.input_token_ids_logprobs = [None if picked is None else [triple(lp, t) for lp, t in picked]
-                                             for picked in meta.input_token_ids_logprobs or []]
-    result = GenerateOutput(text=out.text, output_ids=out.output_ids, meta_info=info, index=index).model_dump()
-    if index is None:
-        del result["index"]
+    """A StepOutput as SGLang's output dict: its meta_info from the engine's one builder (`outputs.meta_info`;
+    `logprobs` says which logprob keys it has, None: none; `with_text` puts each token's text in its
+    logprob triples); `prompt_token_ids` (SGLang's `return_prompt_token_ids`) is added at the top level
+    when given. `with_output_text` False (`--skip-tokenizer-init`) leaves `text` out, as SGLang's outputs
+    have only output_ids and meta_info then."""
+    token_text = (lambda t: tokenizer.decode([t])) if with_text else None
+    result: dict[str, Any] = {"text": out.text, "output_ids": out.output_ids,
+                              "meta_info": meta_info(out.meta, logprobs, token_text)}
+    if index is not None:
+        result["index"] = index
     if not with_output_text:
         del result["text"]
     if prompt_token_ids is not None:
         result["prompt_token_ids"] = prompt_token_ids
-    # SGLang's meta_info always has these two, null or not
-    always = ("finish_reason", "cached_tokens_details")
-    result["meta_info"] = {k: v for k, v in result["meta_info"].items() if v is not None or k in always}
     return result
 
 
@@ -300,13 +268,13 @@ async def generate(request: Request) -> Response:
     # SGLang's ReasonerGrammarBackend: with --reasoning-parser a reasoning request's grammar waits for </think>
     fmt = request.app.state.reasoning_format
     think_end_ids = () if not req.require_reasoning or fmt is None or skip_tokenizer else \
-        tuple(engine_loop.tokenizer.encode(fmt.think_end, add_special_tokens=False))
+        tuple(engine_loop.engine.tokenizer.encode(fmt.think_end, add_special_tokens=False))
     prompts, is_batch, field = _expand(req, think_end_ids)
     group = RequestGroup(engine_loop)
-    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.tokenize, is_batch))
+    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.engine.checker.tokenize, is_batch))
     if not req.log_metrics:
         mark_unlogged(request, group.rids)
-    tokenizer = engine_loop.tokenizer
+    tokenizer = engine_loop.engine.tokenizer
     with_text = req.return_text_in_logprobs and not skip_tokenizer
     if req.stream:
         mark_streaming(request, group.rids)

@@ -18,7 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.validation.field_types import describe
+from jaxserve.core.field_types import describe
 from jaxserve.model.lora import LoraError
 from jaxserve.server.errors import APIError, ErrorJSONResponse, error_body, parse_json_body
 
@@ -57,7 +57,7 @@ def _body(raw: bytes, allowed: tuple[str, ...]) -> dict[str, Any]:
 
 async def load_lora_adapter(request: Request) -> Response:
     """Read a PEFT adapter (off the event loop) and serve it as `lora_name`."""
-    engine = request.app.state.engine_loop
+    engine = request.app.state.engine_loop.engine
     body = _body(await request.body(), ("lora_name", "lora_path", "pinned"))
     name, path = _field(body, "lora_name", str), _field(body, "lora_path", str)
     pinned = _field(body, "pinned", bool, required=False) or False
@@ -72,7 +72,7 @@ async def load_lora_adapter(request: Request) -> Response:
 
 async def unload_lora_adapter(request: Request) -> Response:
     """Stop serving `lora_name`; answer once its running requests have finished."""
-    engine = request.app.state.engine_loop
+    engine = request.app.state.engine_loop.engine
     body = _body(await request.body(), ("lora_name",))
     name = _field(body, "lora_name", str)
     try:

@@ -26,12 +26,12 @@ from typing import Any, AsyncIterator, Callable, Iterable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.outputs import RequestError, StepOutput
-from jaxserve.engine.request import SamplingParamsError, finish_length
+from jaxserve.core.errors import RequestError, SamplingParamsError
+from jaxserve.core.request import finish_length
+from jaxserve.core.sampling_params import MAX_N, SamplingParams
+from jaxserve.core.size_limits import check_request_sizes
+from jaxserve.engine.outputs import StepOutput
 from jaxserve.engine.request_input import GenerateInput
-from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, check_field_types
-from jaxserve.engine.validation.sampling_params import MAX_N
-from jaxserve.engine.validation.size_limits import check_request_sizes
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming
@@ -76,11 +76,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 # ---- request -> engine ----------------------------------------------------------------------------
-def sampling_params_of(req: OpenAISampling, max_new_tokens: int, ebnf: str | None = None) -> dict[str, Any]:
-    """The engine's sampling-params dict for an OpenAI request (absent fields keep their defaults);
-    `ebnf` is a grammar the API layer imposes (a forced tool call) in place of the request's. The whole
-    reply is then the call, and its grammar ends it: `stop`, `stop_token_ids` and `stop_regex` are left
-    out, as they could only cut the call short, leaving no call."""
+def sampling_params_of(req: OpenAISampling, max_new_tokens: int | None, ebnf: str | None = None) -> SamplingParams:
+    """The engine's sampling params of an OpenAI request, under SGLang's names (absent fields keep their
+    defaults; `max_new_tokens` None: the route's default). Their types and values are checked once, by the
+    request's one check (`SamplingParams.validate`; its errors renamed to this API's fields). `ebnf` is a
+    grammar the API layer imposes (a forced tool call) in place of the request's. The whole reply is then the call, and its grammar ends it: `stop`,
+    `stop_token_ids` and `stop_regex` are left out, as they could only cut the call short, leaving no call."""
     forced = ebnf is not None
     d = {
         "max_new_tokens": max_new_tokens,
@@ -105,7 +106,7 @@ def sampling_params_of(req: OpenAISampling, max_new_tokens: int, ebnf: str | Non
         "json_schema": _json_schema_of(req),
         "logit_bias": req.logit_bias,
     }
-    return {k: v for k, v in d.items() if v is not None}
+    return SamplingParams.from_dict({k: v for k, v in d.items() if v is not None})
 
 
 def _json_schema_of(req: OpenAISampling) -> str | None:
@@ -134,7 +135,8 @@ def max_tokens_of(req: OpenAISampling) -> tuple[int | None, str]:
              if v is not None]
     if not given:
         return None, "max_tokens"
-    return min(given)
+    not_int = [(v, f) for v, f in given if not isinstance(v, int) or isinstance(v, bool)]
+    return not_int[0] if not_int else min(given)  # a wrong type goes on, for the request's check to name
 
 
 def _renames(req: OpenAISampling, prompt_field: str, max_field: str, top_field: str) -> dict[str, str]:
@@ -151,13 +153,16 @@ def _renames(req: OpenAISampling, prompt_field: str, max_field: str, top_field: 
     return renames
 
 
-def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[list[int], str | None, int]],
-            req: OpenAISampling, return_logprob: bool, top_logprobs_num: int, *,
-            logprob_start_len: int = -1, ebnf: str | None = None, think_end_ids: tuple[int, ...] = (),
-            served_model_name: str = "") -> None:
-    """Submit (token ids, rid, max_new_tokens) per prompt; a validation error aborts the ones before it.
-    `think_end_ids`: the grammar applies after these tokens (`reasoning.grammar_think_end_ids`). The
-    LoRA adapter of each prompt: `model`'s "<served>:<adapter>", else `lora_path` (`lora.resolve_lora_paths`)."""
+def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[str | list[int], str | None]],
+            req: OpenAISampling, return_logprob: bool, top_logprobs_num: int, *, max_new_tokens: int | None,
+            default_max_new_tokens: int | None, add_special_tokens: bool = True, logprob_start_len: int = -1,
+            ebnf: str | None = None, think_end_ids: tuple[int, ...] = (), served_model_name: str = "") -> None:
+    """Submit (prompt, rid) per prompt, the prompt a text or token ids, the rid None for a fresh one; a
+    validation error aborts the ones before it. `max_new_tokens` None takes the route's
+    `default_max_new_tokens` (None: what the context leaves). `add_special_tokens` False: the prompt is a
+    chat template's text. `think_end_ids`: the grammar applies after these tokens
+    (`reasoning.grammar_think_end_ids`). The LoRA adapter of each prompt: `model`'s "<served>:<adapter>",
+    else `lora_path` (`lora.resolve_lora_paths`)."""
     n = req.n if isinstance(req.n, int) and 1 <= req.n <= MAX_N else 1  # an invalid n: its submit refuses it
     try:
         loras, lora_field = resolve_lora_paths(req.model, req.lora_path, served_model_name, len(prompts))
@@ -166,11 +171,12 @@ def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[li
     renames = {**renames, "lora_path": lora_field}
     try:
         with group.reserved(len(prompts) * n, "n" if len(prompts) == 1 else "prompt"):
-            for (ids, rid, max_new_tokens), lora in zip(prompts, loras):
-                group.submit(GenerateInput(ids, sampling_params_of(req, max_new_tokens, ebnf), rid=rid,
-                                           return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                                           logprob_start_len=logprob_start_len, think_end_ids=think_end_ids,
-                                           lora_path=lora))
+            params = sampling_params_of(req, max_new_tokens, ebnf)
+            for (prompt, rid), lora in zip(prompts, loras):
+                group.submit(GenerateInput(prompt, params, rid=rid, return_logprob=return_logprob,
+                                           top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                                           think_end_ids=think_end_ids, lora_path=lora, add_special_tokens=add_special_tokens,
+                                           default_max_new_tokens=default_max_new_tokens))
     except (SamplingParamsError, RequestError) as e:
         group.abort()
         raise from_engine_error(e, renames) from None
@@ -181,7 +187,7 @@ def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[li
 
 def _tokenize(engine_loop, prompt: str | list[int], field: str, add_special_tokens: bool = True) -> list[int]:
     try:
-        return engine_loop.tokenize(prompt, add_special_tokens)
+        return engine_loop.engine.checker.tokenize(prompt, add_special_tokens)
     except RequestError as e:
         raise from_engine_error(e, {"input_ids": field, "prompt": field}) from None
 
@@ -220,10 +226,6 @@ def _failure_response(outputs: list[StepOutput]) -> Response | None:
     return None
 
 
-def _new_rid(req: OpenAISampling) -> str:
-    return req.rid or uuid.uuid4().hex
-
-
 # ---- /v1/completions ------------------------------------------------------------------------------
 def _completion_prompts(prompt: str | list) -> list[str | list[int]]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -245,7 +247,6 @@ async def completions(request: Request) -> Response:
     """POST /v1/completions."""
     engine_loop = request.app.state.engine_loop
     body = parse_json_body(await request.body())
-    check_field_types(body, OPENAI_FIELD_TYPES)  # the same wording as /generate's for a wrong type
     check_request_sizes(body)
     req = CompletionRequest.model_validate(body)
     check_openai_request(req)
@@ -258,23 +259,17 @@ async def completions(request: Request) -> Response:
     max_tokens, max_field = max_tokens_of(req)
     prompt_logprobs = req.echo and req.logprobs is not None
     drop_output = prompt_logprobs and max_tokens == 0
-    rid = _new_rid(req)
     raw_prompts = _completion_prompts(req.prompt)
     group = RequestGroup(engine_loop)
-
-    def prepare() -> None:  # on the preprocessing thread
-        prompts = []
-        for i, p in enumerate(raw_prompts):
-            ids = _tokenize(engine_loop, p, "prompt")
-            room = max(1, engine_loop.context_length - len(ids))
-            max_new = max_tokens if max_tokens is not None else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-            prompts.append((ids, rid if len(raw_prompts) == 1 else f"{rid}-p{i}", 1 if drop_output else max_new))
-        _submit(group, _renames(req, "prompt", max_field, "logprobs"), prompts, req,
-                req.logprobs is not None, req.logprobs or 0, logprob_start_len=0 if prompt_logprobs else -1,
-                served_model_name=request.app.state.model_name)
-
-    await preprocess(request, prepare)
-    tokenizer = engine_loop.tokenizer
+    # several prompts of one rid: one sequence each, `<rid>-p<i>` (no rid: the engine gives each its own)
+    rids = [req.rid] if len(raw_prompts) == 1 else [req.rid and f"{req.rid}-p{i}" for i in range(len(raw_prompts))]
+    await preprocess(request, lambda: _submit(
+        group, _renames(req, "prompt", max_field, "logprobs"), list(zip(raw_prompts, rids)), req,
+        req.logprobs is not None, req.logprobs or 0, max_new_tokens=1 if drop_output else max_tokens,
+        default_max_new_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, logprob_start_len=0 if prompt_logprobs else -1,
+        served_model_name=request.app.state.model_name))
+    rid = req.rid or group.base_rids[0]
+    tokenizer = engine_loop.engine.tokenizer
     echoes = [(p if isinstance(p, str) else tokenizer.decode(p)) if req.echo else "" for p in raw_prompts]
     model = request.app.state.model_name
     if req.stream:
@@ -450,8 +445,7 @@ async def _submit_chat(request: Request, req: ChatCompletionRequest, rename: dic
                            param="top_logprobs", code="invalid_value")
     plan = tool_plan(req, request.app.state.server_args.tool_call_parser)
     max_tokens, max_field = max_tokens_of(req)
-    tokenizer = engine_loop.tokenizer
-    rid = _new_rid(req)
+    tokenizer = engine_loop.engine.tokenizer
     group = RequestGroup(engine_loop)
     renames = {k: rename.get(v, v) for k, v in _renames(req, "messages", max_field, "top_logprobs").items()}
     for name, other in rename.items():  # engine fields the chat keeps its own name for (rid)
@@ -464,15 +458,15 @@ async def _submit_chat(request: Request, req: ChatCompletionRequest, rename: dic
     # does not (enable_thinking false) has it from the first token, and then its reply holds no reasoning
     think_end_ids = grammar_think_end_ids(fmt, req.chat_template_kwargs, tokenizer) if constrained else ()
 
-    def prepare() -> None:  # on the preprocessing thread
-        ids = _chat_prompt_ids(request, req, plan)
-        max_new = max_tokens if max_tokens is not None else max(1, engine_loop.context_length - len(ids))
-        _submit(group, renames, [(ids, rid, max_new)], req, req.logprobs, req.top_logprobs or 0, ebnf=plan.grammar,
-                think_end_ids=think_end_ids, served_model_name=request.app.state.model_name)
+    def prepare() -> None:  # on the preprocessing thread: the template, then the request's one check
+        prompt = chat_prompt(tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
+        _submit(group, renames, [(prompt, req.rid)], req, req.logprobs, req.top_logprobs or 0, max_new_tokens=max_tokens,
+                default_max_new_tokens=None, add_special_tokens=False, ebnf=plan.grammar, think_end_ids=think_end_ids,
+                served_model_name=request.app.state.model_name)
 
     await preprocess(request, prepare)
     reasoning = fmt if req.separate_reasoning and (not constrained or think_end_ids) else None
-    return ChatRun(group, rid, plan, reasoning)
+    return ChatRun(group, group.base_rids[0], plan, reasoning)
 
 
 def _chat_prompt_ids(request: Request, req: ChatCompletionRequest, plan: ToolPlan,
@@ -480,7 +474,7 @@ def _chat_prompt_ids(request: Request, req: ChatCompletionRequest, plan: ToolPla
     """The prompt token ids of a chat: its template rendered with the plan's tools, then tokenized
     (without adding special tokens, as a chat's prompt: the template wrote them)."""
     engine_loop = request.app.state.engine_loop
-    prompt = chat_prompt(engine_loop.tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
+    prompt = chat_prompt(engine_loop.engine.tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
     return _tokenize(engine_loop, prompt, "messages", add_special_tokens=add_special_tokens)
 
 
@@ -509,14 +503,13 @@ async def chat_prompt_tokens(request: Request, req: ChatCompletionRequest) -> in
 async def chat_completions(request: Request) -> Response:
     """POST /v1/chat/completions."""
     body = parse_json_body(await request.body())
-    check_field_types(body, OPENAI_FIELD_TYPES)  # the same wording as /generate's for a wrong type
     check_request_sizes(body)
     req = ChatCompletionRequest.model_validate(body)
     # here, not in submit_chat: /v1/responses checks its function_call_output items by their own names
     check_tool_messages(req)
     run = await submit_chat(request, req)
     group, rid, plan, reasoning = run.group, run.rid, run.plan, run.reasoning
-    tokenizer = request.app.state.engine_loop.tokenizer
+    tokenizer = request.app.state.engine_loop.engine.tokenizer
     model = request.app.state.model_name
     if req.stream:
         mark_streaming(request, group.rids)

@@ -1,7 +1,7 @@
 """Request checks of the OpenAI routes (/v1/completions, /v1/chat/completions) made before a request is
 prepared: OpenAI's own rules (`stream_options`, `best_of`, message `content`, `tool` messages) and
 `--skip-tokenizer-init`. Each raises an `APIError` (400) naming the field. The values of the sampling fields (ranges, the seed's,
-logit_bias keys) are the engine's checks (`SamplingParams`, engine/validation/).
+logit_bias keys) are the request's one check's (`SamplingParams.validate`, core/sampling_params.py).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def check_best_of(req: CompletionRequest) -> None:
     Raises:
         APIError: 400 naming best_of.
     """
-    if req.best_of is None or req.best_of == req.n:
-        return
+    if req.best_of is None or req.best_of == req.n or not isinstance(req.n, int) or isinstance(req.n, bool):
+        return  # a wrong type of n: the request's one check names it
     if req.best_of < req.n:
         raise APIError(f"best_of must be >= n, got best_of={req.best_of} and n={req.n}", 400, param="best_of",
                        code="invalid_value")

@@ -16,13 +16,13 @@ from jaxserve.server.protocol import ModelCard, ModelList
 
 def _served_card(request: Request) -> ModelCard:
     engine_loop = request.app.state.engine_loop
-    return ModelCard(id=request.app.state.model_name, root=engine_loop.model_path, max_model_len=engine_loop.context_length)
+    return ModelCard(id=request.app.state.model_name, root=engine_loop.engine.runner.model_path, max_model_len=engine_loop.engine.limits.context_length)
 
 
 def _adapter_cards(request: Request) -> list[ModelCard]:
     """A card per loaded LoRA adapter (SGLang's: id the adapter's name, root its path, parent the
     served model)."""
-    adapters = request.app.state.engine_loop.loaded_lora_adapters()
+    adapters = request.app.state.engine_loop.engine.loaded_lora_adapters()
     return [ModelCard(id=name, root=path, parent=request.app.state.model_name) for name, path in adapters.items()]
 
 

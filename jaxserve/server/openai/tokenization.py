@@ -27,8 +27,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, check_field_types
-from jaxserve.engine.validation.size_limits import check_request_sizes
+from jaxserve.core.field_types import OPENAI_FIELD_TYPES, check_field_types
+from jaxserve.core.size_limits import check_request_sizes
 from jaxserve.server.engine_client import preprocess
 from jaxserve.server.errors import APIError, parse_json_body
 from jaxserve.server.openai.chat_completions import chat_prompt_ids
@@ -77,14 +77,14 @@ async def tokenize(request: Request) -> Response:
         count: int | list[int] = len(ids)
     else:
         texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt or [])
-        tokenizer = engine_loop.tokenizer
+        tokenizer = engine_loop.engine.tokenizer
         encoded = await preprocess(request, lambda: [
             list(tokenizer.encode(text, add_special_tokens=req.add_special_tokens)) for text in texts])
         if isinstance(req.prompt, str):
             tokens, count = encoded[0], len(encoded[0])
         else:
             tokens, count = encoded, [len(ids) for ids in encoded]
-    limit = max_model_len(engine_loop.tokenizer, engine_loop.context_length)
+    limit = max_model_len(engine_loop.engine.tokenizer, engine_loop.engine.limits.context_length)
     return JSONResponse(TokenizeResponse(tokens=tokens, count=count, max_model_len=limit).model_dump())
 
 
@@ -109,7 +109,7 @@ async def detokenize(request: Request) -> Response:
     body = parse_json_body(await request.body())
     req = DetokenizeRequest.model_validate(body)
     engine_loop = request.app.state.engine_loop
-    tokenizer = engine_loop.tokenizer
+    tokenizer = engine_loop.engine.tokenizer
     if tokenizer is None or request.app.state.server_args.skip_tokenizer_init:  # as its outputs carry no text
         raise APIError("tokens: the server runs with --skip-tokenizer-init, so it decodes no text", 400,
                        param="tokens", code="invalid_value")

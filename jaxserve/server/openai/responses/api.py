@@ -46,9 +46,9 @@ from typing import Any, AsyncIterator, NamedTuple
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.engine.outputs import RequestError, StepOutput
-from jaxserve.engine.validation.field_types import check_field_types
-from jaxserve.engine.validation.size_limits import check_request_sizes
+from jaxserve.core.errors import RequestError
+from jaxserve.core.size_limits import check_request_sizes
+from jaxserve.engine.outputs import StepOutput
 from jaxserve.server.engine_client import abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_response, parse_json_body
 from jaxserve.server.metrics import mark_streaming
@@ -56,7 +56,6 @@ from jaxserve.server.native.generate import failure_of
 from jaxserve.server.openai.chat_completions import ChatRun, chat_prompt_tokens, submit_chat
 from jaxserve.server.openai.responses.input import (
     FIELD_NAMES,
-    FIELD_TYPES,
     Message,
     chat_request,
     check_call_outputs,
@@ -142,7 +141,7 @@ class _Reply:
         self.id = req.request_id or new_id("resp")  # SGLang's: the response id is the engine's request id
         self.req = req
         self.model = request.app.state.model_name
-        self.tokenizer = request.app.state.engine_loop.tokenizer
+        self.tokenizer = request.app.state.engine_loop.engine.tokenizer
         self.created_at = int(time.time())
         self.input_items = input_items(req)
 
@@ -181,7 +180,7 @@ async def _instructions_alone_too_long(request: Request, req: ResponsesRequest, 
     if not req.instructions:
         return False
     try:
-        ids = await preprocess(request, lambda: request.app.state.engine_loop.tokenize(req.instructions, False))
+        ids = await preprocess(request, lambda: request.app.state.engine_loop.engine.checker.tokenize(req.instructions, False))
     except RequestError:  # refused by its length in characters before it is tokenized
         return True
     return len(ids) >= limit
@@ -202,7 +201,7 @@ async def _submit(request: Request, req: ResponsesRequest, conversation: list[Me
         ClientDisconnect: the client left while the search ran.
     """
     engine_loop = request.app.state.engine_loop
-    context, limit = engine_loop.context_length, engine_loop.max_req_input_len  # a prompt has fewer than limit tokens
+    context, limit = engine_loop.engine.limits.context_length, engine_loop.engine.limits.max_prompt_tokens  # a prompt has fewer than limit tokens
     try:
         return await submit_chat(request, chat_request(req, conversation, rid), FIELD_NAMES)
     except APIError as e:
@@ -226,7 +225,8 @@ async def _submit(request: Request, req: ResponsesRequest, conversation: list[Me
             if e.code == "context_length_exceeded":
                 return False
             raise
-        return tokens < limit and (req.max_output_tokens is None or tokens + req.max_output_tokens <= context)
+        max_out = req.max_output_tokens  # a wrong type: the chat path's one check names it
+        return tokens < limit and (not isinstance(max_out, int) or tokens + max_out <= context)
 
     low, high = 1, len(conversation) - 1  # the first start that fits, or the last message alone
     try:
@@ -246,7 +246,6 @@ async def create_response(request: Request) -> Response:
     """POST /v1/responses."""
     body = parse_json_body(await request.body())
     check_chat_only_fields(body)
-    check_field_types(body, FIELD_TYPES)
     check_request_sizes(body, "request_id")
     check_input_items(body)
     check_metadata(body.get("metadata"))

@@ -12,8 +12,8 @@ from typing import Any
 
 import pydantic
 
-from jaxserve.engine.validation.field_types import OPENAI_FIELD_TYPES, describe
-from jaxserve.engine.validation.size_limits import METADATA_MAX_KEY_CHARS, METADATA_MAX_PAIRS, METADATA_MAX_VALUE_CHARS
+from jaxserve.core.field_types import describe
+from jaxserve.core.size_limits import METADATA_MAX_KEY_CHARS, METADATA_MAX_PAIRS, METADATA_MAX_VALUE_CHARS
 from jaxserve.server.errors import APIError, from_validation_error
 from jaxserve.server.openai.chat_completions import MAX_TOP_LOGPROBS
 from jaxserve.server.protocol import (
@@ -30,9 +30,6 @@ from jaxserve.server.protocol import (
 # (a response_format error is the schema's: `_response_format` checks the rest)
 FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format.schema",
                "rid": "request_id"}
-# the sampling fields' JSON types under this API's names (field_types: the same wording as the other routes)
-FIELD_TYPES = {name: t for name, t in OPENAI_FIELD_TYPES.items()
-               if name in ResponsesRequest.model_fields and name != "input"} | {"max_output_tokens": OPENAI_FIELD_TYPES["max_tokens"]}
 # chat fields a user of this API may send by mistake: refused with the name to use (others are ignored)
 CHAT_ONLY_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
                     "response_format": "text.format"}
