@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.config import FLAG_GROUPS, ServerArgs
+from jaxserve.server_args import FLAG_GROUPS, ServerArgs
 
 
 def _help() -> str:

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from jaxserve.config import ServerArgs
-from jaxserve.engine.context_length import ALLOW_LONGER_ENV, resolve_context_length, trained_context_length
+from jaxserve.model.context_length import ALLOW_LONGER_ENV, resolve_context_length, trained_context_length
+from jaxserve.server_args import ServerArgs
 
 
 @pytest.mark.parametrize("name", ["", "   "])
@@ -33,13 +33,13 @@ def test_context_length_above_the_trained_one_is_refused_with_sglangs_variable_n
 
 @pytest.mark.parametrize("value", ["1", "true", "Yes", "y"])
 def test_sglangs_variable_turns_the_refusal_into_a_warning(value, caplog):
-    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.context_length"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.model.context_length"):
         assert resolve_context_length(100000, 8192, 8192, environ={ALLOW_LONGER_ENV: value}) == 100000
     assert "greater than the model's context length 8192" in caplog.text
 
 
 def test_the_engine_api_only_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="jaxserve.engine.context_length"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.model.context_length"):
         assert resolve_context_length(4096, 1024, 8192, environ={}, refuse_longer=False) == 4096
     assert "greater than the model's context length 1024" in caplog.text
 

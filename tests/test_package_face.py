@@ -16,10 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_four_names_are_the_engines_own():
     import jaxserve
     from jaxserve import Engine, EngineLoop, SamplingParams, ServerArgs
-    from jaxserve.config import ServerArgs as config_args
+    from jaxserve.core.sampling_params import SamplingParams as params_cls
     from jaxserve.engine.engine import Engine as engine_cls
     from jaxserve.engine.engine_loop import EngineLoop as loop_cls
-    from jaxserve.engine.request import SamplingParams as params_cls
+    from jaxserve.server_args import ServerArgs as config_args
 
     assert (Engine, EngineLoop, SamplingParams, ServerArgs) == (engine_cls, loop_cls, params_cls, config_args)
     assert sorted(jaxserve.__all__) == ["Engine", "EngineLoop", "SamplingParams", "ServerArgs"]

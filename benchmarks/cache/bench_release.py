@@ -107,11 +107,11 @@ def bench_working_set(model: str, args) -> dict:
         engine = Engine(**common, **extra)
         run_closed_loop(engine, prompts, params, args.concurrency)  # the same pass once, to compile
         engine.flush_cache()
-        policy = engine.release_policy
-        engine.release_policy = engine.cache.policy = policy.__class__(
-            policy.config, engine.tree, engine.allocator, engine.pool_shape
+        policy = engine.cache.policy
+        engine.cache.policy = engine.cache.policy = policy.__class__(
+            policy.config, engine.cache.tree, engine.cache.allocator, engine.runner.pool_shape
         )  # fresh counters
-        engine.release_policy.attach_io(engine.runner)
+        engine.cache.policy.attach_io(engine.runner)
         compiles = engine.runner.num_compiles_after_warmup
         metas, wall, _, _ = run_closed_loop(engine, prompts, params, args.concurrency)
         compiles = engine.runner.num_compiles_after_warmup - compiles
@@ -122,7 +122,7 @@ def bench_working_set(model: str, args) -> dict:
         mb = stats.recalled_bytes / 1e6
         # decode step time, with aggressive proactive soft release (threshold 0) in the policy-on run
         if extra:
-            engine.release_policy.config = _aggressive(engine.release_policy.config)
+            engine.cache.policy.config = _aggressive(engine.cache.policy.config)
         for _ in range(2):  # the first pass compiles
             engine.flush_cache()
             _, _, decode_times, _ = run_closed_loop(engine, decode_prompts, decode_params, args.concurrency)
@@ -206,7 +206,7 @@ def bench_recall(model: str, args) -> dict:
     engine = Engine(model_path=model, max_total_tokens=8192, page_size=16, disable_precompile=True)
     runner = engine.runner
     rows = []
-    page_bytes = engine.pool_shape.bytes_per_token * 16
+    page_bytes = engine.runner.pool_shape.bytes_per_token * 16
     rng = np.random.default_rng(2)
     for num_pages in (1, 4, 16, 64):
         pages = np.arange(1, num_pages + 1, dtype=np.int32)

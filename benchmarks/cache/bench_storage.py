@@ -39,8 +39,8 @@ def prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def make_engine(flags: str, storage_dir: str | None):
-    from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
+    from jaxserve.server_args import ServerArgs
 
     if storage_dir is not None:
         os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = storage_dir
@@ -85,7 +85,7 @@ def closed_loop(engine, batch: list[list[int]], output_len: int, concurrency: in
 
 def first_life(args) -> None:
     engine = make_engine(args.flags, args.storage_dir)
-    stored = prompts(args.seed, args.rounds + 1, args.input_len, engine.model_config.vocab_size)
+    stored = prompts(args.seed, args.rounds + 1, args.input_len, engine.runner.model_config.vocab_size)
     outputs = [timed(engine, p, args.output_len)[1] for p in stored]
     engine.close()
     print(json.dumps(outputs))
@@ -124,7 +124,7 @@ def bench_ttft(args, tmp: str) -> None:
              "--rounds", str(args.rounds), "--seed", str(args.seed)]
     first_outputs = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     engine = make_engine(args.flags, storage_dir)  # the restart
-    vocab = engine.model_config.vocab_size
+    vocab = engine.runner.model_config.vocab_size
     stored = prompts(args.seed, args.rounds + 1, args.input_len, vocab)
     fresh = prompts(args.seed + 1000, args.rounds + 1, args.input_len, vocab)
     timed(engine, stored[0], args.output_len)  # warm-up: a storage hit and a recompute, compiled
@@ -152,7 +152,7 @@ def bench_ttft(args, tmp: str) -> None:
 def bench_itl(args, tmp: str) -> None:
     off = make_engine(args.flags, None)
     on = make_engine(args.flags, os.path.join(tmp, "itl"))
-    vocab = on.model_config.vocab_size
+    vocab = on.runner.model_config.vocab_size
     closed_loop(off, prompts(args.seed + 1, 2, args.itl_input_len, vocab), 8, 2)  # settle
     closed_loop(on, prompts(args.seed + 2, 2, args.itl_input_len, vocab), 8, 2)
     itl, ratios = {"off": [], "on": []}, []

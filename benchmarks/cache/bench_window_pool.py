@@ -33,13 +33,13 @@ def run_layout(path: str, hybrid: bool, args) -> dict:
                     context_length=args.context + args.new_tokens, max_running_requests=1, page_size=args.page_size,
                     disable_hybrid_swa_memory=not hybrid, disable_radix_cache=False,
                     swa_full_tokens_ratio=args.swa_full_tokens_ratio)
-    cfg, shape, alloc = engine.model_config, engine.pool_shape, engine.allocator  # shape: the full page space
+    cfg, shape, alloc = engine.runner.model_config, engine.runner.pool_shape, engine.cache.allocator  # shape: the full page space
     layer_page_bytes = shape.bytes_per_token // shape.num_layers * shape.page_size
     windows = cfg.layer_sliding_windows()
     num_window = sum(w is not None for w in windows)
 
     def kv_bytes() -> int:
-        if engine.window_layout is None:
+        if engine.runner.window_layout is None:
             return alloc.num_used * cfg.num_layers * layer_page_bytes
         return (alloc.num_used * (cfg.num_layers - num_window) + alloc.window.num_used * num_window) * layer_page_bytes
 
@@ -47,7 +47,7 @@ def run_layout(path: str, hybrid: bool, args) -> dict:
     prompt = [int(x) for x in rng.integers(3, min(cfg.vocab_size, 50_000), args.context)]
     engine.add_request(prompt, {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True})
     peak_prefill, decode_bytes, decode_window_pages, step_times, output = 0, [], [], [], []
-    window_locks = alloc.window_locks if engine.window_layout is not None else None
+    window_locks = alloc.window_locks if engine.runner.window_layout is not None else None
     prefilling = True
     while engine.scheduler.has_work():
         t0 = time.perf_counter()
@@ -71,8 +71,8 @@ def run_layout(path: str, hybrid: bool, args) -> dict:
         "peak_prefill_kv_bytes": peak_prefill,
         "decode_kv_bytes": max(decode_bytes) if decode_bytes else 0,
         "window_pages_needed_decoding": max(decode_window_pages) if decode_window_pages else None,
-        "window_space_tokens": (None if engine.window_layout is None
-                                else (engine.window_layout.num_window_pages - 1) * args.page_size),
+        "window_space_tokens": (None if engine.runner.window_layout is None
+                                else (engine.runner.window_layout.num_window_pages - 1) * args.page_size),
         "decode_step_ms": 1e3 * float(np.median(step_times[1:] or step_times)),
         "output_ids": output,
     }

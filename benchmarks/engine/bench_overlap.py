@@ -56,12 +56,12 @@ def main(argv=None) -> None:
     p.add_argument("--output-file", help="append one JSON line per run")
     args = p.parse_args(argv)
 
-    from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
+    from jaxserve.server_args import ServerArgs
 
     engine = Engine(ServerArgs.from_cli(shlex.split(args.flags)))
     rng = np.random.default_rng(args.seed)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.runner.model_config.vocab_size
     results = {(mode, c): {"tpot": [], "tok_s": []} for mode in ("on", "off") for c in args.concurrency}
     run(engine, [list(map(int, rng.integers(100, vocab - 100, args.input_len)))], 8, 1)  # settle
     for rnd in range(args.rounds):

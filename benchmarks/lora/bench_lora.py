@@ -85,10 +85,10 @@ def main(argv=None) -> None:
     tmp = tempfile.mkdtemp(prefix="bench_lora_")
     names = [f"adapter{i}" for i in range(args.num_adapters)]
     for i, name in enumerate(names):
-        lora.load_lora_adapter(name, write_random_adapter(os.path.join(tmp, name), lora.model_config, args.rank, i))
+        lora.load_lora_adapter(name, write_random_adapter(os.path.join(tmp, name), lora.runner.model_config, args.rank, i))
 
     rng = np.random.default_rng(0)
-    prompts = [[int(x) for x in rng.integers(100, lora.model_config.vocab_size - 100, args.input_len)]
+    prompts = [[int(x) for x in rng.integers(100, lora.runner.model_config.vocab_size - 100, args.input_len)]
                for _ in range(args.batch)]
     mixed = [names[i % len(names)] for i in range(args.batch)]
     runs = {
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
 
     step_times(base, lora, args, keys)
     load_s, write_s = [], []
-    extra = write_random_adapter(os.path.join(tmp, "extra"), lora.model_config, args.rank, 99)
+    extra = write_random_adapter(os.path.join(tmp, "extra"), lora.runner.model_config, args.rank, 99)
     for _ in range(args.load_repeats):
         start = time.perf_counter()
         lora.load_lora_adapter("extra", extra)
@@ -122,7 +122,7 @@ def main(argv=None) -> None:
         lora.unload_lora_adapter("extra")
     from jaxserve.model.lora import load_adapter
 
-    adapter = load_adapter(extra, lora.model_config, lora.lora_config)
+    adapter = load_adapter(extra, lora.runner.model_config, lora.runner.lora)
     lora.runner.write_lora_slot(1, adapter)  # compiles the slot write once (the slot is traced)
     for _ in range(args.load_repeats):
         start = time.perf_counter()
@@ -143,7 +143,7 @@ def step_times(base, lora, args, names) -> None:
 
     from jaxserve.runner.buckets import BucketKey
 
-    num_slots = lora.lora_config.num_slots
+    num_slots = lora.runner.lora.num_slots
     decode = lora.runner.bucket_for([1] * args.batch, 1)
     prefill = lora.runner.bucket_for([args.prefill_tokens // args.batch] * args.batch, 1)
     for key in (decode, prefill):

@@ -26,12 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.cache.kv_pool import PoolShape
-from jaxserve.model import llama
+from jaxserve.core.batch import BatchEntry
+from jaxserve.model import functional
 from jaxserve.model.loader import load_model
 from jaxserve.model.tokenizer import DEFAULT_MODEL_GGUF, default_model_path
 from jaxserve.pallas.reference import ragged_paged_attention_xla
 from jaxserve.runner.buckets import MAX_LAYERS_PER_CALL
-from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+from jaxserve.runner.model_runner import ModelRunner
 
 PAGE_SIZE = 16
 
@@ -105,7 +106,7 @@ def main() -> None:
         return list(range(1 + i * pages_per_seq, 1 + (i + 1) * pages_per_seq))
 
     runners = {
-        loop: jax_runner(config, params if loop.startswith("host") else llama.stack_layers(params), max_b,
+        loop: jax_runner(config, params if loop.startswith("host") else functional.stack_layers(params), max_b,
                          n + PAGE_SIZE, loop)
         for loop in args.layer_loops
     }

@@ -28,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = Engine(model_path="default", max_total_tokens=4096, disable_radix_cache=True, disable_precompile=True,
                     chunked_prefill_size=args.prompt_len, context_length=2048)
-    prompt = [int(x) for x in np.random.default_rng(0).integers(3, engine.model_config.vocab_size, size=args.prompt_len)]
+    prompt = [int(x) for x in np.random.default_rng(0).integers(3, engine.runner.model_config.vocab_size, size=args.prompt_len)]
 
     def run(**kwargs):
         engine.add_request(prompt, {"max_new_tokens": 1, "temperature": 0}, **kwargs)

@@ -43,12 +43,11 @@ from benchmarks.cases import with_case
 from benchmarks.model.bench_model import PAGE_SIZE, jax_runner, layer_loop_spec
 from jaxserve.constrained import GrammarSpec, get_grammar_backend
 from jaxserve.constrained.bitmask import allocate_bitmask
-from jaxserve.engine.request import SamplingParams
-from jaxserve.engine.validation.sampling_params import MAX_LOGIT_BIAS_ENTRIES
+from jaxserve.core.batch import BatchEntry
+from jaxserve.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from jaxserve.model.loader import load_model
 from jaxserve.model.tokenizer import load_tokenizer
 from jaxserve.runner import sampler as sampler_lib
-from jaxserve.runner.model_runner import BatchEntry
 
 CASES_DIR = Path(__file__).parent / "cases"
 TOOL = "benchmarks.model.bench_sampler"

@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     engine = Engine(model_path="default", max_running_requests=max(64, args.num_prompts), chunked_prefill_size=512,
                     context_length=1024, max_total_tokens=args.num_prompts * (args.input_len + args.output_len + 32))
-    vocab = engine.model_config.vocab_size
+    vocab = engine.runner.model_config.vocab_size
     prompts = [list(map(int, rng.integers(3, vocab, size=int(rng.integers(args.input_len // 4, args.input_len + 1)))))
                for _ in range(args.num_prompts)]
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}

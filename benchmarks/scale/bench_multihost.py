@@ -38,8 +38,8 @@ def _measure(engine, args) -> dict:
 
 
 def run_single(args) -> dict:
-    from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
+    from jaxserve.server_args import ServerArgs
 
     server_args = ServerArgs.from_cli(["--model-path", args.model_path, *FLAGS, "--tp-size", str(args.tp)])
     return {"mode": f"tp {args.tp} in 1 process", **_measure(Engine(server_args), args)}
@@ -48,9 +48,9 @@ def run_single(args) -> dict:
 def run_leader(args) -> dict:
     import dataclasses
 
-    from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
-    from jaxserve.launch import server as launch
+    from jaxserve.launch import multihost as launch
+    from jaxserve.server_args import ServerArgs
     server_args = ServerArgs.from_cli(["--model-path", args.model_path, *FLAGS, *_cluster_flags(args, 0)])
     server_args = dataclasses.replace(server_args, weights_cache=False)  # as launch.main does
     cluster = launch.join_cluster(server_args)

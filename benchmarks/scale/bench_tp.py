@@ -44,10 +44,11 @@ def compare_tp(model_path: str, tp: int, *, prompt_len: int, batch_sizes, repeat
     from benchmarks.model.bench_model import PAGE_SIZE, timed_alternating
     from jaxserve import parallel
     from jaxserve.cache.kv_pool import PoolShape
-    from jaxserve.model import llama
+    from jaxserve.core.batch import BatchEntry
+    from jaxserve.model import functional
     from jaxserve.model.loader import load_model, replicate_kv_heads
     from jaxserve.pallas import get_attention_backend
-    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+    from jaxserve.runner.model_runner import ModelRunner
 
     on_cpu = jax.default_backend() == "cpu"
     layer_loop = layer_loop or ("host" if on_cpu else "scan")
@@ -61,7 +62,7 @@ def compare_tp(model_path: str, tp: int, *, prompt_len: int, batch_sizes, repeat
         shape = PoolShape(cfg.num_layers, max_b * pages_per_seq + 1, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim, "float32").shape
         dt = jax.tree.leaves(p)[0].dtype
         runners[t] = ModelRunner(
-            cfg, p if layer_loop == "host" else llama.stack_layers(p), jnp.zeros(shape, dt), jnp.zeros(shape, dt),
+            cfg, p if layer_loop == "host" else functional.stack_layers(p), jnp.zeros(shape, dt), jnp.zeros(shape, dt),
             attn_fn=backend, max_running_requests=max_b, max_extend_tokens=prompt_len,
             context_length=prompt_len + PAGE_SIZE, layer_loop=layer_loop, mesh=parallel.make_mesh(t),
         )

@@ -272,8 +272,8 @@ def engine_itl(flags: list[str], workload: str, seed: int, variant: str = "engin
 
     import numpy as np
 
-    from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
+    from jaxserve.server_args import ServerArgs
 
     args = ServerArgs.from_cli(flags)
     engine = Engine(args)
@@ -282,13 +282,22 @@ def engine_itl(flags: list[str], workload: str, seed: int, variant: str = "engin
     engine.generate(rows[0].prompt, {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})  # warm-up
     itls = []
     for row in rows:
-        out = engine.generate(row.prompt, {"max_new_tokens": row.output_len, "temperature": 0, "ignore_eos": True})
-        m = out["meta_info"]
-        itls.append((m["e2e_latency"] - m["ttft"]) / max(1, m["completion_tokens"] - 1) * 1e3)
+        itls.append(in_process_tpot_ms(engine, row.prompt, row.output_len))
     del engine
     gc.collect()
     return {"variant": variant, "flags": " ".join(flags), "workload": workload,
             "median_tpot_ms": statistics.median(itls), "tpots_ms": itls}
+
+
+def in_process_tpot_ms(engine, prompt, output_len: int) -> float:
+    """One request through `engine` alone (greedy, `output_len` tokens): its TPOT in ms, from its finished
+    output's own times (e2e latency - TTFT over the tokens after the first)."""
+    (rid,) = engine.add_request(prompt, {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True})
+    done = None
+    while done is None:
+        done = next((o for o in engine.step() if o.rid == rid and o.finished), None)
+    m = done.meta
+    return (m.e2e_latency - m.ttft) / max(1, m.completion_tokens - 1) * 1e3
 
 
 def _is_engine(row: dict) -> bool:
@@ -308,8 +317,8 @@ def paired_overhead(name: str, flags: list[str], workload: str, seed: int, log_d
 
     import numpy as np
 
-    from jaxserve.config import ServerArgs
     from jaxserve.engine.engine import Engine
+    from jaxserve.server_args import ServerArgs
 
     port = free_port()
     proc = start_server(flags, port, log_dir / f"server_paired_{name}.log")
@@ -324,9 +333,7 @@ def paired_overhead(name: str, flags: list[str], workload: str, seed: int, log_d
         settings = bench_serving.RequestSettings(backend, base_url, model, None, True, False, {})
 
         def in_process(row) -> float:
-            out = engine.generate(row.prompt, {"max_new_tokens": row.output_len, "temperature": 0, "ignore_eos": True})
-            m = out["meta_info"]
-            return (m["e2e_latency"] - m["ttft"]) / max(1, m["completion_tokens"] - 1) * 1e3
+            return in_process_tpot_ms(engine, row.prompt, row.output_len)
 
         async def run() -> None:
             async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=60), trust_env=False) as client:

@@ -32,9 +32,10 @@ import numpy as np
 
 from benchmarks.model import bench_model
 from jaxserve.cache.kv_pool import PoolShape
+from jaxserve.core.batch import BatchEntry
 from jaxserve.model.loader import load_model
 from jaxserve.pallas.reference import _MASK_VALUE, KV_BLOCK_TOKENS, ragged_paged_attention_xla
-from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+from jaxserve.runner.model_runner import ModelRunner
 
 
 def padded_map_attention(q, k_pool, v_pool, layer, meta, sm_scale, kv_block=KV_BLOCK_TOKENS):

@@ -20,6 +20,7 @@ from jaxserve.cache.kv_pool import PageAllocator, PoolShape
 from jaxserve.cache.page_io import NumpyKVPages
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import ReleasePolicy, ReleasePolicyConfig
+from jaxserve.engine.config import EngineConfig
 
 NUM_LAYERS = 2
 
@@ -501,7 +502,7 @@ def test_heap_compaction_keeps_it_bounded():
 
 def test_flags_alias_and_pool_cap():
     from jaxserve.cache.kv_pool import size_pool
-    from jaxserve.config import ServerArgs
+    from jaxserve.server_args import ServerArgs
 
     args = ServerArgs.from_cli([
         "--radix-cache-block-size", "4", "--radix-cache-max-num-blocks", "10", "--enable-hierarchical-cache",
@@ -509,7 +510,7 @@ def test_flags_alias_and_pool_cap():
         "--merge-max-suffix-tokens", "3", "--enable-radix-cache-stats",
     ]).resolved("cpu")
     assert args.page_size == 4
-    config = ReleasePolicyConfig.from_server_args(args)
+    config = EngineConfig.of(args).cache.release_policy
     assert config.enable_host_tier and config.hicache_ratio == 1.5 and config.soft_free_threshold_s == 0
     assert config.enable_coalescing and config.merge_max_suffix_tokens == 3 and config.enable_stats_log
     assert (config.max_frozen_ratio, config.evict_threshold, config.merge_min_shared_ratio) == (0.9, 0.8, 0.6)

@@ -15,7 +15,6 @@ import sys
 import textwrap
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -321,32 +320,35 @@ def test_extra_config_and_sizes():
 
 
 def test_config_from_flags_and_sglang_environment(tmp_path):
-    args = SimpleNamespace(hicache_storage_backend="file", hicache_storage_backend_extra_config=None,
-                           hicache_storage_prefetch_policy="wait_complete", hicache_write_policy="write_back")
     env = {ENV_STORAGE_DIR: str(tmp_path), ENV_MAX_SIZE: "2M", ENV_EVICTION_RATIO: "0.5"}
-    cfg = StorageConfig.from_server_args(args, env)
+    cfg = StorageConfig.from_flags("file", None, "wait_complete", "write_back", env)
     assert (cfg.storage_dir, cfg.max_size_bytes, cfg.eviction_ratio) == (str(tmp_path), 2 * 10**6, 0.5)
     assert (cfg.prefetch_policy, cfg.write_policy) == ("wait_complete", "write_back")
-    args.hicache_storage_backend_extra_config = '{"max_size": "1Mi", "eviction_ratio": 0.8}'
-    cfg = StorageConfig.from_server_args(args, env)
+    extra = '{"max_size": "1Mi", "eviction_ratio": 0.8}'
+    cfg = StorageConfig.from_flags("file", extra, environ=env)
     assert (cfg.max_size_bytes, cfg.eviction_ratio) == (2**20, 0.8)  # the extra config wins, as SGLang
-    assert StorageConfig.from_server_args(args, {}).storage_dir == "/tmp/hicache"
+    assert StorageConfig.from_flags("file", extra, environ={}).storage_dir == "/tmp/hicache"
     with pytest.raises(StorageError, match=ENV_EVICTION_RATIO):
-        args.hicache_storage_backend_extra_config = None
-        StorageConfig.from_server_args(args, {ENV_EVICTION_RATIO: "2"})
-    args.hicache_storage_backend = None
-    assert StorageConfig.from_server_args(args, env) is None
+        StorageConfig.from_flags("file", None, environ={ENV_EVICTION_RATIO: "2"})
+    assert StorageConfig.from_flags(None, extra, environ=env) is None
 
 
 def test_storage_flags_are_validated_naming_the_flag():
-    from jaxserve.config import ServerArgs
+    from jaxserve.engine.config import EngineConfig
+    from jaxserve.launch.cli import check_start_up_args
+    from jaxserve.server_args import ServerArgs
 
     ServerArgs(hicache_storage_backend="file", hicache_storage_backend_extra_config='{"prefetch_threshold": 0}').validate()
     for kwargs, flag in (
         (dict(hicache_storage_backend="mooncake"), "--hicache-storage-backend"),
         (dict(hicache_write_policy="write_around"), "--hicache-write-policy"),
         (dict(hicache_storage_prefetch_policy="never"), "--hicache-storage-prefetch-policy"),
-        (dict(hicache_storage_backend_extra_config="{bad json"), "--hicache-storage-backend-extra-config"),
     ):
         with pytest.raises(ValueError, match=flag):
             ServerArgs(**kwargs).validate()
+    # the extra config's contents are the storage tier's: refused where the flags become the engine's configs,
+    # and by serve.py before anything loads (`check_start_up_args`: exit 2 naming the flag)
+    bad = ServerArgs(hicache_storage_backend="file", hicache_storage_backend_extra_config="{bad json")
+    for check in (lambda: EngineConfig.of(bad.resolved("cpu")), lambda: check_start_up_args(bad)):
+        with pytest.raises(ValueError, match="--hicache-storage-backend-extra-config"):
+            check()

@@ -102,11 +102,11 @@ def test_a_request_needs_only_its_window_and_the_tree_keeps_the_rest_as_cache(mo
     rng = np.random.default_rng(11)
     prompt = [int(x) for x in rng.integers(3, 49152, 200)]
     every_page = _engine(model_dirs[case], disable_hybrid_swa_memory=True)
-    assert every_page.window_layout is None
+    assert every_page.runner.window_layout is None
     expected = every_page.generate([prompt], GREEDY)[0]["output_ids"]
 
     engine = _engine(model_dirs[case])
-    alloc = engine.allocator
+    alloc = engine.cache.allocator
     assert isinstance(alloc, HybridPageAllocator) and alloc.layout.window == WINDOW
     engine.add_request(prompt, GREEDY)
     peak_locked, output_ids = 0, []
@@ -144,7 +144,7 @@ def test_a_match_is_cut_back_to_where_the_window_is_held(model_dirs):
     branch = shared + [int(x) for x in rng.integers(3, 49152, 20)]
     every_page = _engine(model_dirs["gemma3"], disable_hybrid_swa_memory=True)
     engine = _engine(model_dirs["gemma3"], swa_full_tokens_ratio=0.12)
-    assert engine.window_layout.num_window_pages - 1 == 15
+    assert engine.runner.window_layout.num_window_pages - 1 == 15
     for prompt in [first] + others:
         assert engine.generate([prompt], GREEDY)[0]["output_ids"] == every_page.generate([prompt], GREEDY)[0]["output_ids"]
         engine.cache.check_integrity([])
@@ -160,7 +160,7 @@ def test_a_match_is_cut_back_to_where_the_window_is_held(model_dirs):
     assert out_last["meta_info"]["cached_tokens"] == ref_last["meta_info"]["cached_tokens"] > 0
     engine.cache.check_integrity([])
     engine.flush_cache()
-    assert engine.allocator.num_free == engine.allocator.num_usable
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_usable
 
 
 def test_retraction_and_the_scan_loop_keep_the_outputs(model_dirs):
@@ -178,7 +178,7 @@ def test_retraction_and_the_scan_loop_keep_the_outputs(model_dirs):
         assert engine.scheduler.num_retractions > 0, "no request was retracted"
         engine.cache.check_integrity([])
         engine.flush_cache()
-        assert engine.allocator.num_free == engine.allocator.num_usable
+        assert engine.cache.allocator.num_free == engine.cache.allocator.num_usable
 
 
 @pytest.mark.parametrize("layer_loop", ["host", "scan"])
@@ -188,10 +188,11 @@ def test_the_hybrid_step_updates_the_flat_pools_in_place(model_dirs, layer_loop)
     import jax.numpy as jnp
 
     from jaxserve.cache.kv_pool import PoolShape
+    from jaxserve.core.batch import BatchEntry
     from jaxserve.model.loader import load_model
     from jaxserve.pallas.reference import ragged_paged_attention_xla
     from jaxserve.runner.hlo_text import aliased_params, pool_copies
-    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+    from jaxserve.runner.model_runner import ModelRunner
     from tests.runner.test_model_runner_hlo import pool_program_text
 
     config, params = load_model(model_dirs["gemma3"], "float32", use_weights_cache=False)
@@ -200,7 +201,7 @@ def test_the_hybrid_step_updates_the_flat_pools_in_place(model_dirs, layer_loop)
         PoolShape(config.num_layers, 64, PAGE, config.num_kv_heads, config.head_dim, "float32")).shape
     runner = ModelRunner(config, params, jnp.zeros(shape), jnp.zeros(shape), attn_fn=ragged_paged_attention_xla,
                          max_running_requests=4, max_extend_tokens=64, context_length=256, layer_loop=layer_loop,
-                         window_pages=alloc)
+                         allocator=alloc)
     pages = alloc.allocate(13)
     alloc.drop_window(pages[:8])
     text = pool_program_text(runner, [BatchEntry([5], 100, pages)])
@@ -216,7 +217,7 @@ def test_a_prompt_longer_than_the_window_space_runs(model_dirs):
     prompt = [int(x) for x in rng.integers(3, 49152, 400)]
     expected = _engine(model_dirs["gemma3"], disable_hybrid_swa_memory=True).generate([prompt], GREEDY)[0]
     engine = _engine(model_dirs["gemma3"], swa_full_tokens_ratio=0.25)
-    assert (engine.window_layout.num_window_pages - 1) * PAGE == 256
+    assert (engine.runner.window_layout.num_window_pages - 1) * PAGE == 256
     out = engine.generate([prompt], GREEDY)[0]
     assert out["output_ids"] == expected["output_ids"]
     engine.cache.check_integrity([])
@@ -233,7 +234,7 @@ def test_window_parts_no_window_reads_are_dropped_when_the_window_space_is_short
     params = dict(GREEDY, max_new_tokens=8)
     every_page = _engine(model_dirs["gemma3"], disable_hybrid_swa_memory=True)
     engine = _engine(model_dirs["gemma3"], swa_full_tokens_ratio=0.08)
-    assert engine.window_layout.num_window_pages - 1 == 10
+    assert engine.runner.window_layout.num_window_pages - 1 == 10
     for prompt in prompts:
         ref, out = every_page.generate([prompt], params)[0], engine.generate([prompt], params)[0]
         assert out["output_ids"] == ref["output_ids"], len(prompt)
@@ -244,5 +245,5 @@ def test_window_parts_no_window_reads_are_dropped_when_the_window_space_is_short
 
 def test_a_host_tier_keeps_every_layers_pages_and_says_so(model_dirs):
     engine = _engine(model_dirs["gemma3"], enable_hierarchical_cache=True)
-    assert engine.window_layout is None and not isinstance(engine.allocator, HybridPageAllocator)
+    assert engine.runner.window_layout is None and not isinstance(engine.cache.allocator, HybridPageAllocator)
     assert engine.args.disable_hybrid_swa_memory  # as /get_server_info reports it

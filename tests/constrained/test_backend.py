@@ -2,14 +2,8 @@ import json
 
 import pytest
 
-from jaxserve.constrained.backend import (
-    GRAMMAR_BACKENDS,
-    GrammarDisabledError,
-    GrammarSpec,
-    InvalidGrammarError,
-    NoGrammarBackend,
-    get_grammar_backend,
-)
+from jaxserve.constrained.backend import GrammarDisabledError, GrammarSpec, InvalidGrammarError, NoGrammarBackend
+from jaxserve.constrained.registry import GRAMMAR_BACKENDS, get_grammar_backend
 
 
 def test_grammar_spec_is_a_frozen_hashable_key():

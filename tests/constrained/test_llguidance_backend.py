@@ -5,15 +5,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from jaxserve.constrained.backend import (
-    GrammarBackend,
-    GrammarMatcher,
-    GrammarSpec,
-    InvalidGrammarError,
-    get_grammar_backend,
-)
+from jaxserve.constrained.backend import GrammarBackend, GrammarMatcher, GrammarSpec, InvalidGrammarError
 from jaxserve.constrained.bitmask import allocate_bitmask, allowed_token_ids, unpack_bitmask
 from jaxserve.constrained.llguidance_backend import LLGuidanceBackend
+from jaxserve.constrained.registry import get_grammar_backend
 from tests.constrained.random_walk import max_structural_whitespace_run, random_walk, whitespace_token_ids
 
 EOS = 2

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxserve.core.request import finish_abort, finish_length, finish_stop
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.request import SamplingParams, finish_abort, finish_length, finish_stop
 from jaxserve.model.tokenizer import load_tokenizer
 
 FFFD = "\ufffd"
@@ -39,7 +40,7 @@ def full_decode(tok, ids, skip_special_tokens=True) -> str:
 
 def stream(tok, ids, eos=(2,), prompt=PROMPT, **params):
     """Feed ids until finished; returns (deltas, detokenizer)."""
-    detok = IncrementalDetokenizer(tok, tok.encode(prompt), SamplingParams(**params), eos)
+    detok = IncrementalDetokenizer(tok, tok.encode(prompt), SamplingParams(**{"max_new_tokens": 128, **params}), eos)
     deltas = []
     for token in ids:
         result = detok.append(token)
@@ -89,7 +90,7 @@ def test_earliest_of_several_stop_strings_wins(tok):
 def test_possible_stop_prefix_is_held_back_then_released(tok):
     ids = tok.encode("hello world war", add_special_tokens=False)  # hello | " world" | " war"
     assert len(ids) == 3
-    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=("world peace",)), [2])
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(max_new_tokens=128, stop=("world peace",)), [2])
     assert detok.append(ids[0]).text_delta == "hello"
     held = detok.append(ids[1])
     assert held.text_delta == " " and not held.finished  # "world" could still become "world peace"
@@ -151,7 +152,7 @@ def test_max_new_tokens_zero_and_one(tok):
 
 
 def test_finish_flushes_held_text(tok):
-    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=("world peace",)), [2])
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(max_new_tokens=128, stop=("world peace",)), [2])
     for token in tok.encode("hello world", add_special_tokens=False):
         detok.append(token)
     result = detok.finish(finish_abort("client left"))
@@ -290,7 +291,7 @@ def test_spaces_between_special_tokens_reaches_the_tokenizer():
 
     for flag, expected in ((True, None), (False, False)):
         t = RecordingTokenizer()
-        d = IncrementalDetokenizer(t, [1, 2], SamplingParams(spaces_between_special_tokens=flag), ())
+        d = IncrementalDetokenizer(t, [1, 2], SamplingParams(max_new_tokens=128, spaces_between_special_tokens=flag), ())
         d.append(3)
         assert {k.get("spaces_between_special_tokens") for k in t.kwargs} == {expected}
 

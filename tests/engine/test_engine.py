@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxserve.core.errors import RequestError, SamplingParamsError
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.outputs import RequestError
-from jaxserve.engine.request import SamplingParamsError
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 
@@ -28,9 +27,9 @@ def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def assert_no_leak(engine: Engine) -> None:
-    freed = engine.tree.reset()
-    engine.allocator.free(freed)
-    assert engine.allocator.num_free == engine.allocator.num_usable
+    freed = engine.cache.tree.reset()
+    engine.cache.allocator.free(freed)
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_usable
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +60,7 @@ def test_tiny_pool_retracts_and_stays_exact(tiny_model_dir, solo_outputs):
     outs = eng.generate(mixed_prompts(16), GREEDY)
     assert [o["output_ids"] for o in outs] == solo_outputs
     assert eng.scheduler.num_retractions > 0
-    assert eng.allocator.num_free == eng.allocator.num_usable
+    assert eng.cache.allocator.num_free == eng.cache.allocator.num_usable
 
 
 def test_no_compile_after_warmup(tiny_model_dir):
@@ -186,7 +185,7 @@ def test_abort_frees_pages(engine):
     while engine.has_unfinished():
         engine.step()
     engine.cache.check_integrity([])
-    assert engine.allocator.num_free * engine.args.page_size + engine.tree.total_size() == engine.pool_shape.num_tokens
+    assert engine.cache.allocator.num_free * engine.args.page_size + engine.cache.tree.total_size() == engine.runner.pool_shape.num_tokens
 
 
 def test_prompt_and_output_logprobs_match_transformers(engine, tiny_model_dir):

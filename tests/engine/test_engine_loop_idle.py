@@ -31,13 +31,13 @@ def test_going_idle_runs_the_release_pass_and_ends_the_busy_period(tiny_model_di
                     on_output=lambda out: out.finished and done.set())
         assert done.wait(120)
         # a command runs after the loop iteration that delivered the last output has finished
-        credit, free, usable = loop.call(lambda e: (e.scheduler.prefill_budget.stall_credit, e.allocator.num_free,
-                                                    e.allocator.num_usable)).result(30)
+        credit, free, usable = loop.call(lambda e: (e.scheduler.prefill_budget.stall_credit, e.cache.allocator.num_free,
+                                                    e.cache.allocator.num_usable)).result(30)
         stats = loop.load().radix_cache
         assert engine.stats.num_steps >= 8  # the request decoded beside a measured budget
         assert credit == 0.0  # the request's grant (1% of its 7 ITLs) was dropped at idle
         assert free == usable  # the 40 cached prompt tokens (5 pages) left the device with no new request
-        assert stats.soft_freed_bytes == 5 * engine.release_policy.host.bytes_per_page
+        assert stats.soft_freed_bytes == 5 * engine.cache.policy.host.bytes_per_page
         assert stats.soft_freed_nodes >= 1 and stats.cached_tokens_host == 40
         assert stats.cached_tokens_device == 0
     finally:

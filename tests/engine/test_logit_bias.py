@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.request import SamplingParams, SamplingParamsError
-from jaxserve.engine.validation.sampling_params import MAX_LOGIT_BIAS_ENTRIES
+from jaxserve.core.errors import SamplingParamsError
+from jaxserve.core.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from jaxserve.runner.sampler import build_sampling_batch, sample
 
 V = 100
@@ -72,7 +72,7 @@ def test_fixed_width_means_one_compile():
 ])
 def test_invalid_logit_bias(bias, message):
     with pytest.raises(SamplingParamsError) as e:
-        SamplingParams.from_dict({"logit_bias": bias})
+        SamplingParams.from_dict({"logit_bias": bias}).validate()
     assert e.value.field == "logit_bias" and message in str(e.value)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine.outputs import RequestError
-from tests.engine.test_pool_limits import make_engine
+from jaxserve.core.errors import RequestError
+from tests.engine.test_model_limits import make_engine
 
 PROMPT = [5, 6, 7]
 

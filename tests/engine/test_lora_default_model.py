@@ -113,10 +113,11 @@ def test_default_model_logits_in_one_mixed_step_match_peft(adapters, reference):
     import jax.numpy as jnp
 
     from jaxserve.cache.kv_pool import PoolShape
+    from jaxserve.core.batch import BatchEntry
     from jaxserve.model import lora as lora_lib
     from jaxserve.model.loader import load_model
     from jaxserve.pallas.reference import ragged_paged_attention_xla
-    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+    from jaxserve.runner.model_runner import ModelRunner
     from tests.model.lora_helpers import peft_last_logits
 
     page = 16

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxserve.core.errors import RequestError
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.outputs import RequestError
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.model.lora import LoraError
 from tests.model.lora_helpers import make_peft_adapter, peft_greedy, peft_model
@@ -53,10 +53,10 @@ def alone(engine):
 
 
 def assert_no_leak(engine: Engine) -> None:
-    assert engine.lora_slots.num_slot_users == 0
-    freed = engine.tree.reset()
-    engine.allocator.free(freed)
-    assert engine.allocator.num_free == engine.allocator.num_usable
+    assert engine.scheduler.lora.num_slot_users == 0
+    freed = engine.cache.tree.reset()
+    engine.cache.allocator.free(freed)
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_usable
 
 
 def test_greedy_matches_peft(tiny_model_dir, adapters, alone):
@@ -218,7 +218,7 @@ def test_storage_tier_keys_on_the_adapter_files(tiny_model_dir, adapters, tmp_pa
     def serve(eng, name):
         out = eng.generate(prompt, GREEDY, lora_path=name)
         eng.step()  # an idle iteration: the engine loop runs one when it goes idle
-        eng.release_policy.storage.storage.flush_writes()
+        eng.cache.policy.storage.storage.flush_writes()
         return out["output_ids"], out["meta_info"]["cached_tokens"]
 
     first = make_engine(tiny_model_dir, {"a": adapters["a"]}, **flags)

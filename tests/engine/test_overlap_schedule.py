@@ -43,7 +43,7 @@ def outputs(eng: Engine, ps, params, **kwargs):
 
 def assert_no_leak(engine: Engine) -> None:
     engine.cache.check_integrity([])
-    assert engine.allocator.num_free + engine.tree.total_size() // engine.args.page_size == engine.allocator.num_usable
+    assert engine.cache.allocator.num_free + engine.cache.tree.total_size() // engine.args.page_size == engine.cache.allocator.num_usable
 
 
 def overlapped(eng: Engine, fn):
@@ -95,11 +95,11 @@ def test_seeded_sampling_and_logprobs_identical(engines):
     assert n > 0
     for r, g in zip(ref, got):
         assert g["output_ids"] == r["output_ids"]
-        np.testing.assert_allclose([lp for lp, _ in g["meta_info"]["output_token_logprobs"]],
-                                   [lp for lp, _ in r["meta_info"]["output_token_logprobs"]], atol=1e-5)
+        np.testing.assert_allclose([lp for lp, *_ in g["meta_info"]["output_token_logprobs"]],
+                                   [lp for lp, *_ in r["meta_info"]["output_token_logprobs"]], atol=1e-5)
         top_g, top_r = g["meta_info"]["output_top_logprobs"], r["meta_info"]["output_top_logprobs"]
-        assert [[t for _, t in row] for row in top_g] == [[t for _, t in row] for row in top_r]
-        np.testing.assert_allclose([[lp for lp, _ in row] for row in top_g], [[lp for lp, _ in row] for row in top_r], atol=1e-5)
+        assert [[t for _, t, _ in row] for row in top_g] == [[t for _, t, _ in row] for row in top_r]
+        np.testing.assert_allclose([[lp for lp, *_ in row] for row in top_g], [[lp for lp, *_ in row] for row in top_r], atol=1e-5)
 
 
 def test_requests_the_host_must_see_are_not_overlapped_and_stay_exact(engines):
@@ -152,7 +152,7 @@ def test_retraction_stays_exact(tiny_model_dir, engines):
     got, n = overlapped(eng, lambda: outputs(eng, ps, GREEDY))
     assert got == ref
     assert eng.scheduler.num_retractions > 0 and n > 0
-    assert eng.allocator.num_free == eng.allocator.num_usable
+    assert eng.cache.allocator.num_free == eng.cache.allocator.num_usable
 
 
 def test_no_compile_after_warmup(tiny_model_dir):
@@ -181,4 +181,4 @@ def test_every_request_aborted_while_a_step_is_in_flight(engines):
     assert sorted(o.rid for o in outs) == sorted(rids) and all(o.meta.finish_reason.kind == "abort" for o in outs)
     assert not on.step_in_flight and not on.has_unfinished() and on.stats.num_steps == steps_before
     on.flush_cache()
-    assert on.allocator.num_free == on.allocator.num_usable
+    assert on.cache.allocator.num_free == on.cache.allocator.num_usable

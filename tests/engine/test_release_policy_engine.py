@@ -30,7 +30,7 @@ def make_engine(model_dir, **kwargs) -> Engine:
 
     def checked_forward(entries, *args, **kw):
         writes = [(e.page_table, e.prefix_len, len(e.token_ids)) for e in entries]
-        assert frozen_write_violations(engine.tree, writes) == [], "a batch writes into a cached page"
+        assert frozen_write_violations(engine.cache.tree, writes) == [], "a batch writes into a cached page"
         return forward(entries, *args, **kw)
 
     engine.runner.forward = checked_forward
@@ -82,7 +82,7 @@ def test_soft_release_and_recall_keep_outputs(tiny_model_dir, baseline):
     assert len(stats.recall_latency_s) == stats.num_recalls
     assert engine.stats.release_mode == "aggressive"
     engine.flush_cache()
-    assert engine.allocator.num_free == engine.allocator.num_usable and engine.release_policy.host.num_used == 0
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_usable and engine.cache.policy.host.num_used == 0
 
 
 def test_pressure_soft_release_keeps_outputs(tiny_model_dir, baseline):
@@ -111,7 +111,7 @@ def test_coalescing_keeps_outputs_and_matches_page_size_1(tiny_model_dir, baseli
 def test_adaptive_mode_in_engine_stats(plain_engine):
     import dataclasses
 
-    policy = plain_engine.release_policy
+    policy = plain_engine.cache.policy
     policy.config = dataclasses.replace(policy.config, conservative_batch_size=2, aggressive_batch_size=4)
     plain_engine.add_request([5, 6, 7], {"max_new_tokens": 30, "temperature": 0})
     plain_engine.step()

@@ -36,7 +36,7 @@ def _prompts() -> list[list[int]]:
 def _assert_no_leak(engine: Engine) -> None:
     engine.cache.check_integrity([])
     engine.flush_cache()
-    assert engine.allocator.num_free == engine.allocator.num_usable
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_usable
 
 
 def test_speculative_verification_and_aborts_keep_window_outputs(gemma3_dir):

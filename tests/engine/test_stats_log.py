@@ -92,8 +92,8 @@ class _PoolCounts(logging.Handler):
         self.engine, self.lines = engine, []
 
     def emit(self, record):
-        alloc, page = self.engine.allocator, self.engine.pool_shape.page_size
-        full = alloc.num_used * page - self.engine.tree.evictable_size()
+        alloc, page = self.engine.cache.allocator, self.engine.runner.pool_shape.page_size
+        full = alloc.num_used * page - self.engine.cache.tree.evictable_size()
         self.lines.append((record.getMessage(), full, int(np.count_nonzero(alloc.window_locks)) * page))
 
 
@@ -101,8 +101,8 @@ def test_hybrid_pool_lines_give_each_pools_usage_in_sglangs_words(sliding_window
     page = 8
     eng = Engine(model_path=sliding_window_model_dir, max_total_tokens=1024, context_length=512, page_size=page,
                  chunked_prefill_size=32, max_running_requests=4, disable_precompile=True, decode_log_interval=4)
-    alloc = eng.allocator
-    full_total, swa_total = eng.pool_shape.num_tokens, alloc.window.num_usable * page
+    alloc = eng.cache.allocator
+    full_total, swa_total = eng.runner.pool_shape.num_tokens, alloc.window.num_usable * page
     rng = np.random.default_rng(5)
     prompts = [[int(x) for x in rng.integers(3, 49152, n)] for n in (70, 40)]
     counts = _PoolCounts(eng)

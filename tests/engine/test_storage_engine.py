@@ -45,7 +45,7 @@ def serve(engine: Engine, tokens: list[int]) -> tuple[list[int], int]:
 def serve_out(engine: Engine, tokens: list[int]) -> dict:
     out = engine.generate(tokens, GREEDY)
     engine.step()  # an idle iteration, as the engine loop runs one when it goes idle
-    engine.release_policy.storage.storage.flush_writes()
+    engine.cache.policy.storage.storage.flush_writes()
     engine.cache.check_integrity([])
     return out
 
@@ -82,17 +82,17 @@ def test_a_prefix_survives_a_restart(tiny_model_dir, storage_dir, caplog):
                                                          "storage": 0, "storage_backend": "HiCacheFile"}
     # /flush_cache empties the device (and host) tiers; the files stay, so the prompt is a storage hit again
     b.flush_cache()
-    assert b.tree.total_size() == 0
+    assert b.cache.tree.total_size() == 0
     output_b, cached_b = serve(b, tokens)
     assert cached_b >= aligned(tokens) and output_b == output
     assert b.radix_cache_stats().storage_hit_tokens == 2 * cached_b
     # a request aborted while it waits leaves no prefetch behind
     b.flush_cache()
     rid = b.add_request(tokens, GREEDY)[0]
-    assert b.release_policy.storage.num_prefetching == 1
+    assert b.cache.policy.storage.num_prefetching == 1
     assert b.abort(rid)
     b.step()
-    assert b.release_policy.storage.num_prefetching == 0
+    assert b.cache.policy.storage.num_prefetching == 0
     b.cache.check_integrity([])
     # another quantization on the same directory: other KV bytes, other keys, no hit
     c = make_engine(tiny_model_dir, quantization="w8a8_int8")
@@ -133,12 +133,12 @@ def test_damaged_files_are_misses_with_the_same_output(tiny_model_dir, storage_d
     a = make_engine(tiny_model_dir)
     output, _ = serve(a, tokens)
     a.close()
-    keys = a.release_policy.storage.keys(tokens[:-1])
-    path = a.release_policy.storage.storage.path(keys[4])
+    keys = a.cache.policy.storage.keys(tokens[:-1])
+    path = a.cache.policy.storage.storage.path(keys[4])
     with open(path, "r+b") as f:  # a few bytes of page 4 rot
         f.seek(-100, os.SEEK_END)
         f.write(b"\x00\x01\x02\x03")
-    os.truncate(a.release_policy.storage.storage.path(keys[6]), 64)  # and page 6 is torn
+    os.truncate(a.cache.policy.storage.storage.path(keys[6]), 64)  # and page 6 is torn
     b = make_engine(tiny_model_dir)
     output_b, cached_b = serve(b, tokens)
     assert cached_b == 4 * PAGE_SIZE and output_b == output
@@ -148,7 +148,7 @@ def test_damaged_files_are_misses_with_the_same_output(tiny_model_dir, storage_d
 
 def test_the_directory_stays_within_its_bound(tiny_model_dir, storage_dir, monkeypatch):
     a = make_engine(tiny_model_dir)
-    file_bytes = a.release_policy.storage.storage.file_bytes
+    file_bytes = a.cache.policy.storage.storage.file_bytes
     a.close()
     monkeypatch.setenv(ENV_MAX_SIZE, str(12 * file_bytes))
     a = make_engine(tiny_model_dir)

@@ -17,9 +17,11 @@ import re
 import jsonschema
 import pytest
 
-from jaxserve.constrained import InvalidGrammarError
+from jaxserve.core.errors import RequestError, SamplingParamsError
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.request import SamplingParams, SamplingParamsError
+from jaxserve.engine.request_input import GenerateInput
+from jaxserve.engine.validation.check import CheckedInput
 from tests.constrained.random_walk import max_structural_whitespace_run
 
 pytestmark = pytest.mark.slow
@@ -255,21 +257,29 @@ LONG_KEYS_SCHEMA = {
 }
 
 
+def _finished(engine, prompts, params, **fields) -> list:
+    """The final `StepOutput` of each prompt (their `meta` counts the forced tokens), in order."""
+    rids = [engine.add_request(p, params, **fields)[0] for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.rid: o for o in engine.step() if o.finished})
+    return [done[r] for r in rids]
+
+
 def test_jump_forward_equals_sampling_every_token(engine):
     messages = ["Create a customer record as JSON.", "A JSON order record for Ada Lovelace."]
     prompts = [chat(engine, m) for m in messages]
     params = {"json_schema": json.dumps(LONG_KEYS_SCHEMA), "max_new_tokens": 80, "temperature": 0}
-    with_jump = engine.generate(prompts, [params] * len(prompts))
+    with_jump = _finished(engine, prompts, params)
     with jump_forward_disabled(engine):
-        without_jump = engine.generate(prompts, [params] * len(prompts))
+        without_jump = _finished(engine, prompts, params)
     for message, fast, slow in zip(messages, with_jump, without_jump):
-        assert fast["text"] == slow["text"], (message, fast["text"], slow["text"])
-        jsonschema.validate(json.loads(fast["text"]), LONG_KEYS_SCHEMA)
-        fast_meta, slow_meta = fast["meta_info"], slow["meta_info"]
-        assert slow_meta["num_forced_tokens"] == 0
-        assert fast_meta["num_forced_tokens"] > 0, fast_meta
-        num_sampled = fast_meta["completion_tokens"] - fast_meta["num_forced_tokens"]
-        assert num_sampled < slow_meta["completion_tokens"], (fast_meta, slow_meta)
+        assert fast.text == slow.text, (message, fast.text, slow.text)
+        jsonschema.validate(json.loads(fast.text), LONG_KEYS_SCHEMA)
+        assert slow.meta.num_forced_tokens == 0
+        assert fast.meta.num_forced_tokens > 0, fast.meta
+        num_sampled = fast.meta.completion_tokens - fast.meta.num_forced_tokens
+        assert num_sampled < slow.meta.completion_tokens, (fast.meta, slow.meta)
 
 
 def test_constrained_logprobs_align_with_output_ids(engine):
@@ -277,21 +287,22 @@ def test_constrained_logprobs_align_with_output_ids(engine):
     (logprob, token) pair per output token, and the same output as with jump-forward."""
     prompt = chat(engine, "Create a customer record as JSON.")
     params = {"json_schema": json.dumps(LONG_KEYS_SCHEMA), "max_new_tokens": 80, "temperature": 0}
-    plain = engine.generate(prompt, params)
-    with_logprobs = engine.generate(prompt, params, return_logprob=True)
-    meta = with_logprobs["meta_info"]
-    assert with_logprobs["output_ids"] == plain["output_ids"]
-    assert meta["num_forced_tokens"] == 0
-    assert [t for _, t in meta["output_token_logprobs"]] == with_logprobs["output_ids"]
-    assert all(lp <= 0 for lp, _ in meta["output_token_logprobs"])
+    (plain,) = _finished(engine, [prompt], params)
+    (with_logprobs,) = _finished(engine, [prompt], params, return_logprob=True)
+    meta = with_logprobs.meta
+    assert with_logprobs.output_ids == plain.output_ids
+    assert meta.num_forced_tokens == 0
+    assert [t for _, t in meta.output_token_logprobs] == with_logprobs.output_ids
+    assert all(lp <= 0 for lp, _ in meta.output_token_logprobs)
 
 
 # ---- invalid input -------------------------------------------------------------------------------
 
 
-def test_compile_grammar_rejects_invalid_regex(engine):
-    with pytest.raises(InvalidGrammarError, match=r"(?s)invalid regex.*unclosed group"):
-        engine.compile_grammar(SamplingParams(regex="(ab"))
+def test_the_check_rejects_an_invalid_regex(engine):
+    with pytest.raises(RequestError, match=r"(?s)invalid regex.*unclosed group") as info:
+        engine.checker.check(GenerateInput("Hello", SamplingParams(regex="(ab")))
+    assert info.value.field == "regex"
 
 
 @pytest.mark.parametrize(
@@ -304,34 +315,39 @@ def test_compile_grammar_rejects_invalid_regex(engine):
     ],
     ids=["not-json", "bad-type", "dangling-ref", "not-an-object"],
 )
-def test_compile_grammar_rejects_invalid_json_schema(engine, schema, problem):
-    with pytest.raises(InvalidGrammarError, match=re.escape(problem)) as info:
-        engine.compile_grammar(SamplingParams(json_schema=schema))
-    assert "JSON schema" in str(info.value)
+def test_the_check_rejects_an_invalid_json_schema(engine, schema, problem):
+    with pytest.raises(RequestError, match=re.escape(problem)) as info:
+        engine.checker.check(GenerateInput("Hello", SamplingParams(json_schema=schema)))
+    assert "JSON schema" in str(info.value) and info.value.field == "json_schema"
 
 
 def test_two_constraints_are_a_sampling_params_error(engine):
     both = {"regex": "[a-z]+", "json_schema": json.dumps(ENUM_SCHEMA), "max_new_tokens": 4}
     with pytest.raises(SamplingParamsError, match="only one of") as info:
-        SamplingParams.from_dict(both)
+        SamplingParams.from_dict(both).validate()
     assert info.value.field == "json_schema"
     with pytest.raises(SamplingParamsError):
         engine.add_request(chat(engine, "Hello"), both)
     assert not engine.has_unfinished()
 
 
-def test_invalid_grammar_through_add_request_aborts_only_that_request(engine):
-    """A grammar that skipped `compile_grammar` fails in the engine's compile queue: that request ends
-    with an abort naming the grammar, the others in the same call (and later ones) are served."""
-    prompts = [chat(engine, "Say hi."), chat(engine, "What is the date today?")]
-    params = [
-        {"regex": "(ab", "max_new_tokens": 8, "temperature": 0},
-        {"regex": r"\d{4}-\d{2}-\d{2}", "max_new_tokens": 16, "temperature": 0},
-    ]
-    bad, good = engine.generate(prompts, params)
-    reason = bad["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and "grammar" in reason["message"] and "unclosed group" in reason["message"], reason
-    assert bad["output_ids"] == []
+def test_invalid_grammar_through_add_request_is_refused_and_the_engine_serves_on(engine):
+    """In process, an invalid grammar is refused by the request's one check (naming the field); a checked
+    request whose grammar still fails in the engine's compile queue (one built past the check) ends with an
+    abort naming the grammar, and the others are served."""
+    with pytest.raises(RequestError, match="unclosed group") as info:
+        engine.generate(chat(engine, "Say hi."), {"regex": "(ab", "max_new_tokens": 8, "temperature": 0})
+    assert info.value.field == "regex" and not engine.has_unfinished()
+    ids = engine.checker.tokenize(chat(engine, "Say hi."), add_special_tokens=False)
+    unchecked = CheckedInput(GenerateInput(ids, rid="past-the-check"), ids, SamplingParams(regex="(ab", max_new_tokens=8, temperature=0))
+    engine.add_request(unchecked)
+    bad = None
+    while engine.has_unfinished():
+        bad = next((o for o in engine.step() if o.finished), bad)
+    reason = bad.meta.finish_reason
+    assert reason.kind == "abort" and "grammar" in reason.message and "unclosed group" in reason.message, reason
+    good = engine.generate(chat(engine, "What is the date today?"),
+                           {"regex": r"\d{4}-\d{2}-\d{2}", "max_new_tokens": 16, "temperature": 0})
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", good["text"]), good["text"]
     after = engine.generate(chat(engine, "Is water wet?"), {"choices": ["yes", "no"], "max_new_tokens": 4, "temperature": 0})
     assert after["text"] in ("yes", "no")

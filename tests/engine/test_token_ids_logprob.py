@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.engine.outputs import RequestError
-from jaxserve.engine.request import finish_length
+from jaxserve.core.errors import RequestError
+from jaxserve.core.request import finish_length
 from tests.engine.test_engine import make_engine
 
 WATCHED = [0, 7, 512, 40000, 49151]

@@ -21,15 +21,17 @@ import jinja2
 import pytest
 from starlette.testclient import TestClient
 
-from jaxserve.config import ServerArgs
+from jaxserve.core.request import finish_stop
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.engine.outputs import RequestMeta, StepOutput
-from jaxserve.engine.request import finish_stop
+from jaxserve.engine.validation.check import RequestChecker
+from jaxserve.engine.validation.limits import ModelLimits
 from jaxserve.server.app import create_app
 from jaxserve.server.openai.chat_template import load_chat_template
 from jaxserve.server.openai.reasoning import REASONING_PARSERS, ReasoningSplitter, reasoning_format, split_reasoning
+from jaxserve.server_args import ServerArgs
 from tests.server.conftest import REPO, SERVE
-from tests.server.fakes import FakeEngine
+from tests.server.fakes import FakeEngine, FakeTokenizer
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "What is 6 x 7?"}]
@@ -38,19 +40,32 @@ TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}
             "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
 
 
+class RecordingChecker(RequestChecker):
+    """The request checks, recording each prompt they tokenize."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.prompts: list = []
+
+    def tokenize(self, prompt, add_special_tokens=True):
+        self.prompts.append(prompt)
+        return super().tokenize(prompt, add_special_tokens)
+
+
 class ScriptedEngine(FakeEngine):
     """Replies `pieces` (one text piece per step, token id 7 each) and records each prompt it tokenizes."""
 
     def __init__(self, pieces: list[str], tokenizer=None):
         super().__init__()
-        self.context_length = 4096  # SmolLM2's template alone is longer than the fake's 64 (a token per character)
+        # SmolLM2's template alone is longer than the fake's 64 (a token per character)
+        self.limits = ModelLimits(vocab_size=64, context_length=4096, pool_tokens=8192)
+        self.checker = RecordingChecker(FakeTokenizer(), self.limits)  # the chat template is `tokenizer`'s
         self.pieces = pieces
         self.tokenizer = tokenizer
-        self.prompts: list = []
 
-    def tokenize(self, prompt, add_special_tokens=True):
-        self.prompts.append(prompt)
-        return super().tokenize(prompt)
+    @property
+    def prompts(self) -> list:
+        return self.checker.prompts
 
     def add_request(self, checked):
         rids = super().add_request(checked)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import ServerArgs
 from jaxserve.launch.data_parallel import DeviceShare, Platform, device_shares, router_argv, worker_argv, worker_ports
+from jaxserve.server_args import ServerArgs
 
 
 def test_workers_get_the_flags_as_given_on_their_own_ports():

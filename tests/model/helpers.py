@@ -9,16 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.cache.kv_pool import PoolShape
-from jaxserve.model import llama
+from jaxserve.core.batch import BatchEntry
+from jaxserve.model import functional
 from jaxserve.pallas.reference import ragged_paged_attention_xla
 from jaxserve.runner.buckets import MAX_LAYERS_PER_CALL
-from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+from jaxserve.runner.model_runner import ModelRunner
 
 
 class SingleSequence:
     """Pages 1..n of a private pool, handed out in order (page 0 stays the dummy page).
 
-    `all_logits` runs `llama.forward` (under lax.scan if `params` has stacked layers, unrolled if per
+    `all_logits` runs `functional.forward` (under lax.scan if `params` has stacked layers, unrolled if per
     layer); `last_logits` and `greedy` run the
     model runner's step with the given `layer_loop` (and `max_layers_per_call` for the host loop).
     """
@@ -39,7 +40,7 @@ class SingleSequence:
         self.config, self.params, self.page_size = config, params, page_size
         self.page_table = list(range(1, num_pages))
         self._forward = jax.jit(
-            functools.partial(llama.forward, config=config, attn_fn=llama.paged_attention(ragged_paged_attention_xla))
+            functools.partial(functional.forward, config=config, attn_fn=functional.paged_attention(ragged_paged_attention_xla))
         )
 
     def all_logits(self, tokens, prefix_len: int = 0, rows=None) -> np.ndarray:
@@ -51,7 +52,7 @@ class SingleSequence:
             self.params, self.runner.k_pool, self.runner.v_pool, batch
         )
         hidden = hidden[: len(tokens)] if rows is None else hidden[np.asarray(rows)]
-        return np.asarray(llama.compute_logits(self.params, hidden, config=self.config))
+        return np.asarray(functional.compute_logits(self.params, hidden, config=self.config))
 
     def last_logits(self, tokens, prefix_len: int = 0) -> np.ndarray:
         pages = self.page_table[: -(-(prefix_len + len(tokens)) // self.page_size)]

@@ -188,7 +188,7 @@ def test_long_prompt_through_the_hybrid_window_pool(gemma3_gguf, long_ids, long_
 
     engine = Engine(model_path=gemma3_gguf, max_total_tokens=4096, chunked_prefill_size=512, context_length=2048,
                     max_running_requests=2, disable_precompile=True, swa_full_tokens_ratio=0.3)
-    layout = engine.window_layout
+    layout = engine.runner.window_layout
     assert layout is not None and layout.window == 512 and layout.num_window_layers == 15
     assert (layout.num_window_pages - 1) * 16 < len(long_ids)
     engine.add_request(long_ids, {"max_new_tokens": NUM_NEW, "temperature": 0, "ignore_eos": True})
@@ -196,12 +196,12 @@ def test_long_prompt_through_the_hybrid_window_pool(gemma3_gguf, long_ids, long_
     while engine.scheduler.has_work():
         for out in engine.step():
             output_ids = out.output_ids
-        peak_locked = max(peak_locked, int(np.count_nonzero(engine.allocator.window_locks)))
+        peak_locked = max(peak_locked, int(np.count_nonzero(engine.cache.allocator.window_locks)))
     assert_same_greedy(output_ids, *long_reference)
     engine.cache.check_integrity([])
     # at most a 512-token chunk and the 511 tokens before it: 65 pages of 16
     assert peak_locked <= (512 + 512) // 16 + 1
-    assert engine.allocator.num_used == (len(long_ids) + NUM_NEW - 1) // 16  # the full layers keep every page
+    assert engine.cache.allocator.num_used == (len(long_ids) + NUM_NEW - 1) // 16  # the full layers keep every page
 
 
 def test_w8a8_int8_stays_close(ours, reference, tokenizer):

@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.config import ModelConfig
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.gguf_header import read_gguf_header
 from jaxserve.model.loader import load_model, read_gguf_tensors, read_model_config
-from jaxserve.model.registry import get_forward
+from jaxserve.model.registry import get_model_class
 from tests.conftest import make_hf_checkpoint
 from tests.model.gguf_reference import assert_same_tensors, load_model_through_gguf_reader, reader_tensors
 
@@ -45,7 +45,7 @@ def test_unsupported_architecture(tmp_path):
     with pytest.raises(ValueError, match="unsupported architecture .GPT2LMHeadModel.; supported: Gemma2ForCausalLM"):
         load_model(path, use_weights_cache=False)
     with pytest.raises(ValueError, match="MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
-        get_forward("GPT2LMHeadModel")
+        get_model_class("GPT2LMHeadModel")
 
 
 def _write_header_only_gguf(path, raw, raw_dtype, context_length: int | None = 64) -> str:

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from jaxserve.cache.kv_pool import PoolShape
+from jaxserve.core.batch import BatchEntry
 from jaxserve.model import lora as lora_lib
 from jaxserve.model.loader import load_model
 from jaxserve.pallas.reference import ragged_paged_attention_xla
-from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+from jaxserve.runner.model_runner import ModelRunner
 from tests.model.lora_helpers import make_peft_adapter, peft_last_logits, peft_model
 
 PAGE = 4
@@ -121,7 +122,7 @@ def test_unsupported_target(tiny_model_dir, tmp_path):
 
 
 def test_lora_flags_in_sglang_forms():
-    from jaxserve.config import ServerArgs
+    from jaxserve.server_args import ServerArgs
 
     args = ServerArgs.from_cli(["--lora-paths", "a=/x", "/y", '{"lora_name": "c", "lora_path": "/z", "pinned": true}',
                                 "--lora-target-modules", "q_proj", "v_proj", "--max-loras-per-batch", "4"])

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxserve.model import llama
+from jaxserve.model import functional
 from jaxserve.model.loader import load_model
 from jaxserve.model.tokenizer import DEFAULT_MODEL_GGUF, default_model_path
 from tests.conftest import make_hf_checkpoint
@@ -139,8 +139,8 @@ def test_tiny_checkpoints_match_transformers(tmp_path, case):
     config, params = load_model(path, "float32", use_weights_cache=False)
     assert config.architecture == arch
     ids = list(np.random.default_rng(0).integers(0, cfg["vocab_size"], size=200))
-    # llama.forward over stacked layers runs lax.scan
-    stacked = llama.stack_layers(params)
+    # functional.forward over stacked layers runs lax.scan
+    stacked = functional.stack_layers(params)
     ours = SingleSequence(config, stacked, page_size=8, max_tokens=256).all_logits(ids)
     model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():

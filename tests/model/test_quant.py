@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import ServerArgs
-from jaxserve.model import llama, quant
+from jaxserve.model import functional, quant
 from jaxserve.model.loader import load_model
+from jaxserve.server_args import ServerArgs
 from tests.conftest import make_hf_checkpoint
 from tests.model.helpers import SingleSequence
 
@@ -78,7 +78,7 @@ def test_quantized_tiny_model_near_transformers(tmp_path, tied):
     qconfig, qparams = quant.quantize_params(config, params, "w8a8_int8")
     assert qconfig.quantization == "w8a8_int8" and "lm_head" not in qparams
     assert qparams["layers"][0]["mlp"]["w_down"].dtype == jnp.int8
-    abstract = llama.abstract_params(qconfig)
+    abstract = functional.abstract_params(qconfig)
     assert jax.tree.structure(qparams) == jax.tree.structure(abstract)
     assert all(a.shape == b.shape and a.dtype == b.dtype
                for a, b in zip(jax.tree.leaves(qparams), jax.tree.leaves(abstract)))
@@ -86,7 +86,7 @@ def test_quantized_tiny_model_near_transformers(tmp_path, tied):
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
-    for p, loop in ((qparams, "host"), (llama.stack_layers(qparams), "scan")):
+    for p, loop in ((qparams, "host"), (functional.stack_layers(qparams), "scan")):
         seq = SingleSequence(qconfig, p, page_size=8, max_tokens=256, layer_loop=loop)
         ours = seq.all_logits(ids)
         err = np.linalg.norm(ours - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
@@ -110,7 +110,7 @@ def test_greedy_speculation_exact_on_quantized_engine(tiny_model_dir):
 
     prompts = copy_prompts(6, seed=1)
     plain = make_engine(tiny_model_dir, quantization="w8a8_int8")
-    assert plain.model_config.quantization == "w8a8_int8"
+    assert plain.runner.model_config.quantization == "w8a8_int8"
     ref = [o["output_ids"] for o in plain.generate(prompts, GREEDY)]
     eng = spec_engine(tiny_model_dir, quantization="w8a8_int8")
     outs = [eng.generate(p, GREEDY)["output_ids"] for p in prompts]
@@ -128,8 +128,8 @@ def test_int8_logits_same_bits_in_every_step_shape(tiny_model_dir, model):
     """A token's int8 logits are the same bits decoded alone, beside another request, inside a
     speculative verification and inside a prefill (pallas/numerics.py): int8 rounding turns any
     last-bit difference into a different text, which made greedy speculation inexact."""
+    from jaxserve.core.batch import BatchEntry
     from jaxserve.engine.engine import Engine
-    from jaxserve.runner.model_runner import BatchEntry
     from tests.speculative.test_spec_decode import make_engine
 
     if model == "default":  # SmolLM2-135M: where the break test found int8 speculation inexact
@@ -139,7 +139,7 @@ def test_int8_logits_same_bits_in_every_step_shape(tiny_model_dir, model):
         eng = make_engine(tiny_model_dir, quantization="w8a8_int8")
     r = eng.runner
     rng = np.random.default_rng(0)
-    vocab = eng.model_config.vocab_size
+    vocab = eng.runner.model_config.vocab_size
     toks = list(map(int, rng.integers(3, vocab, size=70)))
     p, k = 50, 5
 

@@ -232,7 +232,7 @@ def test_follower_with_another_page_size_is_refused(tiny_model_dir, tmp_path):
 def test_follower_compiling_past_dist_timeout_is_waited_for(tiny_model_dir, tmp_path, monkeypatch):
     """--dist-timeout 20: rank 0 finished first and gave up 20 s later, naming rank 1 missing, while rank 1
     was alive and compiling. Here rank 1 takes 3 s longer than --dist-timeout 3, heartbeating."""
-    from jaxserve.launch.server import FOLLOWER_START_DELAY_ENV
+    from jaxserve.launch.multihost import FOLLOWER_START_DELAY_ENV
 
     monkeypatch.setenv(FOLLOWER_START_DELAY_ENV, "6")  # read by the followers only
     cluster = LoopbackCluster(2, 1, ["--model-path", tiny_model_dir, *FLAGS, "--tp-size", "2"], tmp_path, "slow_rank",
@@ -264,7 +264,7 @@ def test_rank_that_never_joins_is_named(tiny_model_dir):
     (["--dist-timeout", "0"], "--dist-timeout must be >= 1 second, got 0"),
 ])
 def test_bad_multihost_flags_are_refused(argv, message, capsys):
-    from jaxserve.config import ServerArgs
+    from jaxserve.server_args import ServerArgs
 
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(argv)
@@ -272,7 +272,7 @@ def test_bad_multihost_flags_are_refused(argv, message, capsys):
 
 
 def test_flags_keep_sglang_names_and_alias():
-    from jaxserve.config import ServerArgs
+    from jaxserve.server_args import ServerArgs
 
     args = ServerArgs.from_cli(["--nnodes", "3", "--node-rank", "1", "--nccl-init-addr", "10.0.0.1:5000", "--dist-timeout", "60",
                                 "--tp-size", "3"])

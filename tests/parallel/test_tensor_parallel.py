@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from jaxserve import parallel
-from jaxserve.config import ModelConfig, ServerArgs
+from jaxserve.model.config import ModelConfig
+from jaxserve.server_args import ServerArgs
 from tests.conftest import TINY_LLAMA, make_hf_checkpoint
 from tests.pallas.test_ragged_paged_attention import needs_embedded_triton_ir
 
@@ -131,9 +132,9 @@ def test_mesh_refuses_more_devices_than_visible():
 def test_rules_table_splits_megatron_style():
     from jax.sharding import PartitionSpec as P
 
-    from jaxserve.model import llama
+    from jaxserve.model import functional
 
-    axes = llama.logical_axes(SMOLLM2)
+    axes = functional.logical_axes(SMOLLM2)
     layer = axes["layers"][0]
     spec = lambda a: parallel.partition_spec(a)  # noqa: E731
     assert spec(layer["attention"]["wqkv"]) == P("tensor", None, None)  # column-parallel (kv-head groups)
@@ -147,7 +148,7 @@ def test_rules_table_splits_megatron_style():
 
 
 def test_per_device_weight_bytes_follow_the_rules_table():
-    from jaxserve.model import llama
+    from jaxserve.model import functional
 
     e, i, v, layers = 576, 1536, 49152, 30
     # per layer: wqkv [3, (3 + 2) 64, E], wo [E, 9 64], w_gate_up [2, I, E], w_down [E, I] are split in 3;
@@ -155,14 +156,14 @@ def test_per_device_weight_bytes_follow_the_rules_table():
     # vocabulary, the final norm whole
     split_per_layer = 3 * 5 * 64 * e + e * 9 * 64 + 2 * i * e + e * i
     tp3 = layers * (split_per_layer // 3 + 2 * e) + 2 * (v * e // 3) + e
-    abstract = llama.abstract_params(SMOLLM2)
-    axes = llama.logical_axes(SMOLLM2)
+    abstract = functional.abstract_params(SMOLLM2)
+    axes = functional.logical_axes(SMOLLM2)
     assert parallel.per_device_nbytes(abstract, axes, 3) == 4 * tp3
     assert parallel.per_device_nbytes(abstract, axes, 1) == 4 * (layers * (split_per_layer + 2 * e) + 2 * v * e + e)
     odd = ModelConfig(**{**SMOLLM2.__dict__, "vocab_size": v + 1})
     # an odd vocabulary stays whole on every device, embedding and head alike
     odd_tp3 = layers * (split_per_layer // 3 + 2 * e) + 2 * (v + 1) * e + e
-    assert parallel.per_device_nbytes(llama.abstract_params(odd), llama.logical_axes(odd), 3) == 4 * odd_tp3
+    assert parallel.per_device_nbytes(functional.abstract_params(odd), functional.logical_axes(odd), 3) == 4 * odd_tp3
     assert parallel.pool_shards(3, 3) == 3 and parallel.pool_shards(4, 2) == 2 and parallel.pool_shards(3, 1) == 1
 
 

@@ -47,8 +47,8 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
     """`hybrid`: no host tier, so a sliding-window model gets the hybrid window pool (D-46)."""
     import jax
 
+    from jaxserve.core.batch import BatchEntry
     from jaxserve.engine.engine import Engine
-    from jaxserve.runner.model_runner import BatchEntry
 
     engine = Engine(
         model_path=model_dir, tp_size=tp, attention_backend=backend, max_total_tokens=1024,
@@ -56,7 +56,7 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
         disable_precompile=not precompile, disable_radix_cache=disable_radix_cache,
         **({} if disable_radix_cache else dict(AGGRESSIVE, enable_hierarchical_cache=not hybrid)),
     )
-    ps = prompts(engine.model_config.vocab_size)[:num_prompts]
+    ps = prompts(engine.runner.model_config.vocab_size)[:num_prompts]
     greedy = {"max_new_tokens": 6, "temperature": 0}
     seeded = {"max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "seed": 7}
     half = len(ps) // 2
@@ -70,20 +70,20 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
     engine.flush_cache()
     runner = engine.runner
     prefill = ps[1][:30]  # one chunk
-    pages = engine.allocator.allocate(-(-len(prefill) // 8))
+    pages = engine.cache.allocator.allocate(-(-len(prefill) // 8))
     logits = np.asarray(runner.forward([BatchEntry(prefill, 0, pages)]))[0]
-    engine.allocator.free(pages)
+    engine.cache.allocator.free(pages)
     return {
         "tp": tp,
         "devices": engine.devices,
-        "num_kv_heads": engine.model_config.num_kv_heads,
+        "num_kv_heads": engine.runner.model_config.num_kv_heads,
         "pool_sharding": str(runner.k_pool.sharding.spec) if hasattr(runner.k_pool.sharding, "spec") else "",
         "outputs": outputs,
         "sampled": sampled,
         "compiles_after_warmup": compiles if precompile else None,
-        "flat_pages": engine.window_layout.num_flat_pages if engine.window_layout is not None else None,
-        "free_pages": engine.allocator.num_free,
-        "usable_pages": engine.allocator.num_usable,
+        "flat_pages": engine.runner.window_layout.num_flat_pages if engine.runner.window_layout is not None else None,
+        "free_pages": engine.cache.allocator.num_free,
+        "usable_pages": engine.cache.allocator.num_usable,
         "num_recalls": stats.num_recalls if stats else 0,
         "cow_hit_tokens": stats.cow_hit_tokens if stats else 0,
         "logits": logits.tolist(),
@@ -102,14 +102,14 @@ def run_retract(model_dir: str, tp: int, backend: str) -> dict:
         max_running_requests=8, chunked_prefill_size=32, context_length=128, page_size=8,
         disable_precompile=True,
     )
-    outputs = [o["output_ids"] for o in engine.generate(prompts(engine.model_config.vocab_size),
+    outputs = [o["output_ids"] for o in engine.generate(prompts(engine.runner.model_config.vocab_size),
                                                        {"max_new_tokens": 32, "temperature": 0})]
     engine.cache.check_integrity([])
     engine.flush_cache()
     return {
         "tp": tp, "outputs": outputs, "num_retractions": engine.scheduler.num_retractions,
-        "flat_pages": engine.window_layout.num_flat_pages if engine.window_layout is not None else None,
-        "free_pages": engine.allocator.num_free, "usable_pages": engine.allocator.num_usable,
+        "flat_pages": engine.runner.window_layout.num_flat_pages if engine.runner.window_layout is not None else None,
+        "free_pages": engine.cache.allocator.num_free, "usable_pages": engine.cache.allocator.num_usable,
     }
 
 
@@ -123,10 +123,11 @@ def lower_cuda(model_dir: str, tp: int, hybrid: bool = False) -> dict:
 
     from jaxserve import parallel
     from jaxserve.cache.kv_pool import PoolShape
-    from jaxserve.model import llama
+    from jaxserve.core.batch import BatchEntry
+    from jaxserve.model import functional
     from jaxserve.model.loader import load_model, replicate_kv_heads
     from jaxserve.pallas.ragged_paged_attention import ragged_paged_attention
-    from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+    from jaxserve.runner.model_runner import ModelRunner
 
     config, params = load_model(model_dir, "bfloat16", use_weights_cache=False)
     config, params = replicate_kv_heads(config, params, parallel.plan_tensor_parallel(config, tp).kv_replicas)
@@ -141,9 +142,9 @@ def lower_cuda(model_dir: str, tp: int, hybrid: bool = False) -> dict:
         window_pages.drop_window(pages[:1])
         shape = (1, window_pages.layout.num_flat_pages) + shape[2:]
     backend = functools.partial(ragged_paged_attention, interpret=False)
-    runner = ModelRunner(config, llama.stack_layers(params), jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16),
+    runner = ModelRunner(config, functional.stack_layers(params), jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16),
                          attn_fn=backend, max_running_requests=2, max_extend_tokens=16, context_length=64,
-                         layer_loop="scan", mesh=mesh, window_pages=window_pages)
+                         layer_loop="scan", mesh=mesh, allocator=window_pages)
     batch, _ = runner.build_forward_batch([BatchEntry([5] * 10, 0, pages)])
     lowered = runner._step_jit[False].trace(runner.params, runner.k_pool, runner.v_pool, batch).lower(
         lowering_platforms=("cuda",))

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.cache.kv_pool import PoolShape
+from jaxserve.core.batch import BatchEntry
 from jaxserve.model.loader import load_model
 from jaxserve.pallas.reference import ragged_paged_attention_xla
 from jaxserve.runner.hlo_text import aliased_params, pool_copies
-from jaxserve.runner.model_runner import BatchEntry, ModelRunner
+from jaxserve.runner.model_runner import ModelRunner
 
 PAGE_SIZE = 16
 NUM_PAGES = 40

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.request import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.runner.sampler import (
     SamplerFlags,
     SamplingBatch,

@@ -20,7 +20,8 @@ from jaxserve.cache.kv_pool import PageAllocator, PoolShape
 from jaxserve.cache.page_io import NumpyKVPages
 from jaxserve.cache.radix_tree import RadixCache
 from jaxserve.cache.release_policy import ReleasePolicy, ReleasePolicyConfig
-from jaxserve.engine.request import Req, SamplingParams
+from jaxserve.core.request import Req
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.scheduler.cache_manager import CacheManager
 from tests.cache.test_release_policy import NUM_LAYERS, FakeClock, assert_kv_of_node, kv_value, write_kv
 

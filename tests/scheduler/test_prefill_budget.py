@@ -313,7 +313,7 @@ def test_enable_mixed_chunk_is_tri_state():
     CPU default off; unset is the platform default (on for CPU, off elsewhere as in SGLang)."""
     import pytest
 
-    from jaxserve.config import ServerArgs
+    from jaxserve.server_args import ServerArgs
 
     assert ServerArgs.from_cli([]).enable_mixed_chunk is None
     assert ServerArgs.from_cli([]).resolved("cpu").enable_mixed_chunk is True
@@ -330,7 +330,7 @@ def test_stall_fraction_flag_is_validated():
 
     import pytest
 
-    from jaxserve.config import ServerArgs
+    from jaxserve.server_args import ServerArgs
 
     args = ServerArgs.from_cli([])
     assert args.prefill_decode_stall_fraction == 0.01

@@ -120,8 +120,8 @@ def real_router(worker_urls: list[str], policy: str, log_path: Path, log_level: 
     builds) on a free loopback port in front of `worker_urls`, logging to `log_path` at `log_level` (a
     --log-level of serve.py); yields its URL once it lists every worker as healthy (60 s at most), and
     stops it after."""
-    from jaxserve.config import ServerArgs
     from jaxserve.launch.data_parallel import router_argv
+    from jaxserve.server_args import ServerArgs
 
     port = free_port()
     argv = router_argv(ServerArgs(port=port, router_policy=policy, dp_size=len(worker_urls), log_level=log_level), worker_urls)

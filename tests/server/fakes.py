@@ -6,19 +6,30 @@ import threading
 import time
 from types import SimpleNamespace
 
-from jaxserve.config import ServerArgs
+from jaxserve.core.request import finish_abort, finish_length
 from jaxserve.engine.memory_usage import ArrayBytes, MemoryUsage
-from jaxserve.engine.outputs import EngineStats, RequestError, RequestMeta, StepOutput
-from jaxserve.engine.request import finish_abort, finish_length
-from jaxserve.engine.validation.pool_limits import PoolLimits
-from jaxserve.engine.validation.validator import CheckedInput
+from jaxserve.engine.outputs import EngineStats, RequestMeta, StepOutput
+from jaxserve.engine.validation.check import CheckedInput, RequestChecker
+from jaxserve.engine.validation.limits import ModelLimits
+from jaxserve.server_args import ServerArgs
+
+
+class FakeTokenizer:
+    """One token per character (ids 1..50), a vocabulary of one-character entries."""
+
+    eos_token_id = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 50 + 1 for c in text]
+
+    def get_vocab(self):  # one long entry: the checks' bound on characters per token never refuses a prompt
+        return {chr(i): i for i in range(63)} | {"x" * 4096: 63}
 
 
 class FakeEngine:
     """One token (id 7, text "x") per running request per step; `fail_next_step` makes a step raise."""
 
     def __init__(self, step_time: float = 0.005):
-        self.context_length = 64
         self.step_time = step_time
         self.reqs: dict[str, dict] = {}
         self.finished: list[StepOutput] = []
@@ -27,13 +38,13 @@ class FakeEngine:
         self.stats = EngineStats()
         self.scheduler = SimpleNamespace(
             num_running=0, waiting=[], chunked_req=None, config=SimpleNamespace(max_running_requests=64))
-        self.cache = SimpleNamespace(used_tokens=lambda: 16 * len(self.reqs))
-        self.tree = SimpleNamespace(total_size=lambda: 0, protected_size=lambda: 0)
-        self.pool_shape = SimpleNamespace(num_tokens=1024)
-        self.pool_limits = PoolLimits(self.pool_shape.num_tokens)
+        self.cache = SimpleNamespace(used_tokens=lambda: 16 * len(self.reqs),
+                                     tree=SimpleNamespace(total_size=lambda: 0, protected_size=lambda: 0))
         self.thread_ids: set[int] = set()
-        self.tokenizer = None
-        self.model_path = "/models/fake-model"
+        self.tokenizer = FakeTokenizer()
+        self.limits = ModelLimits(vocab_size=64, context_length=64, pool_tokens=1024)
+        self.checker = RequestChecker(self.tokenizer, self.limits)  # the real checks, over a fake tokenizer
+        self.runner = SimpleNamespace(model_path="/models/fake-model")
         self.devices = ["cpu:0"]
         self.args = ServerArgs(model_path="/models/fake-model")
 
@@ -43,24 +54,8 @@ class FakeEngine:
     def memory_usage(self) -> MemoryUsage:
         return MemoryUsage(ArrayBytes(0, 0, 0, 0, 1), None)
 
-    def tokenize(self, prompt, add_special_tokens=True):
-        return [ord(c) % 50 + 1 for c in prompt] if isinstance(prompt, str) else list(prompt)
-
-    def validate_input_ids(self, ids, max_new_tokens=0):
-        if not ids:
-            raise RequestError("prompt", "the prompt is empty")
-
-    def validate_token_ids_logprob(self, ids):
-        pass
-
-    def validate_lora_path(self, name):
-        raise RequestError("lora_path", "LoRA is not enabled; start the server with --enable-lora")
-
     def loaded_lora_adapters(self):
         return {}
-
-    def validate_stop_token_ids(self, params):
-        pass
 
     def add_request(self, checked: CheckedInput):
         self.thread_ids.add(threading.get_ident())

@@ -8,12 +8,13 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from jaxserve.config import ServerArgs
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.server.app import create_app, served_model_name
 from jaxserve.server.errors import APIError
 from jaxserve.server.openai.chat_completions import sampling_params_of
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.server_args import ServerArgs
 from tests.server.fakes import FakeEngine
 
 
@@ -112,12 +113,12 @@ def test_sampling_params_mapping():
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}},
     })
     params = sampling_params_of(req, 5)
-    assert params == {"max_new_tokens": 5, "min_new_tokens": 2, "temperature": 0.5, "n": 1, "stop": "END",
-                      "stop_token_ids": [3], "ignore_eos": True, "json_schema": '{"type": "integer"}'}
+    assert params == SamplingParams(max_new_tokens=5, min_new_tokens=2, temperature=0.5, n=1, stop=("END",),
+                                    stop_token_ids=(3,), ignore_eos=True, json_schema='{"type": "integer"}')
     obj = CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}})
-    assert json.loads(sampling_params_of(obj, 16)["json_schema"]) == {"type": "object"}
+    assert json.loads(sampling_params_of(obj, 16).json_schema) == {"type": "object"}
     extra = CompletionRequest.model_validate({"prompt": "x", "regex": "[ab]+", "json_schema": {"type": "string"}})
-    assert sampling_params_of(extra, 16)["regex"] == "[ab]+"
+    assert sampling_params_of(extra, 16).regex == "[ab]+"
     both = CompletionRequest.model_validate({"prompt": "x", "json_schema": "{}", "response_format": {"type": "json_object"}})
     with pytest.raises(APIError) as e:
         sampling_params_of(both, 16)
@@ -154,7 +155,7 @@ def test_a_slow_request_preparation_does_not_block_the_server(engine_loop):
 
     started, release = threading.Event(), threading.Event()
     released_in_time = []
-    fast_tokenize = engine_loop.engine.tokenize
+    fast_tokenize = engine_loop.engine.checker.tokenize
 
     def tokenize(prompt, add_special_tokens=True):
         if prompt == "slow":
@@ -162,7 +163,7 @@ def test_a_slow_request_preparation_does_not_block_the_server(engine_loop):
             released_in_time.append(release.wait(10))  # the test releases it once the other request is served
         return fast_tokenize(prompt, add_special_tokens)
 
-    engine_loop.engine.tokenize = tokenize
+    engine_loop.engine.checker.tokenize = tokenize
     body = {"sampling_params": {"max_new_tokens": 2}}
     # as a context manager the client runs every request on one event loop, as a server does
     with _client(engine_loop) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:

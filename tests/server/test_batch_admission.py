@@ -12,9 +12,9 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop, EngineUnavailableError, RequestError
 from jaxserve.server.app import create_app
+from jaxserve.server_args import ServerArgs
 from tests.server.fakes import FakeEngine
 
 QUEUE = 4
@@ -89,7 +89,7 @@ def test_a_batch_without_room_now_is_a_503_and_queues_nothing(setup):
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert "3 free places and the batch needs 4" in r.json()["error"]["message"]
     time.sleep(0.05)
-    zz = engine.tokenize("zz")
+    zz = engine.checker.tokenize("zz")
     assert zz not in engine.prompts
     # the whole room a refused batch would have taken stays free for another client
     r = client.post("/generate", json={"text": ["yy"] * (QUEUE - 1), "sampling_params": {"max_new_tokens": 1}})

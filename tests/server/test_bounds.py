@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from jaxserve.engine.validation.size_limits import SIZE_LIMITS
+from jaxserve.core.size_limits import SIZE_LIMITS
 from jaxserve.server.body_limit import BodySizeLimitMiddleware
 from jaxserve.server.errors import EXCEPTION_HANDLERS
 

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+from jaxserve.core.errors import RequestError, SamplingParamsError
+from jaxserve.core.request import finish_length
 from jaxserve.engine.engine_loop import EngineLoop, EngineUnavailableError
-from jaxserve.engine.outputs import RequestError, StepOutput
-from jaxserve.engine.request import SamplingParamsError, finish_length
+from jaxserve.engine.outputs import StepOutput
 from tests.server.fakes import FakeEngine
 
 
@@ -194,7 +195,7 @@ def test_shutdown_fails_pending_requests():
 def test_a_request_no_longer_valid_when_queued_ends_with_a_400(engine_loop, monkeypatch):
     """Checked in the caller's thread, the request met an engine that had changed (an adapter unloaded
     between the check and the queueing): before, a 500 "engine bug"; now a 400 with the engine's message."""
-    from jaxserve.engine.outputs import RequestError
+    from jaxserve.core.errors import RequestError
 
     def refuse(checked):
         raise RequestError("lora_path", "LoRA adapter 'x' is not loaded; loaded: []")

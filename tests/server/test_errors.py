@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from jaxserve.server.openai.responses.input import FIELD_TYPES as RESPONSES_FIELD_TYPES
+from jaxserve.server.protocol import ResponsesRequest
 
 LONG_TEXT = "hello " * 400  # > 256 tokens, the test server's context length
 HUGE_TEXT = "x" * 3_000_000  # too long for any tokenization: refused before the tokenizer runs
@@ -223,7 +223,7 @@ def test_same_bad_value_same_error_on_every_route(http, field, native, value, ex
         COMPLETIONS: http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, field: value}),
         "/generate": http.post("/generate", json={"text": "hi", "sampling_params": {native: value}}),
     }
-    if field in RESPONSES_FIELD_TYPES:  # the fields /v1/responses has under the same name
+    if field in ResponsesRequest.model_fields:  # the fields /v1/responses has under the same name
         answers["/v1/responses"] = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, field: value})
     for path, r in answers.items():
         assert r.status_code == 400, (path, r.text)

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from jaxserve.config import ServerArgs
 from jaxserve.server.gc_pauses import freeze_gc, warn_on_long_gc
+from jaxserve.server_args import ServerArgs
 
 
 @pytest.fixture

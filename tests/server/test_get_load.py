@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 from starlette.testclient import TestClient
 
-from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.server.app import create_app
+from jaxserve.server_args import ServerArgs
 from tests.server.conftest import wait_idle
 from tests.server.fakes import FakeEngine
 from tests.server.test_sglang_metrics import scrape
@@ -37,7 +37,7 @@ def test_waiting_and_chunked_tokens_are_load_and_pending():
     # 2 requests hold 16 KV tokens each (the fake's pool), 40 of them cached of which 8 locked
     engine.reqs = {"a": {}, "b": {}}
     engine.cache = SimpleNamespace(used_tokens=lambda: 32 + 40 - 8)
-    engine.tree = SimpleNamespace(total_size=lambda: 40, protected_size=lambda: 8)
+    engine.cache.tree = SimpleNamespace(total_size=lambda: 40, protected_size=lambda: 8)
     engine.scheduler = SimpleNamespace(
         num_running=2,
         waiting=[SimpleNamespace(fill_len=100), SimpleNamespace(fill_len=23)],

@@ -13,10 +13,10 @@ import uuid
 import pytest
 from starlette.testclient import TestClient
 
-from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.log_safe import LogSafeFormatter
 from jaxserve.server.app import create_app
+from jaxserve.server_args import ServerArgs
 from tests.server.fakes import FakeEngine
 
 # each decodes to something that would break or forge a line: LF, CR, NUL, invalid UTF-8, ESC, NEL, U+2028

@@ -126,13 +126,13 @@ def test_unload_while_requests_run_lets_them_finish(http, adapters, expected):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         running = [pool.submit(http.post, "/generate", json={"input_ids": PROMPT, "sampling_params": long, "lora_path": "b"})
                    for _ in range(3)]
-        for _ in range(200):  # until they run (they take far longer than this loop's first turns)
-            if http.get("/get_server_info").json()["num_running_reqs"]:
+        for _ in range(200):  # until all three run (they take far longer than this loop's first turns)
+            if http.get("/get_server_info").json()["num_running_reqs"] == len(running):
                 break
         unload = http.post("/unload_lora_adapter", json={"lora_name": "b"})
         outs = [f.result() for f in running]
     assert unload.status_code == 200
-    assert all(o.status_code == 200 and o.json()["output_ids"][:NEW] == expected["b"] for o in outs)
+    assert all(o.status_code == 200 and o.json()["output_ids"][:NEW] == expected["b"] for o in outs), [o.text[:300] for o in outs]
     wait_idle(http)
 
 

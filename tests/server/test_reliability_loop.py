@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from jaxserve.core.request import finish_abort, finish_length
 from jaxserve.engine.engine_loop import (
     FAULT_FILE_ENV,
     EngineLoop,
     EngineUnavailableError,
     default_max_queued_requests,
 )
-from jaxserve.engine.request import finish_abort, finish_length
 from tests.server.fakes import FakeEngine
 
 

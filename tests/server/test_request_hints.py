@@ -8,9 +8,9 @@ import logging
 import pytest
 from starlette.testclient import TestClient
 
-from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.server.app import create_app
+from jaxserve.server_args import ServerArgs
 from tests.server.fakes import FakeEngine
 
 
@@ -64,8 +64,9 @@ def test_a_value_out_of_range_stays_invalid_value(client):
 def test_one_token_reads_singular(client):
     err = _error(client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 64}}))
     assert "the prompt has 1 token and 64 new tokens are asked for" in err["message"]
-    err = _error(client.post("/generate", json={"input_ids": [5] * 64, "sampling_params": {"max_new_tokens": 1}}))
-    assert "and 1 new token is asked for" in err["message"]
+    # one new token always fits beside a prompt the context takes (the prompt is refused first)
+    err = _error(client.post("/generate", json={"input_ids": [5] * 63, "sampling_params": {"max_new_tokens": 2}}))
+    assert "the prompt has 63 tokens and 2 new tokens are asked for" in err["message"]
 
 
 def test_one_access_line_per_request(client, caplog):

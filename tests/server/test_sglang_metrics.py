@@ -178,12 +178,12 @@ def test_swa_token_usage_of_a_hybrid_pool_follows_its_allocator(sliding_window_m
     page = 8
     eng = Engine(model_path=sliding_window_model_dir, max_total_tokens=1024, context_length=512, page_size=page,
                  chunked_prefill_size=32, max_running_requests=4, disable_precompile=True)
-    metrics, alloc = ServingMetrics(eng.snapshot, "gemma3"), eng.allocator
+    metrics, alloc = ServingMetrics(eng.snapshot, "gemma3"), eng.cache.allocator
 
     def gauges() -> tuple[dict[str, float], float, float]:
         """The scrape's usage gauges, and the full and window pools' shares in use from the allocator."""
         samples = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
-        full = (alloc.num_used * page - eng.tree.evictable_size()) / eng.pool_shape.num_tokens
+        full = (alloc.num_used * page - eng.cache.tree.evictable_size()) / eng.runner.pool_shape.num_tokens
         swa = np.count_nonzero(alloc.window_locks) / alloc.window.num_usable
         return samples, full, swa
 

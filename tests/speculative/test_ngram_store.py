@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from jaxserve.cache.radix_tree import RadixCache
-from jaxserve.config import ServerArgs
+from jaxserve.core.request import Req
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.request import Req, SamplingParams
+from jaxserve.server_args import ServerArgs
 from jaxserve.speculative import ngram_store
 from jaxserve.speculative.decoder import NgramSpeculator, SpeculativeConfig
 from jaxserve.speculative.ngram_store import LEVELS, NgramStore
@@ -246,5 +247,5 @@ def test_second_request_gets_the_first_requests_continuation(engines):
         spec.step()
     spec.flush_cache()
     spec.cache.check_integrity([])
-    assert spec.allocator.num_free == spec.allocator.num_usable
+    assert spec.cache.allocator.num_free == spec.cache.allocator.num_usable
     assert spec.speculator.store.num_tokens == 0

@@ -111,8 +111,8 @@ def plain_outputs(tiny_model_dir):
 
 def assert_no_leak(engine: Engine) -> None:
     engine.cache.check_integrity([])
-    engine.allocator.free(engine.tree.reset())
-    assert engine.allocator.num_free == engine.allocator.num_usable
+    engine.cache.allocator.free(engine.cache.tree.reset())
+    assert engine.cache.allocator.num_free == engine.cache.allocator.num_usable
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
@@ -194,7 +194,7 @@ def test_stop_inside_an_accepted_run(plain, spec):
 
 def assert_no_leak_keeping_engine(engine: Engine) -> None:
     engine.cache.check_integrity([])
-    assert engine.allocator.num_free + engine.tree.total_size() // engine.args.page_size == engine.allocator.num_usable
+    assert engine.cache.allocator.num_free + engine.cache.tree.total_size() // engine.args.page_size == engine.cache.allocator.num_usable
 
 
 def test_logprobs_of_accepted_tokens(plain, spec):
@@ -204,11 +204,11 @@ def test_logprobs_of_accepted_tokens(plain, spec):
     got = spec.generate(prompts, GREEDY, return_logprob=True, top_logprobs_num=2)
     for r, g in zip(ref, got):
         assert g["output_ids"] == r["output_ids"]
-        lp_r = [lp for lp, _ in r["meta_info"]["output_token_logprobs"]]
-        lp_g = [lp for lp, _ in g["meta_info"]["output_token_logprobs"]]
+        lp_r = [lp for lp, *_ in r["meta_info"]["output_token_logprobs"]]
+        lp_g = [lp for lp, *_ in g["meta_info"]["output_token_logprobs"]]
         np.testing.assert_allclose(lp_g, lp_r, atol=1e-4)
-        assert [[t for _, t in row] for row in g["meta_info"]["output_top_logprobs"]] == \
-            [[t for _, t in row] for row in r["meta_info"]["output_top_logprobs"]]
+        assert [[t for _, t, _ in row] for row in g["meta_info"]["output_top_logprobs"]] == \
+            [[t for _, t, _ in row] for row in r["meta_info"]["output_top_logprobs"]]
 
 
 def test_grammar_constrained_request(plain, spec):
@@ -230,7 +230,7 @@ def test_retraction_with_speculation_stays_exact(tiny_model_dir, plain):
     eng = spec_engine(tiny_model_dir, max_total_tokens=400, disable_radix_cache=True, max_running_requests=64)
     assert outputs(eng, prompts, GREEDY) == ref
     assert eng.scheduler.num_retractions > 0
-    assert eng.allocator.num_free == eng.allocator.num_usable
+    assert eng.cache.allocator.num_free == eng.cache.allocator.num_usable
 
 
 def test_no_compile_after_warmup_with_speculation(tiny_model_dir):

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from jaxserve.config import ServerArgs
+from jaxserve.server_args import ServerArgs
 
 NGRAM = dict(speculative_algorithm="NGRAM")
 
@@ -22,20 +22,20 @@ NGRAM = dict(speculative_algorithm="NGRAM")
     (dict(max_running_requests=64, context_length=8), 40, 15),  # the extend bucket is at least 16
 ])
 def test_too_many_draft_tokens_warn_with_the_value_used(caplog, flags, given, used):
-    with caplog.at_level(logging.WARNING, logger="jaxserve.config"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.server_args"):
         args = ServerArgs(**NGRAM, **flags, speculative_num_draft_tokens=given).resolved("cpu")
     assert args.speculative_num_draft_tokens == used
-    [warning] = [r.getMessage() for r in caplog.records if r.name == "jaxserve.config"]
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "jaxserve.server_args"]
     assert f"--speculative-num-draft-tokens {given} " in warning and f"using {used} " in warning, warning
 
 
 @pytest.mark.parametrize("flags", [dict(**NGRAM, speculative_num_draft_tokens=63), dict(**NGRAM),
                                    dict(speculative_num_draft_tokens=100000)])  # the last: no algorithm, ignored
 def test_draft_tokens_that_fit_are_kept_silently(caplog, flags):
-    with caplog.at_level(logging.WARNING, logger="jaxserve.config"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.server_args"):
         args = ServerArgs(**flags).resolved("cpu")
     assert args.speculative_num_draft_tokens == flags.get("speculative_num_draft_tokens", 15)
-    assert not [r for r in caplog.records if r.name == "jaxserve.config"]
+    assert not [r for r in caplog.records if r.name == "jaxserve.server_args"]
 
 
 def test_the_cap_is_the_longest_draft_the_engine_verifies(tiny_model_dir):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.engine.request import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.native.sglang_fields import (
     REQUEST_FIELDS,

@@ -12,7 +12,6 @@ import llguidance.hf
 import pytest
 from llguidance import LLMatcher
 
-from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.server.app import create_app
 from jaxserve.server.openai.chat_prompt import chat_prompt
@@ -20,6 +19,7 @@ from jaxserve.server.openai.tools import PARSERS, get_parser
 from jaxserve.server.openai.tools.parsers import closed_schema
 from jaxserve.server.openai.tools.streaming import CallArguments, CallStart, Content, ToolCallStreamer
 from jaxserve.server.protocol import ChatCompletionRequest, Tool
+from jaxserve.server_args import ServerArgs
 from tests.server.fakes import FakeEngine
 
 WEATHER = Tool.model_validate({"type": "function", "function": {

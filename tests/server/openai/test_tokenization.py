@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from jaxserve.config import ServerArgs
 from jaxserve.engine.engine_loop import EngineLoop
-from jaxserve.engine.validation.validator import RequestValidator
+from jaxserve.engine.validation.check import RequestChecker
+from jaxserve.engine.validation.limits import ModelLimits
 from jaxserve.server.app import create_app
+from jaxserve.server_args import ServerArgs
 from tests.server.fakes import FakeEngine
 
 CONTEXT_LENGTH = 256
@@ -22,19 +23,26 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 TEXTS = ["Hello, world!", "Ünïcode ✓ and 42 numbers", ""]
 
 
-class TokenizerEngine(FakeEngine):
-    """FakeEngine with a real tokenizer, tokenizing through the engine's `RequestValidator`."""
+class SeenChecker(RequestChecker):
+    """The engine's `RequestChecker`, recording the `add_special_tokens` of every tokenize call."""
 
-    def __init__(self, tokenizer):
-        super().__init__()
-        self.tokenizer = tokenizer
-        self.context_length = CONTEXT_LENGTH
-        self.validator = RequestValidator(tokenizer, len(tokenizer), CONTEXT_LENGTH, self.pool_limits, 64, 1024)
+    def __init__(self, *args):
+        super().__init__(*args)
         self.add_special_tokens_seen: list[bool] = []
 
     def tokenize(self, prompt, add_special_tokens=True):
         self.add_special_tokens_seen.append(add_special_tokens)
-        return self.validator.tokenize(prompt, add_special_tokens)
+        return super().tokenize(prompt, add_special_tokens)
+
+
+class TokenizerEngine(FakeEngine):
+    """FakeEngine with a real tokenizer, tokenizing through the engine's `RequestChecker`."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.limits = ModelLimits(len(tokenizer), CONTEXT_LENGTH, pool_tokens=1024)
+        self.checker = SeenChecker(tokenizer, self.limits)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +144,7 @@ def test_messages_are_the_chat_templates_ids(client, reference):
 ])
 def test_messages_add_special_tokens_as_sglang(client, engine_loop, fields, add_special_tokens):
     """SmolLM2's tokenizer adds none, so the flag handed to the tokenizer is what is checked."""
-    seen = engine_loop.engine.add_special_tokens_seen
+    seen = engine_loop.engine.checker.add_special_tokens_seen
     seen.clear()
     assert client.post("/tokenize", json={"messages": MESSAGES, **fields}).status_code == 200
     assert seen == [add_special_tokens]
