@@ -101,10 +101,18 @@ class Engine:
         for source in config.runner.lora_sources:
             self.load_lora_adapter(source.lora_name, source.lora_path, source.pinned)
         self.array_bytes = measure_array_bytes(runner.params, runner.k_pool, runner.v_pool, len(self.devices))
-        self._precompile()
+        self._finish_start_up()
 
-    def _precompile(self) -> None:
+    def _finish_start_up(self) -> None:
+        """Warn about a pool smaller than the context, compile every bucket (unless --disable-precompile),
+        then log the ready line."""
         runner, shape = self.runner, self.runner.pool_shape
+        if shape.num_tokens < runner.context_length:
+            logger.warning(
+                "the KV pool holds %d tokens, fewer than the context length %d: a prompt of %d tokens or more "
+                "is refused and max_new_tokens is cut to what the pool holds (raise --max-total-tokens or "
+                "--mem-fraction-static)", shape.num_tokens, runner.context_length, self.limits.max_req_input_len,
+            )
         if self.config.disable_precompile:
             runner.mark_warmed_up()
         else:
@@ -116,20 +124,14 @@ class Engine:
             runner.model_config.architecture, shape.num_tokens, shape.num_pages, shape.page_size, runner.context_length,
             self.args.attention_backend, self.args.layer_loop, self.args.tp_size, ", ".join(self.devices),
         )
-        if shape.num_tokens < runner.context_length:
-            logger.warning(
-                "the KV pool holds %d tokens, fewer than the context length %d: a prompt of %d tokens or more "
-                "is refused and max_new_tokens is cut to what the pool holds (raise --max-total-tokens or "
-                "--mem-fraction-static)", shape.num_tokens, runner.context_length, self.limits.max_req_input_len,
-            )
 
     def kv_fingerprint(self) -> str:
         """What changes a page's KV bytes (model and weights, dtype, quantization, page size, pool layout, tp
         size, RoPE): the storage tier salts its keys with it, so pages of another model are never served."""
         cfg, shape = self.runner.model_config, self.runner.pool_shape
         return storage_fingerprint(
-            weights=source_fingerprint(self.runner.model_path), architecture=cfg.architecture, dtype=shape.dtype,
-            quantization=cfg.quantization, page_size=shape.page_size,
+            weights=source_fingerprint(self.runner.model_path), architecture=cfg.architecture,
+            dtype=np.dtype(jax.numpy.dtype(shape.dtype)), quantization=self.args.quantization, page_size=shape.page_size,
             pool_layout=("layers, pages, kv_heads, page, head_dim", cfg.num_layers, shape.num_kv_heads, shape.head_dim),
             tp_size=self.args.tp_size, rope=(cfg.rope_theta, cfg.rope_scaling),
         )
