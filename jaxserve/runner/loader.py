@@ -50,7 +50,8 @@ class LoraSlotsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
-    """What the runner is built from (the engine maps `ServerArgs` onto it: engine/config.py).
+    """What the runner is built from (the engine maps `ServerArgs` onto it: engine/config.py; the defaults
+    here are the CPU's resolved flags).
 
     `model_path`: an HF directory, a .gguf file or "default"; `served_model_name`: the name in messages
     (None: from the path). `context_length`: tokens (None: the model's, capped at MAX_DEFAULT_CONTEXT).
@@ -63,13 +64,13 @@ class RunnerConfig:
 
     model_path: str = "default"
     served_model_name: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     quantization: str | None = None
     weights_cache_dir: str | None = None
     weights_cache: bool = True
     tp_size: int = 1
     context_length: int | None = None
-    page_size: int = 1
+    page_size: int = 16
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
     max_num_pages: int | None = None
