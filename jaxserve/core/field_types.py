@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import json
+import numbers
 from typing import Any, Mapping
 
 from jaxserve.core.errors import SamplingParamsError
@@ -50,14 +51,15 @@ SAMPLING_FIELD_TYPES: dict[str, FieldType] = {
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not 1
+    # JSON true is not 1; a numpy integer (research code's) is an integer
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _matches(value: Any, expected: FieldType) -> bool:
     if expected is FieldType.INTEGER:
         return _is_int(value)
     if expected is FieldType.NUMBER:
-        return _is_int(value) or isinstance(value, float)
+        return _is_int(value) or (isinstance(value, numbers.Real) and not isinstance(value, bool))
     if expected is FieldType.BOOLEAN:
         return isinstance(value, bool)
     if expected is FieldType.STRING:

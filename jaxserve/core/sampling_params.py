@@ -52,8 +52,13 @@ class SamplingParams:
     strings. `stream_interval`: a stream sends an event every N tokens (None: every step).
     `sampling_seed` (SGLang's name) is accepted by `from_dict` as `seed`.
 
-    Built from JSON (`from_dict`, or an OpenAI route's fields) or in code, it is checked once per request,
-    types and values, by `validate` (the request's one check calls it).
+    Built from JSON (`from_dict`, or an OpenAI route's fields) or in code, it takes the forms JSON has: a
+    string `stop` / `stop_regex` is one stop (not its characters), lists become tuples, and OpenAI's
+    {"token id": bias} object becomes sorted `logit_bias` pairs. It is checked once per request, types and
+    values, by `validate` (the request's one check calls it).
+
+    Raises:
+        SamplingParamsError: a `logit_bias` object whose keys are no token ids (or spell one twice).
     """
 
     max_new_tokens: int | None = None
@@ -83,6 +88,20 @@ class SamplingParams:
     # OpenAI's {"token id": bias} object. Token ids are checked against the vocabulary by the engine.
     logit_bias: tuple[tuple[int, float], ...] | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("stop", "stop_regex"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
+        for name in ("stop", "stop_token_ids", "stop_regex", "choices"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.logit_bias, dict):
+            check_logit_bias_keys(self.logit_bias)
+            object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        elif isinstance(self.logit_bias, (list, tuple)) and all(_is_pair(p) for p in self.logit_bias):
+            # pairs given in code: sorted by token id, as the sampler and the vocabulary check read them
+            object.__setattr__(self, "logit_bias", tuple(sorted((tuple(p) for p in self.logit_bias), key=lambda p: p[0])))
+
     @staticmethod
     def from_dict(d: dict[str, Any] | None) -> "SamplingParams":
         """Build from SGLang's JSON-like dict (None values mean the default): unknown fields are refused,
@@ -92,7 +111,7 @@ class SamplingParams:
 
         Raises:
             SamplingParamsError: an unknown field, a `sampling_seed` that is no integer or differs from
-                `seed`, a `logit_bias` that is no object of token ids, `choices` that is no list.
+                `seed`, a `logit_bias` that is no object of token ids.
         """
         d = dict(d or {})
         names = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -100,7 +119,6 @@ class SamplingParams:
         if alias is not None and (not isinstance(alias, int) or isinstance(alias, bool)):
             raise SamplingParamsError("sampling_seed", f"must be an integer, got {describe(alias)}", code="invalid_type")
         check_seed(alias, "sampling_seed")  # named as given: validate sees it as seed
-        check_logit_bias_keys(d.get("logit_bias"))
         unknown = sorted(set(d) - names)
         if unknown:
             raise SamplingParamsError(unknown[0], "unknown sampling parameter", code="unknown_parameter")
@@ -109,18 +127,8 @@ class SamplingParams:
                 raise SamplingParamsError("sampling_seed", f"is another name of seed; both given and different ({alias} != {d['seed']})")
             d["seed"] = alias
         kwargs = {k: v for k, v in d.items() if v is not None}
-        for key in ("stop", "stop_regex"):
-            if isinstance(kwargs.get(key), str):
-                kwargs[key] = (kwargs[key],)
-        for key in ("stop", "stop_token_ids", "stop_regex"):
-            if isinstance(kwargs.get(key), list):
-                kwargs[key] = tuple(kwargs[key])
-        if "choices" in kwargs:
-            if not isinstance(kwargs["choices"], (list, tuple)):
-                raise SamplingParamsError("choices", "must be a list", code="invalid_type")
-            kwargs["choices"] = tuple(kwargs["choices"])
-        if "logit_bias" in kwargs:
-            kwargs["logit_bias"] = logit_bias_pairs(kwargs["logit_bias"])
+        if "logit_bias" in kwargs and not isinstance(kwargs["logit_bias"], dict):
+            logit_bias_pairs(kwargs["logit_bias"])  # raises: JSON's logit_bias is an object
         return SamplingParams(**kwargs)
 
     def validate(self) -> None:
@@ -207,6 +215,8 @@ def check_values(params: SamplingParams) -> None:
     constraints = [k for k in ("regex", "json_schema", "ebnf", "choices") if getattr(params, k) is not None]
     if len(constraints) > 1:
         raise SamplingParamsError(constraints[1], f"only one of regex, json_schema, ebnf, choices may be set, got {constraints}")
+    if params.choices is not None and not isinstance(params.choices, tuple):
+        raise SamplingParamsError("choices", "must be a list", code="invalid_type")
     if params.choices is not None and (not params.choices or not all(isinstance(c, str) and c for c in params.choices)):
         raise SamplingParamsError("choices", "must be a non-empty list of non-empty strings")
     for key in ("regex", "ebnf", "json_schema"):  # a lone surrogate reached the grammar compiler's codec error
@@ -214,6 +224,8 @@ def check_values(params: SamplingParams) -> None:
             _check_unicode(key, getattr(params, key))
 
     if params.logit_bias is not None:
+        if not isinstance(params.logit_bias, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in params.logit_bias):
+            raise SamplingParamsError("logit_bias", "must map token ids to biases: an object, or (token id, bias) pairs")
         if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}")
         for token, bias in params.logit_bias:
@@ -258,6 +270,11 @@ def _check_stop_regex(patterns: tuple[str, ...]) -> None:
                                       f"{STOP_REGEX_CHECK_TIMEOUT_S * 1000:g} ms on the empty string") from None
         if matches_empty:
             raise SamplingParamsError("stop_regex", f"{p!r} matches the empty string, so it would stop every request at once")
+
+
+def _is_pair(p: Any) -> bool:
+    """A (token id, bias) pair whose id sorts (the rest is `check_values`')."""
+    return isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int)
 
 
 def check_logit_bias_keys(value: Any) -> None:

@@ -490,8 +490,12 @@ class Engine:
         a list of prompts gives a list with n dicts per prompt, in order. Each dict is /generate's output:
         `text`, `output_ids` and `meta_info` (`outputs.meta_info`, the builder /generate uses; logprobs as
         `[logprob, token_id, null]` triples). `lora_path`: a loaded LoRA adapter's name for every prompt,
-        or one per prompt (None: the base model)."""
-        single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer)))
+        or one per prompt (None: the base model). Every prompt is checked before any is queued.
+
+        Raises:
+            SamplingParamsError, RequestError: as `add_request`, for the first bad prompt; nothing is queued then.
+        """
+        single = not isinstance(prompt, (list, tuple, np.ndarray)) or (len(prompt) > 0 and isinstance(prompt[0], (int, np.integer)))
         prompts = [prompt] if single else list(prompt)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -499,11 +503,11 @@ class Engine:
         loras = list(lora_path) if isinstance(lora_path, (list, tuple)) else [lora_path] * len(prompts)
         if len(loras) != len(prompts):
             raise RequestError("lora_path", "one lora_path per prompt is required")
-        rids = [
-            self.add_request(GenerateInput(p, sp, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                                           lora_path=lo))
-            for p, sp, lo in zip(prompts, params, loras)
-        ]
+        # every prompt is checked before any is queued: a bad one leaves nothing running
+        checked = [self.checker.check(GenerateInput(p, sp, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                                                    lora_path=lo)) for p, sp, lo in zip(prompts, params, loras)]
+        rids = [self.add_request(dataclasses.replace(c, request=dataclasses.replace(c.request, rid=new_rid())))
+                for c in checked]
         keys = LogprobKeys.of(return_logprob, top_logprobs_num)
         results: dict[str, dict] = {}
         wanted = {r for group in rids for r in group}

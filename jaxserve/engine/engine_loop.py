@@ -64,6 +64,7 @@ from jaxserve.engine.engine_load import EngineLoad, snapshot_load
 from jaxserve.engine.outputs import RequestMeta, StepOutput
 from jaxserve.engine.queue_admission import QueueAdmission, QueueReservation, default_max_queued_requests
 from jaxserve.engine.request_input import GenerateInput
+from jaxserve.engine.validation.check import CheckedInput
 from jaxserve.parallel.distributed import RankLostError
 
 logger = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ class EngineLoop:
     # ---- requests (any thread) ------------------------------------------------------------------
     def submit(
         self,
-        request: GenerateInput | str | Sequence[int],
+        request: GenerateInput | CheckedInput | str | Sequence[int],
         sampling_params: SamplingParams | dict | None = None,
         *,
         on_output: OutputCallback,
@@ -222,8 +223,9 @@ class EngineLoop:
         """Check a request now and queue it; returns the rids of its `n` sequences.
 
         `request`: a `GenerateInput`, or its prompt with the sampling params and other fields by name
-        (`GenerateInput.of`). It is checked once, here (`RequestChecker.check`); the loop thread queues the
-        checked request as it is. `on_output` is called on the loop thread with every `StepOutput` of
+        (`GenerateInput.of`). It is checked once, here (`RequestChecker.check`), unless it is a
+        `CheckedInput` already (a batch checks every prompt before it submits any); the loop thread queues
+        the checked request as it is. `on_output` is called on the loop thread with every `StepOutput` of
         those rids; the last one has `finished=True`. With `reservation` (from `reserve`) its sequences
         take the batch's held room instead of being checked against the queue again.
 
@@ -234,7 +236,12 @@ class EngineLoop:
             EngineUnavailableError: the waiting queue is full, or the engine died.
             RuntimeError: the loop is shut down.
         """
-        checked = self.engine.checker.check(GenerateInput.of(request, sampling_params, **fields))
+        if isinstance(request, CheckedInput):
+            if sampling_params is not None or fields:
+                raise TypeError("give a CheckedInput alone")
+            checked = request
+        else:
+            checked = self.engine.checker.check(GenerateInput.of(request, sampling_params, **fields))
         input_ids, params = checked.input_ids, checked.params
         base = checked.request.rid or new_rid()
         if base != checked.request.rid:  # no rid, or "" (SGLang's client sends none): the engine gets this one

@@ -29,6 +29,7 @@ from jaxserve.engine.engine_loop import EngineLoop
 from jaxserve.engine.outputs import StepOutput
 from jaxserve.engine.queue_admission import QueueReservation
 from jaxserve.engine.request_input import GenerateInput
+from jaxserve.engine.validation.check import CheckedInput
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -100,10 +101,11 @@ class RequestGroup:
             self._engine_loop.release(self._reservation)
             self._reservation = None
 
-    def submit(self, request: GenerateInput) -> list[str]:
-        """Submit one prompt (`EngineLoop.submit`); returns its rids."""
+    def submit(self, request: GenerateInput | CheckedInput) -> list[str]:
+        """Submit one prompt (`EngineLoop.submit`; a `CheckedInput` is not checked again); returns its rids."""
         rids = self._engine_loop.submit(request, on_output=self._on_output, reservation=self._reservation)
-        self.base_rids.append(request.rid or (rids[0] if len(rids) == 1 else rids[0].rpartition("-")[0]))
+        rid = request.request.rid if isinstance(request, CheckedInput) else request.rid
+        self.base_rids.append(rid or (rids[0] if len(rids) == 1 else rids[0].rpartition("-")[0]))
         self._first_of_prompt.add(rids[0])
         self.rids += rids
         self._unfinished.update(rids)

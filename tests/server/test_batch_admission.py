@@ -126,3 +126,18 @@ def test_load_counts_waiting_and_reserved_requests_between_snapshots():
         loop.release(res)
     finally:
         loop.shutdown()
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/generate", {"text": ["hi", "there", ""], "sampling_params": {"max_new_tokens": 1}}, "text[2]"),
+    ("/generate", {"input_ids": [[5], [6], [10**6]], "sampling_params": {"max_new_tokens": 1}}, "input_ids[2]"),
+    ("/v1/completions", {"model": "m", "prompt": [[5], [6], [10**6]], "max_tokens": 1}, "prompt"),
+], ids=["generate-empty-text", "generate-ids", "completions-ids"])
+def test_a_batch_with_one_bad_prompt_runs_none_of_it(setup, route, body, param):
+    """Every prompt of a batch is checked before any is submitted: a late bad prompt leaves nothing
+    prefilled or aborted behind its 400 (before, the prompts ahead of it ran a step, then were aborted)."""
+    engine, loop, client = setup
+    r = client.post(route, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    time.sleep(0.05)
+    assert engine.prompts == [] and loop.num_pending == 0

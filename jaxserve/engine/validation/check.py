@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from jaxserve.constrained import GrammarSpec, InvalidGrammarError
 from jaxserve.core.errors import ContextLengthError, RequestError, SamplingParamsError
+from jaxserve.core.field_types import describe
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.request_input import GenerateInput
 from jaxserve.engine.validation.limits import ModelLimits
@@ -65,6 +69,7 @@ class RequestChecker:
                 a `logprob_start_len` below -1 or past the prompt (`logprob_start.py`).
             ContextLengthError: the prompt, or prompt + max_new_tokens, over the context or the pool.
         """
+        self._check_request_fields(request)
         params = request.sampling_params
         params.validate()
         limits = self.limits
@@ -86,6 +91,19 @@ class RequestChecker:
         if is_checked(request.return_logprob, top):
             check_logprob_start_len(request.logprob_start_len, len(input_ids))
         return CheckedInput(request, input_ids, limits.fit_pool(params, len(input_ids)))
+
+    @staticmethod
+    def _check_request_fields(request: GenerateInput) -> None:
+        """The types of the request's own fields (the HTTP routes' models parse them already; research
+        code may give anything)."""
+        for name, ok, kind in (("return_logprob", lambda v: isinstance(v, bool), "a boolean"),
+                               ("top_logprobs_num", _is_int, "an integer"),
+                               ("logprob_start_len", _is_int, "an integer"),
+                               ("rid", lambda v: v is None or isinstance(v, str), "a string"),
+                               ("lora_path", lambda v: v is None or isinstance(v, str), "a string")):
+            value = getattr(request, name)
+            if not ok(value):
+                raise RequestError(name, f"{name}: must be {kind}, got {describe(value)}", code="invalid_type")
 
     def _max_new_tokens(self, request: GenerateInput, params: SamplingParams, prompt_len: int) -> int:
         room = self.limits.context_length - prompt_len
@@ -118,9 +136,12 @@ class RequestChecker:
                 carry; the tokenizer cannot take it).
         """
         if not isinstance(prompt, str):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Sequence, np.ndarray)):
+                raise RequestError("prompt", f"must be a text or a list of token ids, got {type(prompt).__name__}",
+                                   code="invalid_type")
+            if not all(_is_int(t) for t in prompt):
                 raise RequestError("input_ids", "token ids must be integers")
-            return list(prompt)
+            return [int(t) for t in prompt]
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -186,6 +207,10 @@ class RequestChecker:
             self.compile_grammar(spec)
         except InvalidGrammarError as e:
             raise RequestError(spec.kind, str(e)) from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _tokens(n: int, noun: str = "token") -> str:

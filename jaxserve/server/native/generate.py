@@ -17,7 +17,7 @@ value only, refused); the table there is the reference, docs/api.md renders it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,6 +27,7 @@ from jaxserve.core.sampling_params import MAX_N, SamplingParams
 from jaxserve.core.size_limits import check_request_id
 from jaxserve.engine.outputs import LogprobKeys, StepOutput, meta_info
 from jaxserve.engine.request_input import GenerateInput
+from jaxserve.engine.validation.check import RequestChecker
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming, mark_unlogged
@@ -176,25 +177,26 @@ class _Sequence:
 
 
 def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[GenerateInput], field: str,
-            tokenize: Callable[[str | list[int]], list[int]], is_batch: bool = False) -> dict[str, _Sequence]:
-    """Submit every prompt; returns what the response needs of each sequence, by rid. A bad prompt
-    of a batch is named with its index (`text[1]`), as a bad `sampling_params[1]` is."""
+            checker: RequestChecker, is_batch: bool = False) -> dict[str, _Sequence]:
+    """Check every prompt (`RequestChecker.check`), then submit them; returns what the response needs of
+    each sequence, by rid. A bad prompt refuses the whole batch before any of it runs, named with its index
+    (`text[1]`), as a bad `sampling_params[1]` is."""
     rename = {"prompt": field, "input_ids": field}
     sequences: dict[str, _Sequence] = {}
-    num_submitted: list[int] = [0]  # prompts submitted: the next one is the bad one
+    num_checked: list[int] = [0]  # prompts checked: the next one is the bad one
     is_reserved = False  # an error before it is the whole batch's (queue room), not one prompt's
     try:
         with group.reserved(sum(_num_sequences(p.sampling_params) for p in prompts), field):
             is_reserved = True
-            _submit_each(group, req, prompts, tokenize, sequences, num_submitted)
+            _submit_each(group, req, prompts, checker, sequences, num_checked)
     except (SamplingParamsError, RequestError) as e:
         group.abort()  # the prompts of the batch submitted before the bad one
         err = from_engine_error(e, rename)
         if isinstance(e, SamplingParamsError) or e.field in SAMPLING_FIELD_NAMES:
-            index = num_submitted[0] if isinstance(req.sampling_params, list) else None
+            index = num_checked[0] if isinstance(req.sampling_params, list) else None
             err = _in_sampling_params(err, index)
         elif is_batch and is_reserved and (err.param == field or _given_per_prompt(req, err.param)):
-            err.param = f"{err.param}[{num_submitted[0]}]"
+            err.param = f"{err.param}[{num_checked[0]}]"
         raise err from None
     except BaseException:
         group.abort()
@@ -214,20 +216,21 @@ def _num_sequences(params: SamplingParams) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
 
 
-def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[GenerateInput],
-                 tokenize: Callable[[str | list[int]], list[int]], sequences: dict[str, _Sequence],
-                 num_submitted: list[int]) -> None:
-    """Submit the prompts in order into the group's reservation, recording each sequence in `sequences`
-    and counting the prompts in `num_submitted[0]`."""
+def _submit_each(group: RequestGroup, req: GenerateRequest, prompts: list[GenerateInput], checker: RequestChecker,
+                 sequences: dict[str, _Sequence], num_checked: list[int]) -> None:
+    """Check the prompts in order, counting them in `num_checked[0]`, then submit them into the group's
+    reservation, recording each sequence in `sequences`."""
+    checked = []
     for p in prompts:
-        if req.return_prompt_token_ids:  # tokenized once, here, when the response needs the ids
-            p = dataclasses.replace(p, prompt=tokenize(p.prompt))
-        rids = group.submit(p)
+        checked.append(checker.check(p))
+        num_checked[0] += 1
+    for c in checked:
+        p = c.request
+        rids = group.submit(c)
         seq = _Sequence(p.sampling_params.stream_interval or 1,
-                        list(p.prompt) if req.return_prompt_token_ids else None,
+                        c.input_ids if req.return_prompt_token_ids else None,  # its ids, as the engine got them
                         LogprobKeys(p.top_logprobs_num > 0, bool(p.token_ids_logprob)) if p.return_logprob else None)
         sequences.update(dict.fromkeys(rids, seq))
-        num_submitted[0] += 1
 
 
 def to_output(
@@ -271,7 +274,7 @@ async def generate(request: Request) -> Response:
         tuple(engine_loop.engine.tokenizer.encode(fmt.think_end, add_special_tokens=False))
     prompts, is_batch, field = _expand(req, think_end_ids)
     group = RequestGroup(engine_loop)
-    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.engine.checker.tokenize, is_batch))
+    sequences = await preprocess(request, lambda: _submit(group, req, prompts, field, engine_loop.engine.checker, is_batch))
     if not req.log_metrics:
         mark_unlogged(request, group.rids)
     tokenizer = engine_loop.engine.tokenizer

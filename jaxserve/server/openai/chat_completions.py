@@ -32,6 +32,7 @@ from jaxserve.core.sampling_params import MAX_N, SamplingParams
 from jaxserve.core.size_limits import check_request_sizes
 from jaxserve.engine.outputs import StepOutput
 from jaxserve.engine.request_input import GenerateInput
+from jaxserve.engine.validation.check import RequestChecker
 from jaxserve.server.engine_client import RequestGroup, abort_on_disconnect, preprocess
 from jaxserve.server.errors import APIError, error_body, error_response, from_engine_error, parse_json_body
 from jaxserve.server.metrics import mark_streaming
@@ -72,6 +73,7 @@ from jaxserve.server.protocol import (
 from jaxserve.server.sse import DONE, SSEResponse, sse_event
 
 MAX_TOP_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1  # the largest max_new_tokens (core/sampling_params.py says so in its range errors)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -135,8 +137,10 @@ def max_tokens_of(req: OpenAISampling) -> tuple[int | None, str]:
              if v is not None]
     if not given:
         return None, "max_tokens"
-    not_int = [(v, f) for v, f in given if not isinstance(v, int) or isinstance(v, bool)]
-    return not_int[0] if not_int else min(given)  # a wrong type goes on, for the request's check to name
+    # a wrong type or an out-of-range value goes on, for the request's one check to name, even if the other
+    # one is smaller
+    bad = [(v, f) for v, f in given if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_INT32]
+    return bad[0] if bad else min(given)
 
 
 def _renames(req: OpenAISampling, prompt_field: str, max_field: str, top_field: str) -> dict[str, str]:
@@ -153,12 +157,12 @@ def _renames(req: OpenAISampling, prompt_field: str, max_field: str, top_field: 
     return renames
 
 
-def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[str | list[int], str | None]],
+def _submit(group: RequestGroup, checker: RequestChecker, renames: dict[str, str], prompts: list[tuple[str | list[int], str | None]],
             req: OpenAISampling, return_logprob: bool, top_logprobs_num: int, *, max_new_tokens: int | None,
             default_max_new_tokens: int | None, add_special_tokens: bool = True, logprob_start_len: int = -1,
             ebnf: str | None = None, think_end_ids: tuple[int, ...] = (), served_model_name: str = "") -> None:
-    """Submit (prompt, rid) per prompt, the prompt a text or token ids, the rid None for a fresh one; a
-    validation error aborts the ones before it. `max_new_tokens` None takes the route's
+    """Check every (prompt, rid) (`checker`: the request's one check), then submit them: a bad prompt
+    refuses them all before any runs. The prompt is a text or token ids, the rid None for a fresh one. `max_new_tokens` None takes the route's
     `default_max_new_tokens` (None: what the context leaves). `add_special_tokens` False: the prompt is a
     chat template's text. `think_end_ids`: the grammar applies after these tokens
     (`reasoning.grammar_think_end_ids`). The LoRA adapter of each prompt: `model`'s "<served>:<adapter>",
@@ -172,11 +176,13 @@ def _submit(group: RequestGroup, renames: dict[str, str], prompts: list[tuple[st
     try:
         with group.reserved(len(prompts) * n, "n" if len(prompts) == 1 else "prompt"):
             params = sampling_params_of(req, max_new_tokens, ebnf)
-            for (prompt, rid), lora in zip(prompts, loras):
-                group.submit(GenerateInput(prompt, params, rid=rid, return_logprob=return_logprob,
-                                           top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-                                           think_end_ids=think_end_ids, lora_path=lora, add_special_tokens=add_special_tokens,
-                                           default_max_new_tokens=default_max_new_tokens))
+            checked = [checker.check(GenerateInput(
+                prompt, params, rid=rid, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len, think_end_ids=think_end_ids, lora_path=lora,
+                add_special_tokens=add_special_tokens, default_max_new_tokens=default_max_new_tokens,
+            )) for (prompt, rid), lora in zip(prompts, loras)]
+            for c in checked:
+                group.submit(c)
     except (SamplingParamsError, RequestError) as e:
         group.abort()
         raise from_engine_error(e, renames) from None
@@ -264,7 +270,7 @@ async def completions(request: Request) -> Response:
     # several prompts of one rid: one sequence each, `<rid>-p<i>` (no rid: the engine gives each its own)
     rids = [req.rid] if len(raw_prompts) == 1 else [req.rid and f"{req.rid}-p{i}" for i in range(len(raw_prompts))]
     await preprocess(request, lambda: _submit(
-        group, _renames(req, "prompt", max_field, "logprobs"), list(zip(raw_prompts, rids)), req,
+        group, engine_loop.engine.checker, _renames(req, "prompt", max_field, "logprobs"), list(zip(raw_prompts, rids)), req,
         req.logprobs is not None, req.logprobs or 0, max_new_tokens=1 if drop_output else max_tokens,
         default_max_new_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, logprob_start_len=0 if prompt_logprobs else -1,
         served_model_name=request.app.state.model_name))
@@ -460,7 +466,7 @@ async def _submit_chat(request: Request, req: ChatCompletionRequest, rename: dic
 
     def prepare() -> None:  # on the preprocessing thread: the template, then the request's one check
         prompt = chat_prompt(tokenizer, req, plan.parser, plan.tools, request.app.state.chat_template)
-        _submit(group, renames, [(prompt, req.rid)], req, req.logprobs, req.top_logprobs or 0, max_new_tokens=max_tokens,
+        _submit(group, engine_loop.engine.checker, renames, [(prompt, req.rid)], req, req.logprobs, req.top_logprobs or 0, max_new_tokens=max_tokens,
                 default_max_new_tokens=None, add_special_tokens=False, ebnf=plan.grammar, think_end_ids=think_end_ids,
                 served_model_name=request.app.state.model_name)
 
