@@ -190,7 +190,7 @@ def _submit(group: RequestGroup, req: GenerateRequest, prompts: list[GenerateInp
             is_reserved = True
             _submit_each(group, req, prompts, checker, sequences, num_checked)
     except (SamplingParamsError, RequestError) as e:
-        group.abort()  # the prompts of the batch submitted before the bad one
+        group.abort()  # a batch refused by the queue or a rid in use after some prompts were submitted
         err = from_engine_error(e, rename)
         if isinstance(e, SamplingParamsError) or e.field in SAMPLING_FIELD_NAMES:
             index = num_checked[0] if isinstance(req.sampling_params, list) else None
