@@ -14,17 +14,18 @@ from collections import defaultdict
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "jaxserve"
 
-_BELOW_ENGINE = {"scheduler", "runner", "speculative", "constrained", "cache", "model", "pallas", "parallel"}
+_BELOW_ENGINE = {"scheduler", "runner", "speculative", "constrained", "cache", "model", "pallas", "parallel", "quant"}
 # layer -> the layers it may import (besides itself and core)
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "log_safe": set(),
     "pallas": set(),
     "parallel": set(),
-    "model": {"pallas", "parallel"},
+    "quant": set(),
+    "model": {"pallas", "parallel", "quant"},
     "cache": set(),
     "constrained": set(),
-    "runner": {"model", "pallas", "parallel", "cache"},  # never scheduler
+    "runner": {"model", "pallas", "parallel", "cache", "quant"},  # never scheduler
     "scheduler": {"cache"},
     "speculative": {"cache", "constrained"},
     "server_args": set(),  # the CLI's flags: nothing of model/ or cache/

@@ -52,8 +52,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # None: projections in the params' float dtype; "w8a8_int8": int8 weights with per-row scales and
-    # per-token int8 activations (jaxserve.model.quant, set by `quant.quantize_params` after loading)
+    # per-token int8 activations (jaxserve.quant.w8a8, set by `w8a8.quantize_params` after loading)
     quantization: str | None = None
+    # block-quantized weights kept compressed (jaxserve.quant.formats): each such weight's format by name
+    # ("embed", "lm_head", "wqkv", "wo", "w_gate_up", "w_down"), the same in every layer; empty: none.
+    # Set by the loader for `--quantization gguf` (from the file's types) and q8_0 / q4_1 (at load).
+    weight_formats: tuple[tuple[str, str], ...] = ()
     # sliding-window attention (tokens): a query attends to the last `sliding_window` positions up to
     # its own, in the layers `layer_types` marks "sliding_attention" (every layer when `layer_types` is
     # empty: Mistral); None: no window anywhere
@@ -66,6 +70,10 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+
+    def weight_format(self, name: str) -> str | None:
+        """The block format weight `name` is kept in (`weight_formats`), or None: float (or w8a8)."""
+        return dict(self.weight_formats).get(name)
 
     @property
     def group_size(self) -> int:

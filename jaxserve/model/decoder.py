@@ -31,9 +31,11 @@ from jaxtyping import Array, Float, Int32
 from jaxserve.model import lora as lora_lib
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch
-from jaxserve.model.quant import ACT_BLOCKS, blocked_shape, int8_matmul
 from jaxserve.pallas.numerics import pairwise_sum
 from jaxserve.pallas.reference import NO_WINDOW
+from jaxserve.quant import formats
+from jaxserve.quant.cpu_kernel import quant_matmul
+from jaxserve.quant.w8a8 import ACT_BLOCKS, blocked_shape, int8_matmul
 
 Params = dict[str, Any]  # the nested dict of arrays (nnx.to_pure_dict's form)
 AttentionFn = Callable[..., jax.Array]
@@ -46,17 +48,33 @@ def new_param(shape: tuple[int, ...], axes: tuple[str, ...], dtype, init=jnp.zer
 
 
 def _projection(config: ModelConfig, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype):
-    """A projection weight [..., out, in] and its scale (None unless `config.quantization`: then the
-    weight is int8 in `quant.blocked_shape`'s block-major layout (blocks `quant.ACT_BLOCKS[name]`) and the scale float32 per flattened
-    row; both replicated, unsharded axes: jaxserve refuses tensor parallelism with quantization)."""
-    if config.quantization is None:
-        return new_param(shape, axes, dtype), None
+    """A weight [..., out, in] as (weight, scale, min), by how `config` keeps weight `name`:
+    - float: (the weight, None, None);
+    - a block format (`config.weight_format(name)`, jaxserve.quant.formats): the rows flattened to
+      [O, I], (qs, scale, min) with min None for q8_0;
+    - w8a8_int8 (`config.quantization`): int8 in `w8a8.blocked_shape`'s block-major layout (blocks
+      `w8a8.ACT_BLOCKS[name]`) and a float32 scale per flattened row, min None.
+    Quantized arrays are replicated (unsharded axes): jaxserve refuses tensor parallelism with them."""
+    fmt = config.weight_format(name)
+    if fmt is not None:
+        rows = int(np.prod(shape[:-1]))
+        fields = formats.field_shapes(fmt, rows, shape[-1])
+        made = [new_param(fields[f][0], (None, None), fields[f][1]) for f in formats.FIELDS[fmt]]
+        return made[0], made[1], made[2] if len(made) > 2 else None
+    if config.quantization != "w8a8_int8" or name == "embed":
+        return new_param(shape, axes, dtype), None, None
     nb, out, block = blocked_shape(shape, ACT_BLOCKS[name])
-    return new_param((nb, out, block), (None, None, None), jnp.int8), new_param((out,), (None,), jnp.float32)
+    return new_param((nb, out, block), (None, None, None), jnp.int8), new_param((out,), (None,), jnp.float32), None
 
 
-def projection_matmul(w: nnx.Param, scale: nnx.Param | None, x: Float[Array, "I T"]) -> Float[Array, "O T"]:
-    """W @ x with W [O, I]: the float product, or `int8_matmul` over the quantized layout."""
+def projection_matmul(
+    fmt: str | None, w: nnx.Param, scale: nnx.Param | None, minimum: nnx.Param | None, x: Float[Array, "I T"]
+) -> Float[Array, "O T"]:
+    """W @ x with W [O, I]: the float product; `quant_matmul` for a block format `fmt` (W's qs, scale and
+    min); or `int8_matmul` over the w8a8 layout (a scale and no `fmt`)."""
+    if fmt is not None:
+        arrays = {"qs": w[...], "scale": scale[...]} | ({} if minimum is None else {"min": minimum[...]})
+        return quant_matmul(fmt, arrays, x)
     if scale is None:
         return w[...] @ x
     return int8_matmul(w[...], scale[...], x)
@@ -163,11 +181,12 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         e, d, nkv, g = config.hidden_size, config.head_dim, config.num_kv_heads, config.group_size
         self.config = config
-        self.wqkv, self.wqkv_scale = _projection(config, "wqkv", (nkv, (g + 2) * d, e), ("kv_heads", "qkv", "embed"), dtype)
+        self.wqkv, self.wqkv_scale, self.wqkv_min = _projection(
+            config, "wqkv", (nkv, (g + 2) * d, e), ("kv_heads", "qkv", "embed"), dtype)
         self.bqkv = new_param((nkv, (g + 2) * d), ("kv_heads", "qkv"), dtype) if config.attention_bias else None
         self.q_norm = new_param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
         self.k_norm = new_param((d,), ("head_dim",), dtype, jnp.ones) if config.qk_norm else None
-        self.wo, self.wo_scale = _projection(config, "wo", (e, config.num_heads * d), ("embed", "q_heads"), dtype)
+        self.wo, self.wo_scale, self.wo_min = _projection(config, "wo", (e, config.num_heads * d), ("embed", "q_heads"), dtype)
 
     def __call__(
         self,
@@ -222,7 +241,7 @@ class Attention(nnx.Module):
             wqkv = self.wqkv[...]
             qkv = wqkv.reshape(-1, wqkv.shape[-1]) @ x  # [KVH (G + 2) D, T]
         else:
-            qkv = projection_matmul(self.wqkv, self.wqkv_scale, x)
+            qkv = projection_matmul(cfg.weight_format("wqkv"), self.wqkv, self.wqkv_scale, self.wqkv_min, x)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv[...].reshape(-1)[:, None]
         if lora is not None and "qkv_a" in lora:
@@ -255,7 +274,7 @@ class Attention(nnx.Module):
         """The output projection of the attention output o [T, H, D] (+ the tokens' LoRA adapters), back
         to [E, T]."""
         o = o.reshape(o.shape[0], -1).T  # [H D, T]
-        out = projection_matmul(self.wo, self.wo_scale, o)
+        out = projection_matmul(self.config.weight_format("wo"), self.wo, self.wo_scale, self.wo_min, o)
         if lora is not None and "o_a" in lora:
             out = out + lora_lib.group_delta(lora, "o", o, lora_mask)
         return out
@@ -266,8 +285,14 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         e, i = config.hidden_size, config.intermediate_size
-        self.w_gate_up, self.w_gate_up_scale = _projection(config, "w_gate_up", (2, i, e), ("gate_up", "mlp", "embed"), dtype)
-        self.w_down, self.w_down_scale = _projection(config, "w_down", (e, i), ("embed", "mlp"), dtype)
+        self.config = config
+        self.w_gate_up, self.w_gate_up_scale, self.w_gate_up_min = _projection(
+            config, "w_gate_up", (2, i, e), ("gate_up", "mlp", "embed"), dtype)
+        self.w_down, self.w_down_scale, self.w_down_min = _projection(config, "w_down", (e, i), ("embed", "mlp"), dtype)
+
+    def activation(self, gate: Float[Array, "I T"]) -> Float[Array, "I T"]:
+        """The gate's nonlinearity (SiLU; Gemma's GeGLU overrides it)."""
+        return jax.nn.silu(gate)
 
     def __call__(
         self, x: Float[Array, "E T"], lora: dict | None = None, lora_mask: lora_lib.SlotMask | None = None
@@ -276,11 +301,13 @@ class MLP(nnx.Module):
         if self.w_gate_up_scale is None:
             gate_up = jnp.einsum("gie,et->git", self.w_gate_up[...], x)  # [2, I, T]
         else:
-            gate_up = projection_matmul(self.w_gate_up, self.w_gate_up_scale, x).reshape(2, -1, x.shape[1])
+            gate_up = projection_matmul(
+                self.config.weight_format("w_gate_up"), self.w_gate_up, self.w_gate_up_scale, self.w_gate_up_min, x
+            ).reshape(2, -1, x.shape[1])
         if lora is not None and "gate_up_a" in lora:
             gate_up = gate_up + lora_lib.group_delta(lora, "gate_up", x, lora_mask)  # [2, I, T]
-        h = jax.nn.silu(gate_up[0]) * gate_up[1]
-        out = projection_matmul(self.w_down, self.w_down_scale, h)
+        h = self.activation(gate_up[0]) * gate_up[1]
+        out = projection_matmul(self.config.weight_format("w_down"), self.w_down, self.w_down_scale, self.w_down_min, h)
         if lora is not None and "down_a" in lora:
             out = out + lora_lib.group_delta(lora, "down", h, lora_mask)
         return out
@@ -328,35 +355,48 @@ class DecoderLayer(nnx.Module):
 
 class Decoder(nnx.Module):
     """The decoder: token embedding [V, E] (vocab, embed), `config.num_layers` DecoderLayers, final
-    norm [E], output head [V, E] (None when tied to the embedding)."""
+    norm [E], output head [V, E] (None when tied to the embedding). The embedding and the head may be
+    kept in a block format (`config.weight_format("embed" | "lm_head")`): then `embed_scale`,
+    `embed_min` (and `lm_head_scale`, `lm_head_min`) sit beside them, as a projection's do."""
 
     layer_cls: type = DecoderLayer  # the decoder layer Module (jaxserve.model.gemma overrides it)
 
     def __init__(self, config: ModelConfig, dtype=jnp.float32):
         self.config = config
-        self.embed = new_param((config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
+        head_shape, head_axes = (config.vocab_size, config.hidden_size), ("vocab", "embed")
+        self.embed, self.embed_scale, self.embed_min = _projection(config, "embed", head_shape, head_axes, dtype)
         self.layers = nnx.List([self.layer_cls(config, dtype) for _ in range(config.num_layers)])
         self.final_norm = new_param((config.hidden_size,), ("embed",), dtype, jnp.ones)
-        self.lm_head = (
-            None if config.tie_word_embeddings or config.quantization is not None
-            else new_param((config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
+        self.lm_head, self.lm_head_scale, self.lm_head_min = (
+            _projection(config, "lm_head", head_shape, head_axes, dtype)
+            if not config.tie_word_embeddings and config.quantization != "w8a8_int8" else (None, None, None)
         )
-        # quantized: the head (untied, or a copy of the tied embedding) in int8 with a scale per vocab row
-        self.head_q, self.head_scale = (
-            _projection(config, "head", (config.vocab_size, config.hidden_size), ("vocab", "embed"), dtype)
-            if config.quantization is not None else (None, None)
+        # w8a8_int8: the head (untied, or a copy of the tied embedding) in int8 with a scale per vocab row
+        self.head_q, self.head_scale, _ = (
+            _projection(config, "head", head_shape, head_axes, dtype)
+            if config.quantization == "w8a8_int8" else (None, None, None)
         )
 
     def embed_tokens(
         self, batch: ForwardBatch
     ) -> tuple[Float[Array, "E T"], Float[Array, "T D"], Float[Array, "T D"]]:
         """The residual stream's start, feature-major [E, T], and the RoPE tables cos, sin [T, D]."""
-        embed = self.embed[...]
-        h = embed[batch.input_ids]  # [T, E]
+        h = self.embed_rows(batch.input_ids)  # [T, E]
         inv_freq = jnp.asarray(rope_inv_freq(self.config), jnp.float32)
         angles = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
         angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]
         return h.T, jnp.cos(angles).astype(h.dtype), jnp.sin(angles).astype(h.dtype)
+
+    def embed_rows(self, ids: Int32[Array, " T"]) -> Float[Array, "T E"]:
+        """The embedding rows of token ids [T]: gathered, or, for a block format, the rows' blocks
+        gathered and dequantized (float32; the whole table is never expanded)."""
+        fmt = self.config.weight_format("embed")
+        if fmt is None:
+            return self.embed[...][ids]
+        arrays = {"qs": self.embed[...][ids], "scale": self.embed_scale[...][ids]}
+        if self.embed_min is not None:
+            arrays["min"] = self.embed_min[...][ids]
+        return formats.dequantize(fmt, arrays).astype(self.final_norm.dtype)
 
     def final_hidden(self, h: Float[Array, "E T"]) -> Float[Array, "T E"]:
         """The final RMSNorm, back in the token-major layout [T, E]."""
@@ -364,10 +404,17 @@ class Decoder(nnx.Module):
 
     def logits(self, hidden: Float[Array, "N E"], layout: str = DEFAULT_LOGITS_LAYOUT) -> Float[Array, "N V"]:
         """Output projection in float32 (tied to the embedding when `lm_head` is None); `layout` is one
-        of `LOGITS_LAYOUTS`. Quantized (`head_q`): `int8_matmul` as [V, N], then transposed (`layout`
-        is not used)."""
+        of `LOGITS_LAYOUTS`. Quantized (`head_q`, or a block format): the quantized matmul as [V, N],
+        then transposed (`layout` is not used)."""
         if self.head_q is not None:
-            return jax.lax.optimization_barrier(projection_matmul(self.head_q, self.head_scale, hidden.T)).T
+            return jax.lax.optimization_barrier(projection_matmul(None, self.head_q, self.head_scale, None, hidden.T)).T
+        if self.lm_head is None and self.config.weight_format("embed") is not None:
+            logits_vn = projection_matmul(self.config.weight_format("embed"), self.embed, self.embed_scale, self.embed_min, hidden.T)
+            return jax.lax.optimization_barrier(logits_vn).T
+        if self.lm_head is not None and self.config.weight_format("lm_head") is not None:
+            logits_vn = projection_matmul(
+                self.config.weight_format("lm_head"), self.lm_head, self.lm_head_scale, self.lm_head_min, hidden.T)
+            return jax.lax.optimization_barrier(logits_vn).T
         head = self.embed[...] if self.lm_head is None else self.lm_head[...]
         return LOGITS_LAYOUTS[layout](hidden, head)
 

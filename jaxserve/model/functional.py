@@ -71,6 +71,11 @@ def logical_axes(config: ModelConfig) -> Params:
                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+def compute_dtype(params: Params) -> jnp.dtype:
+    """The activations' (and the KV pool's) dtype: the final norm's, since quantized weights may be int8."""
+    return params["final_norm"].dtype
+
+
 def outer_params(params: Params) -> Params:
     """`params` without its layers (what embed and head programs take)."""
     return {k: v for k, v in params.items() if k != "layers"}

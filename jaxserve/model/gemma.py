@@ -92,12 +92,8 @@ class GemmaAttention(decoder.Attention):
 class GemmaMLP(decoder.MLP):
     """GeGLU MLP: down(gelu_tanh(gate x) * up x). Params as `decoder.MLP`."""
 
-    def __call__(self, x: Float[Array, "E T"]) -> Float[Array, "E T"]:
-        if self.w_gate_up_scale is None:
-            gate_up = jnp.einsum("gie,et->git", self.w_gate_up[...], x)  # [2, I, T]
-        else:
-            gate_up = decoder.projection_matmul(self.w_gate_up, self.w_gate_up_scale, x).reshape(2, -1, x.shape[1])
-        return decoder.projection_matmul(self.w_down, self.w_down_scale, jax.nn.gelu(gate_up[0], approximate=True) * gate_up[1])
+    def activation(self, gate: Float[Array, "I T"]) -> Float[Array, "I T"]:
+        return jax.nn.gelu(gate, approximate=True)
 
 
 class GemmaDecoderLayer(nnx.Module):
@@ -149,8 +145,8 @@ class Gemma(decoder.Decoder):
     ) -> tuple[Float[Array, "E T"], Float[Array, "R T D"], Float[Array, "R T D"]]:
         """The residual stream's start [E, T] (embedding x sqrt(E), the factor in the weights' dtype as
         transformers rounds it) and the RoPE tables cos, sin [R, T, D], one per base."""
-        embed = self.embed[...]
-        h = embed[batch.input_ids] * jnp.asarray(math.sqrt(self.config.hidden_size), embed.dtype)  # [T, E]
+        rows = self.embed_rows(batch.input_ids)
+        h = rows * jnp.asarray(math.sqrt(self.config.hidden_size), rows.dtype)  # [T, E]
         positions = batch.positions.astype(jnp.float32)[:, None]
         cos, sin = [], []
         for base in _rope_bases(self.config):

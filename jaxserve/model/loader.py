@@ -37,10 +37,47 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.model.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_header
 from jaxserve.model.registry import get_model_class
 from jaxserve.model.tokenizer import cache_root, resolve_model_path, source_fingerprint
+from jaxserve.quant import formats
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# --quantization values that keep weights in block formats (jaxserve.quant.formats): "gguf" keeps a GGUF's
+# own types (each weight's format from its tensors' types), "q8_0" and "q4_1" quantize any checkpoint at
+# load (q4_1: the layer projections in 4 bits, the embedding and the head in q8_0)
+BLOCK_QUANTIZATIONS = ("gguf", "q8_0", "q4_1")
+# block-format weight name -> the HF tensors (their names' endings) it is built from
+_BLOCK_WEIGHT_SOURCES = {
+    "embed": ("model.embed_tokens.weight",),
+    "lm_head": ("lm_head.weight",),
+    "wqkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "wo": ("self_attn.o_proj.weight",),
+    "w_gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "w_down": ("mlp.down_proj.weight",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTensor:
+    """One checkpoint tensor kept in a block format: `fmt` and its arrays (rows flattened, [O, ...])."""
+
+    fmt: str
+    arrays: formats.QuantArrays
+
+    def to_format(self, fmt: str) -> "BlockTensor":
+        """This tensor in `fmt`: itself, or dequantized and packed again (q4_1 -> q8_0 is within half a
+        q8_0 step; the other way is refused by the format choice, never done)."""
+        if fmt == self.fmt:
+            return self
+        return BlockTensor(fmt, _PACK[fmt](formats.dequantize_numpy(self.fmt, self.arrays)))
+
+    def map_rows(self, fn) -> "BlockTensor":
+        """`fn` applied to every array (each [O, ...]), e.g. a row permutation."""
+        return BlockTensor(self.fmt, {k: fn(v) for k, v in self.arrays.items()})
+
+
+_PACK = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1}
+_BLOCK_SOURCE_NAMES = tuple(n for sources in _BLOCK_WEIGHT_SOURCES.values() for n in sources)
 
 # HF tensor name suffix -> HF projection name (weights stay in the checkpoint's [out, in] layout)
 _HF_LAYER_NAMES = {
@@ -131,6 +168,7 @@ def load_model(
     dtype: str = "auto",
     weights_cache_dir: str | None = None,
     use_weights_cache: bool = False,
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, decoder.Params]:
     """Load a checkpoint as (config, params dict on the default device, per-layer storage).
 
@@ -139,7 +177,9 @@ def load_model(
         dtype: auto | float32 | bfloat16 | float16.
         weights_cache_dir: where converted params are cached (default `cache_root()/weights`).
         use_weights_cache: read and write that cache (off by default: converting a GGUF is as fast as
-            restoring it, D-23).
+            restoring it, D-23; never with block formats, which convert without dequantizing).
+        quantization: one of `BLOCK_QUANTIZATIONS` (the weights stay in block formats:
+            `config.weight_formats` says which), or None for float weights in `dtype`.
 
     Raises:
         FileNotFoundError: the path does not exist, or a directory holds no safetensors weights.
@@ -147,6 +187,11 @@ def load_model(
     """
     path = resolve_model_path(model_path)
     jdtype = resolve_dtype(dtype)
+    if quantization is not None and quantization not in BLOCK_QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization!r} is not a block format: one of {', '.join(BLOCK_QUANTIZATIONS)}")
+    if quantization == "gguf" and not path.endswith(".gguf"):
+        raise ValueError(f"--quantization gguf needs a .gguf file; {path} is not one (give q8_0 or q4_1)")
+    use_weights_cache = use_weights_cache and quantization is None
     if os.path.isdir(path) and not glob.glob(os.path.join(path, "*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors weights in directory {path}")
     _check_model_path(path)
@@ -166,9 +211,12 @@ def load_model(
                 logger.warning("weights cache %s unreadable (%s); reloading from source", cache_dir, e)
 
     if config is None:
-        config, tensors = _read_gguf(path)
+        config, tensors = _read_gguf(path, keep_blocks=quantization == "gguf")
     else:
         tensors = _read_safetensors(path)
+    if quantization is not None:
+        config = dataclasses.replace(config, quantization=quantization,
+                                     weight_formats=_weight_formats(config, quantization, path))
     get_model_class(config.architecture)  # an unsupported architecture fails before any weight is read
     # committed to the default device, as params restored from the cache are: jit keys its executables
     # (and the persistent compilation cache) on that, so both starts then share compiled programs
@@ -285,7 +333,32 @@ def read_gguf_tensors(path: str, header: GGUFHeader) -> Iterator[tuple[GGUFTenso
         yield t, data[start : start + num_bytes].view(dtype).reshape(np_shape)
 
 
-def _read_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, np.ndarray]]]:
+def _weight_formats(config: ModelConfig, quantization: str, path: str) -> tuple[tuple[str, str], ...]:
+    """Each block weight's format under `quantization` (a row length that is not a multiple of 32 stays
+    float). "gguf": q4_1 where every tensor of the weight (in every layer) is a 4-bit type, else q8_0
+    (formats.format_of_gguf_type); "q8_0": every weight in q8_0; "q4_1": the layer projections in q4_1,
+    the embedding and the head in q8_0."""
+    in_features = {"embed": config.hidden_size, "lm_head": config.hidden_size, "wqkv": config.hidden_size,
+                   "wo": config.num_heads * config.head_dim, "w_gate_up": config.hidden_size,
+                   "w_down": config.intermediate_size}
+    names = [n for n in _BLOCK_WEIGHT_SOURCES if n != "lm_head" or not config.tie_word_embeddings]
+    if quantization == "gguf":
+        gguf_types: dict[str, list[int]] = {}
+        for t in read_gguf_header(path, keep_key=_is_config_key).tensors:
+            hf_name = _gguf_to_hf_name(t.name, _GGUF_GEMMA_LAYER_NAMES if config.architecture in _GEMMA_ARCHITECTURES else _GGUF_LAYER_NAMES)
+            for name, sources in _BLOCK_WEIGHT_SOURCES.items():
+                if hf_name is not None and hf_name.endswith(sources):
+                    gguf_types.setdefault(name, []).append(t.ggml_type)
+        chosen = {n: formats.Q4_1 if all(formats.format_of_gguf_type(k) == formats.Q4_1 for k in gguf_types.get(n, []))
+                  else formats.Q8_0 for n in names}
+    else:
+        chosen = {n: formats.Q8_0 if quantization == "q8_0" or n in ("embed", "lm_head") else formats.Q4_1 for n in names}
+    return tuple((n, fmt) for n, fmt in chosen.items() if in_features[n] % formats.BLOCK == 0)
+
+
+def _read_gguf(path: str, keep_blocks: bool = False) -> tuple[ModelConfig, Iterator[tuple[str, np.ndarray | BlockTensor]]]:
+    """The GGUF's config and its tensors by HF name: float32 arrays, or with `keep_blocks` the weights of
+    `_BLOCK_WEIGHT_SOURCES` as `BlockTensor`s, never dequantized."""
     import gguf
 
     header = read_gguf_header(path, keep_key=_is_config_key)
@@ -316,6 +389,13 @@ def _read_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, np.ndarray]]
         for t, data in read_gguf_tensors(path, header):
             hf_name = _gguf_to_hf_name(t.name, _GGUF_GEMMA_LAYER_NAMES if is_gemma else _GGUF_LAYER_NAMES)
             if hf_name is None:
+                continue
+            if keep_blocks and hf_name.endswith(_BLOCK_SOURCE_NAMES):
+                block = BlockTensor(*formats.from_gguf(data, t.ggml_type, tuple(int(d) for d in reversed(t.shape))))
+                if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                    heads = config.num_heads if "attn_q" in t.name else config.num_kv_heads
+                    block = block.map_rows(lambda a: _unpermute_qk(a, heads))
+                yield hf_name, block
                 continue
             w = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.ggml_type))
             w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
@@ -386,8 +466,21 @@ def _assemble(config: ModelConfig, tensors, dtype) -> decoder.Params:
     if missing or "model.embed_tokens.weight" not in globals_ or "model.norm.weight" not in globals_:
         raise ValueError(f"checkpoint is missing weights: {missing or 'embed/norm'}")
     hf_globals = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+    packed: dict[tuple, BlockTensor] = {}  # a block weight's path -> its arrays, each built once
 
     def fill(path: tuple, spec) -> jax.Array:
+        block = _block_leaf(config, path)
+        if block is not None:
+            base, field = block
+            if base not in packed:
+                sources = ([layers[part][base[1]] for part in _LAYER_PATHS[base[2:]]] if base[0] == "layers"
+                           else [globals_[hf_globals[base[0]]]])
+                packed[base] = _block_param(config, base[-1], sources)
+            value = packed[base].arrays[field]
+            if value.shape != spec.shape or value.dtype != spec.dtype:
+                raise ValueError(f"checkpoint tensor for {'/'.join(map(str, path))} is {value.dtype}{value.shape}, "
+                                 f"expected {spec.dtype}{spec.shape}")
+            return jnp.asarray(value)
         if path[0] == "layers":
             value = _layer_param(config, path[2:], [layers[part][path[1]] for part in _LAYER_PATHS[path[2:]]])
         else:
@@ -397,6 +490,35 @@ def _assemble(config: ModelConfig, tensors, dtype) -> decoder.Params:
         return jnp.asarray(value, dtype=dtype)
 
     return _map_with_path(fill, functional.abstract_params(config, dtype))
+
+
+def _block_leaf(config: ModelConfig, path: tuple) -> tuple[tuple, str] | None:
+    """(the block weight's path, the field) of a params leaf that holds a block-format array, else None:
+    `wqkv` is wqkv's qs, `wqkv_scale` its scale, `wqkv_min` its min."""
+    name = path[-1]
+    if not isinstance(name, str):
+        return None
+    for suffix, field in (("_scale", "scale"), ("_min", "min")):
+        if name.endswith(suffix) and config.weight_format(name[: -len(suffix)]) is not None:
+            return path[:-1] + (name[: -len(suffix)],), field
+    return (path, "qs") if config.weight_format(name) is not None else None
+
+
+def _block_param(config: ModelConfig, name: str, parts: list) -> BlockTensor:
+    """Block weight `name` in `config.weight_format(name)` from its checkpoint tensors (float arrays or
+    `BlockTensor`s): Q/K/V rows regrouped per kv head as `_layer_param` does, gate and up rows stacked."""
+    fmt = config.weight_format(name)
+    blocks = [p.to_format(fmt) if isinstance(p, BlockTensor) else BlockTensor(fmt, _PACK[fmt](p)) for p in parts]
+    if name == "wqkv":
+        nkv = config.num_kv_heads
+        return BlockTensor(fmt, {
+            field: np.concatenate([b.arrays[field].reshape(nkv, -1, b.arrays[field].shape[-1]) for b in blocks],
+                                  axis=1).reshape(-1, blocks[0].arrays[field].shape[-1])
+            for field in formats.FIELDS[fmt]
+        })
+    if name == "w_gate_up":
+        return BlockTensor(fmt, {f: np.concatenate([b.arrays[f] for b in blocks]) for f in formats.FIELDS[fmt]})
+    return blocks[0]
 
 
 def _layer_param(config: ModelConfig, path: tuple, parts: list[np.ndarray]) -> np.ndarray:
@@ -460,7 +582,9 @@ def _expected_layer_tensors(config: ModelConfig):
         yield from ("post_attn_norm", "post_mlp_norm")
 
 
-def _to_numpy(w) -> np.ndarray:
+def _to_numpy(w) -> np.ndarray | BlockTensor:
+    if isinstance(w, BlockTensor):
+        return w
     w = np.asarray(w)
     if w.dtype == ml_dtypes.bfloat16 or w.dtype == np.float16:
         return w.astype(np.float32)
@@ -516,6 +640,7 @@ def _restore(cache_dir: Path) -> tuple[ModelConfig, decoder.Params]:
     raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
     raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
     raw["layer_types"] = tuple(raw.get("layer_types", ()))
+    raw["weight_formats"] = tuple(tuple(pair) for pair in raw.get("weight_formats", ()))
     config = ModelConfig(**raw)
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(cache_dir.absolute() / "params")

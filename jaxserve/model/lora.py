@@ -133,7 +133,7 @@ def empty_slots(config: ModelConfig, lora: LoraConfig, dtype=np.float32) -> dict
 
 def with_lora_slots(params: dict, config: ModelConfig, lora: LoraConfig) -> dict:
     """`params` (per-layer storage) with zero slot arrays under each layer's "lora"."""
-    dtype = jax.tree.leaves(params)[0].dtype
+    dtype = params["final_norm"].dtype  # the activations' (weights may be quantized)
     layers = {i: {**p, "lora": {k: jnp.zeros(v.shape, dtype) for k, v in empty_slots(config, lora).items()}}
               for i, p in params["layers"].items()}
     return {**params, "layers": layers}

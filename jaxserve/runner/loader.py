@@ -24,11 +24,11 @@ from jaxserve.model import lora as lora_lib
 from jaxserve.model.architecture import check_architecture
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.context_length import resolve_context_length
-from jaxserve.model.loader import load_model, replicate_kv_heads
-from jaxserve.model.quant import quantize_params
+from jaxserve.model.loader import BLOCK_QUANTIZATIONS, load_model, replicate_kv_heads
 from jaxserve.model.tokenizer import resolve_model_path
 from jaxserve.pallas import get_attention_backend
 from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
+from jaxserve.quant.w8a8 import quantize_params
 from jaxserve.runner.buckets import EXTEND_BLOCK_Q
 from jaxserve.runner.model_runner import ModelRunner
 
@@ -97,13 +97,15 @@ def load_runner(config: RunnerConfig) -> ModelRunner:
     platform = jax.default_backend()
     model_path = resolve_model_path(config.model_path)
     check_architecture(model_path)  # before the weights: a refusal costs milliseconds
+    block_quantization = config.quantization if config.quantization in BLOCK_QUANTIZATIONS else None
     model_config, params = load_model(config.model_path, config.dtype, config.weights_cache_dir,
-                                      use_weights_cache=config.weights_cache)
+                                      use_weights_cache=config.weights_cache, quantization=block_quantization)
     model_name = config.served_model_name or Path(model_path.rstrip("/")).name.split(".")[0]
     plan = plan_tensor_parallel(model_config, config.tp_size, model_name)
     mesh = make_mesh(config.tp_size)
     model_config, params = replicate_kv_heads(model_config, params, plan.kv_replicas)
-    model_config, params = quantize_params(model_config, params, config.quantization)
+    if config.quantization not in BLOCK_QUANTIZATIONS:  # None, w8a8_int8, or refused by name
+        model_config, params = quantize_params(model_config, params, config.quantization)
     context_length = resolve_context_length(config.context_length, model_config.max_position_embeddings,
                                             MAX_DEFAULT_CONTEXT, refuse_longer=False)  # serve.py refused it already
     pool_shape, window_layout = size_kv_pool(config, model_config, params, mesh, platform, context_length)
@@ -139,7 +141,7 @@ def size_kv_pool(config: RunnerConfig, model_config: ModelConfig, params: functi
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
         page_size=config.page_size,
-        dtype=str(jax.tree.leaves(params)[0].dtype),
+        dtype=str(functional.compute_dtype(params)),
         max_total_tokens=config.max_total_tokens,
         mem_fraction_static=config.mem_fraction_static,
         weights_bytes=weights_bytes,

@@ -30,7 +30,7 @@ class SingleSequence:
     ):
         num_pages = max_tokens // page_size + 2
         shape = PoolShape(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, "float32").shape
-        dtype = jax.tree.leaves(params)[0].dtype
+        dtype = functional.compute_dtype(params)
         self.runner = ModelRunner(
             config, params, jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
             attn_fn=ragged_paged_attention_xla, max_running_requests=1,

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model import functional, quant
+from jaxserve.model import functional
 from jaxserve.model.loader import load_model
+from jaxserve.quant import w8a8
 from jaxserve.server_args import ServerArgs
 from tests.conftest import make_hf_checkpoint
 from tests.model.helpers import SingleSequence
@@ -20,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 def numpy_w8a8(w: np.ndarray, x: np.ndarray, block: int) -> np.ndarray:
     """y = W @ x with W int8 per row and x int8 per column and block of `block` inputs, in float64
-    (the scheme of jaxserve.model.quant, written independently: loops over blocks, int64 sums)."""
+    (the scheme of jaxserve.quant.w8a8, written independently: loops over blocks, int64 sums)."""
     w_scale = np.abs(w).max(axis=1) / 127.0
     w_scale[w_scale == 0] = 1.0
     qw = np.clip(np.round(w / w_scale[:, None]), -127, 127).astype(np.int64)
@@ -41,11 +42,11 @@ def test_int8_matmul_matches_numpy_brute_force(out_f, in_f, cols):
     x = rng.standard_normal((in_f, cols)).astype(np.float32)
     x[5, 0] = 40.0  # an outlier feature: only its block's scale grows
     x[:, -1] = 0.0 if cols > 1 else x[:, -1]  # an all-zero token
-    block = quant.ACT_BLOCK if in_f % quant.ACT_BLOCK == 0 else in_f
-    assert quant.act_block(in_f) == block
-    q, scale = quant.quantize_rows(jnp.asarray(w))
+    block = w8a8.ACT_BLOCK if in_f % w8a8.ACT_BLOCK == 0 else in_f
+    assert w8a8.act_block(in_f) == block
+    q, scale = w8a8.quantize_rows(jnp.asarray(w))
     assert q.dtype == jnp.int8 and q.shape == (in_f // block, out_f, block) and scale.shape == (out_f,)
-    ours = np.asarray(jax.jit(quant.int8_matmul)(q, scale, jnp.asarray(x)))
+    ours = np.asarray(jax.jit(w8a8.int8_matmul)(q, scale, jnp.asarray(x)))
     ref = numpy_w8a8(w.astype(np.float64), x.astype(np.float64), block)
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     # and close to the float product: the two roundings of 8 bits each
@@ -57,7 +58,7 @@ def test_quantize_rows_round_trip_and_zero_rows():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((3, 8, 128)).astype(np.float32)
     w[1, 2] = 0.0
-    q, scale = quant.quantize_rows(jnp.asarray(w))
+    q, scale = w8a8.quantize_rows(jnp.asarray(w))
     back = np.asarray(q, np.float32).transpose(1, 0, 2).reshape(24, 128) * np.asarray(scale)[:, None]
     flat = w.reshape(24, 128)
     assert np.all(np.abs(back - flat) <= np.abs(flat).max(axis=1, keepdims=True) / 254 + 1e-7)
@@ -75,7 +76,7 @@ def test_quantized_tiny_model_near_transformers(tmp_path, tied):
 
     path = make_hf_checkpoint(tmp_path / "m", "LlamaForCausalLM", dict(TINY, tie_word_embeddings=tied), seed=3)
     config, params = load_model(path, "float32", use_weights_cache=False)
-    qconfig, qparams = quant.quantize_params(config, params, "w8a8_int8")
+    qconfig, qparams = w8a8.quantize_params(config, params, "w8a8_int8")
     assert qconfig.quantization == "w8a8_int8" and "lm_head" not in qparams
     assert qparams["layers"][0]["mlp"]["w_down"].dtype == jnp.int8
     abstract = functional.abstract_params(qconfig)
@@ -95,12 +96,12 @@ def test_quantized_tiny_model_near_transformers(tmp_path, tied):
         last = seq.last_logits(ids)  # the model runner's step (one logits row)
         assert np.linalg.norm(last - ref[-1]) / np.linalg.norm(ref[-1]) < 0.05
     # the float config is untouched and quantization None is the identity
-    assert quant.quantize_params(config, params, None) == (config, params)
+    assert w8a8.quantize_params(config, params, None) == (config, params)
 
 
 def test_unknown_quantization_and_tensor_parallel_refused():
     with pytest.raises(ValueError, match="--quantization"):
-        quant.quantize_params(None, {}, "fp8")
+        w8a8.quantize_params(None, {}, "fp8")
     with pytest.raises(ValueError, match="--quantization w8a8_int8"):
         ServerArgs(quantization="w8a8_int8", tp_size=2).validate()
 

@@ -1,0 +1,139 @@
+"""The quantized matmul `quant_matmul(fmt, arrays, x)`: W @ x for a block-quantized W (formats.py) and
+float32 activations x [I, T].
+
+On CPU, for up to `KERNEL_MAX_TOKENS` tokens (decode and speculative verification), it calls the C++ kernel
+quant_matmul.cc through `jax.ffi.ffi_call`: each weight block is decoded once per tile of tokens and the
+weights are read once, compressed, instead of XLA:CPU converting an int8 or float16 weight to a float32
+copy at every step (D-47). For larger T (prefill), on other platforms, or where the kernel could not be
+built, the XLA path dequantizes W (`formats.dequantize`) and runs a float32 dot.
+
+The kernel is built at first use from the package's own source with the system C++ compiler (`c++`, or
+`$CXX`) against jaxlib's FFI headers, into `$JAXSERVE_CACHE_DIR/kernels` (default `~/.cache/jaxserve`),
+named by a hash of the source, the compiler and jaxlib's version, so a changed source or jax rebuilds and
+later starts load it in milliseconds. No compiler, a failed build or `JAXSERVE_CPU_KERNEL=0` leaves the
+XLA path, said once in the log (`kernel_status()`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+from jaxtyping import Array, Float
+
+from jaxserve.quant import formats
+
+logger = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("quant_matmul.cc")
+KERNEL_MAX_TOKENS = 32  # T up to which the CPU kernel runs (D-47: it beats dequantize-and-dot up to about 48)
+_TARGETS = {formats.Q8_0: "jaxserve_quant_matmul_q8_0", formats.Q4_1: "jaxserve_quant_matmul_q4_1"}
+_SYMBOLS = {formats.Q8_0: "JaxserveQuantMatmulQ8_0", formats.Q4_1: "JaxserveQuantMatmulQ4_1"}
+_lock = threading.Lock()
+_status: str | None = None  # None: not tried yet; "ready" or why not
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("JAXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
+    return pathlib.Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+
+
+def build(compiler: str | None = None, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """The kernel's shared library, compiled now unless the cache holds this source's build.
+
+    Raises:
+        RuntimeError: no C++ compiler, or the compile failed (with the compiler's message).
+    """
+    compiler = compiler or _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    except OSError as e:
+        raise RuntimeError(f"the C++ compiler {compiler!r} does not run: {e}") from e
+    key = hashlib.sha256(source + repr((version, jaxlib.__version__)).encode()).hexdigest()[:16]
+    cache_dir = cache_dir or _cache_dir()
+    target = cache_dir / f"quant_matmul-{key}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        out = pathlib.Path(tmp) / target.name
+        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-fPIC",
+               "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(out, target)  # atomic: a concurrent start sees the whole file or none
+    return target
+
+
+def kernel_status() -> str:
+    """"ready" once the CPU kernel is built and registered with XLA, else why the XLA path is used. The
+    first call builds it (a few seconds, once per source and jax version) and logs one line."""
+    global _status
+    with _lock:
+        if _status is None:
+            _status = _load()
+            if _status == "ready":
+                logger.info("quantized matmul: the CPU kernel (jax.ffi) for up to %d tokens", KERNEL_MAX_TOKENS)
+            else:
+                logger.warning("quantized matmul: the XLA path only (%s)", _status)
+        return _status
+
+
+def _load() -> str:
+    if os.environ.get("JAXSERVE_CPU_KERNEL", "1") == "0":
+        return "JAXSERVE_CPU_KERNEL=0"
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build()))
+        handlers = {fmt: getattr(library, symbol) for fmt, symbol in _SYMBOLS.items()}
+    except (RuntimeError, OSError, AttributeError) as e:
+        return str(e)
+    for fmt, handler in handlers.items():
+        jax.ffi.register_ffi_target(_TARGETS[fmt], jax.ffi.pycapsule(handler), platform="cpu")
+    return "ready"
+
+
+def _kernel_call(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Float[Array, "O T"]:
+    out_features, num_tokens = arrays["qs"].shape[0], x.shape[1]
+    call = jax.ffi.ffi_call(
+        _TARGETS[fmt], jax.ShapeDtypeStruct((out_features, num_tokens), jnp.float32), vmap_method="sequential"
+    )
+    xt = x.astype(jnp.float32).T  # [T, I]: each token's inputs contiguous
+    return call(xt, *(arrays[name] for name in formats.FIELDS[fmt]))
+
+
+def xla_matmul(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Float[Array, "O T"]:
+    """The XLA path of `quant_matmul`: W dequantized (`formats.dequantize`), then a float32 dot."""
+    return formats.dequantize(fmt, arrays) @ x.astype(jnp.float32)
+
+
+def quant_matmul(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Float[Array, "O T"]:
+    """W @ x in float32 for W [O, I] in format `fmt` (`arrays`: its fields, formats.FIELDS) and x [I, T].
+
+    The CPU kernel where it is ready and T <= `KERNEL_MAX_TOKENS` (on CPU only: other platforms lower
+    the XLA path, `jax.lax.platform_dependent`), else dequantize and dot. Both equal
+    `formats.reference_matmul` up to float32 summation order.
+    """
+    if x.shape[1] > KERNEL_MAX_TOKENS or kernel_status() != "ready":
+        return xla_matmul(fmt, arrays, x)
+    return jax.lax.platform_dependent(
+        arrays, x, cpu=functools.partial(_kernel_call, fmt), default=functools.partial(xla_matmul, fmt)
+    )

@@ -1,0 +1,308 @@
+// Quantized matmul on x86 CPUs, registered with XLA through jax.ffi.
+//
+//   y[o, t] = sum_i W[o, i] x[t, i]       x f32 [T, I], y f32 [O, T], W in 32-element blocks per row:
+//   q8_0: W[o, 32 b + j] = scale[o, b] * qs[o, 32 b + j]                    qs s8 [O, I]
+//   q4_1: W[o, 32 b + j] = scale[o, b] * nib(o, b, j) + min[o, b]           qs u8 [O, I / 2]
+//         byte 16 b + j holds element j (low nibble) and element j + 16 (high nibble) of block b,
+//         ggml's Q4_0/Q4_1 order; scale and min are f16 [O, I / 32].
+//
+// The activations stay float32 (jaxserve/quant/formats.py, D-47): each block is decoded once per tile of
+// up to 8 tokens, multiplied by x in float32, and the block's sum scaled; q4_1's min term is
+// min * sum(x over the block), with the block sums of x computed once per call. Each output is summed in
+// one order whatever T and its place in a tile, so a token's result does not depend on its batch (D-11).
+// Rows are split over XLA's intra-op thread pool (ffi::ThreadPool); the calling thread takes chunks too
+// and then sleeps on a condition variable until the chunks other threads took are done, so the call never
+// spins and never waits on a task that has not started. AVX2 + FMA + F16C code is chosen at run time
+// (__builtin_cpu_supports); elsewhere a scalar loop gives the same sums in another order.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kTile = 8;            // tokens sharing one decode of a weight block
+constexpr int64_t kChunkRows = 32;  // output rows per unit of work on the thread pool
+
+enum class Format { kQ8_0, kQ4_1 };
+
+struct Problem {
+  Format format;
+  const float* x;        // [T, I]
+  const float* x_sums;   // [T, I / 32], q4_1 only
+  const uint8_t* qs;     // q8_0: [O, I] int8; q4_1: [O, I / 2]
+  const uint16_t* scale; // f16 [O, I / 32]
+  const uint16_t* min;   // f16 [O, I / 32], q4_1 only
+  float* y;              // [O, T]
+  int64_t num_tokens, in_features, out_features;
+};
+
+float HalfToFloat(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// ---- scalar ---------------------------------------------------------------------------------------
+
+void DecodeBlockScalar(const Problem& p, int64_t o, int64_t b, float w[kBlock]) {
+  if (p.format == Format::kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(p.qs) + o * p.in_features + b * kBlock;
+    for (int j = 0; j < kBlock; ++j) w[j] = static_cast<float>(q[j]);
+  } else {
+    const uint8_t* q = p.qs + o * (p.in_features / 2) + b * (kBlock / 2);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      w[j] = static_cast<float>(q[j] & 0x0f);
+      w[j + kBlock / 2] = static_cast<float>(q[j] >> 4);
+    }
+  }
+}
+
+void RowsScalar(const Problem& p, int64_t row_begin, int64_t row_end) {
+  const int64_t nb = p.in_features / kBlock;
+  std::vector<float> acc(p.num_tokens);
+  float w[kBlock];
+  for (int64_t o = row_begin; o < row_end; ++o) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      DecodeBlockScalar(p, o, b, w);
+      const float d = HalfToFloat(p.scale[o * nb + b]);
+      const float m = p.format == Format::kQ4_1 ? HalfToFloat(p.min[o * nb + b]) : 0.0f;
+      for (int64_t t = 0; t < p.num_tokens; ++t) {
+        const float* xt = p.x + t * p.in_features + b * kBlock;
+        float s = 0.0f;
+        for (int j = 0; j < kBlock; ++j) s += w[j] * xt[j];
+        acc[t] += d * s;
+        if (p.format == Format::kQ4_1) acc[t] += m * p.x_sums[t * nb + b];
+      }
+    }
+    for (int64_t t = 0; t < p.num_tokens; ++t) p.y[o * p.num_tokens + t] = acc[t];
+  }
+}
+
+// ---- AVX2 + FMA + F16C ----------------------------------------------------------------------------
+
+#define JAXSERVE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+JAXSERVE_AVX2 inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Block b of row o as 4 x 8 float32 integers (q, or q4_1's nibbles), unscaled.
+JAXSERVE_AVX2 inline void DecodeBlockAvx2(const Problem& p, int64_t o, int64_t b, __m256 w[4]) {
+  if (p.format == Format::kQ8_0) {
+    const uint8_t* q = p.qs + o * p.in_features + b * kBlock;
+    for (int k = 0; k < 4; ++k) {
+      __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k));
+      w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    }
+  } else {
+    const uint8_t* q = p.qs + o * (p.in_features / 2) + b * (kBlock / 2);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(packed, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+// One output row o against tokens [t0, t0 + NT): each block decoded once for the NT tokens; per token,
+// the block's products q x summed in float32, then scaled into the token's 8-lane accumulator, and
+// q4_1's min term min * sum(x over the block) added up apart.
+template <int NT>
+JAXSERVE_AVX2 void RowTileAvx2(const Problem& p, int64_t o, int64_t t0) {
+  const int64_t nb = p.in_features / kBlock;
+  __m256 acc[NT];
+  float min_acc[NT];
+  for (int t = 0; t < NT; ++t) { acc[t] = _mm256_setzero_ps(); min_acc[t] = 0.0f; }
+  const bool has_min = p.format == Format::kQ4_1;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 w[4];
+    DecodeBlockAvx2(p, o, b, w);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(p.scale[o * nb + b]));
+    const float m = has_min ? _cvtsh_ss(p.min[o * nb + b]) : 0.0f;
+    for (int t = 0; t < NT; ++t) {
+      const float* xt = p.x + (t0 + t) * p.in_features + b * kBlock;
+      __m256 s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xt));
+      s = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), s);
+      s = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xt + 16), s);
+      s = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xt + 24), s);
+      acc[t] = _mm256_fmadd_ps(d, s, acc[t]);
+      if (has_min) min_acc[t] += m * p.x_sums[(t0 + t) * nb + b];
+    }
+  }
+  for (int t = 0; t < NT; ++t) p.y[o * p.num_tokens + t0 + t] = HorizontalSum(acc[t]) + min_acc[t];
+}
+
+JAXSERVE_AVX2 void RowsAvx2(const Problem& p, int64_t row_begin, int64_t row_end) {
+  for (int64_t o = row_begin; o < row_end; ++o) {
+    int64_t t0 = 0;
+    for (; t0 + kTile <= p.num_tokens; t0 += kTile) RowTileAvx2<kTile>(p, o, t0);
+    switch (p.num_tokens - t0) {
+      case 1: RowTileAvx2<1>(p, o, t0); break;
+      case 2: RowTileAvx2<2>(p, o, t0); break;
+      case 3: RowTileAvx2<3>(p, o, t0); break;
+      case 4: RowTileAvx2<4>(p, o, t0); break;
+      case 5: RowTileAvx2<5>(p, o, t0); break;
+      case 6: RowTileAvx2<6>(p, o, t0); break;
+      case 7: RowTileAvx2<7>(p, o, t0); break;
+      default: break;
+    }
+  }
+}
+
+bool HasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+}
+
+void Rows(const Problem& p, int64_t row_begin, int64_t row_end) {
+  if (HasAvx2()) {
+    RowsAvx2(p, row_begin, row_end);
+  } else {
+    RowsScalar(p, row_begin, row_end);
+  }
+}
+
+// ---- the thread pool ------------------------------------------------------------------------------
+
+struct Work {
+  Problem problem;
+  int64_t num_chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  void RunChunks() {
+    int64_t finished = 0;
+    for (int64_t c; (c = next.fetch_add(1)) < num_chunks; ++finished) {
+      const int64_t begin = c * kChunkRows;
+      Rows(problem, begin, std::min(begin + kChunkRows, problem.out_features));
+    }
+    if (finished > 0 && done.fetch_add(finished) + finished == num_chunks) {
+      std::lock_guard<std::mutex> lock(mu);
+      all_done.notify_all();
+    }
+  }
+};
+
+void RunOnPool(const Problem& problem, ffi::ThreadPool& pool) {
+  auto work = std::make_shared<Work>();
+  work->problem = problem;
+  work->num_chunks = (problem.out_features + kChunkRows - 1) / kChunkRows;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_chunks - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([work] { work->RunChunks(); });
+  }
+  work->RunChunks();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->all_done.wait(lock, [&] { return work->done.load() == work->num_chunks; });
+}
+
+template <typename QsBuffer>
+ffi::Error Run(Format format, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QsBuffer qs,
+               ffi::Buffer<ffi::F16> scale, const uint16_t* min, ffi::ResultBuffer<ffi::F32> y) {
+  const auto x_dims = x.dimensions();
+  const auto qs_dims = qs.dimensions();
+  if (x_dims.size() != 2 || qs_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("quant_matmul: x must be [T, I] and qs [O, I or I / 2]");
+  }
+  Problem p;
+  p.format = format;
+  p.num_tokens = x_dims[0];
+  p.in_features = x_dims[1];
+  p.out_features = qs_dims[0];
+  const int64_t packed = format == Format::kQ8_0 ? p.in_features : p.in_features / 2;
+  if (p.in_features % kBlock != 0 || qs_dims[1] != packed ||
+      scale.element_count() != p.out_features * (p.in_features / kBlock)) {
+    return ffi::Error::InvalidArgument("quant_matmul: shapes of x, qs and scale do not agree");
+  }
+  p.x = x.typed_data();
+  p.qs = reinterpret_cast<const uint8_t*>(qs.typed_data());
+  p.scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  p.min = min;
+  p.y = y->typed_data();
+  std::vector<float> x_sums;
+  if (format == Format::kQ4_1) {
+    const int64_t nb = p.in_features / kBlock;
+    x_sums.resize(p.num_tokens * nb);
+    for (int64_t t = 0; t < p.num_tokens; ++t) {
+      for (int64_t b = 0; b < nb; ++b) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < kBlock; ++j) s += p.x[t * p.in_features + b * kBlock + j];
+        x_sums[t * nb + b] = s;
+      }
+    }
+    p.x_sums = x_sums.data();
+  }
+  if (p.num_tokens == 0 || p.out_features == 0) return ffi::Error::Success();
+  RunOnPool(p, pool);
+  return ffi::Error::Success();
+}
+
+ffi::Error Q8_0Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qs,
+                    ffi::Buffer<ffi::F16> scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Run(Format::kQ8_0, pool, x, qs, scale, nullptr, y);
+}
+
+ffi::Error Q4_1Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qs,
+                    ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> min, ffi::ResultBuffer<ffi::F32> y) {
+  if (min.element_count() != scale.element_count()) {
+    return ffi::Error::InvalidArgument("quant_matmul: min and scale must have one shape");
+  }
+  return Run(Format::kQ4_1, pool, x, qs, scale,
+             reinterpret_cast<const uint16_t*>(min.typed_data()), y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulQ8_0, Q8_0Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulQ4_1, Q4_1Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

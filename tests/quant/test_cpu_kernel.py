@@ -1,0 +1,117 @@
+"""The quantized matmul (jaxserve/quant/cpu_kernel.py): the C++ kernel through jax.ffi against the pure-jnp
+reference `formats.reference_matmul`, under jit and vmap, and the XLA path where the kernel is not used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.quant import cpu_kernel, formats
+
+PACK = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1}
+
+
+def _weight(fmt: str, rows: int = 72, cols: int = 320, seed: int = 0) -> dict[str, jax.Array]:
+    """A block weight whose rows are not a multiple of the kernel's 32-row chunks, nor its inputs of 256."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 3, (rows, 1)).astype(np.float32)
+    return {k: jnp.asarray(v) for k, v in PACK[fmt](w).items()}
+
+
+def _close(ours, arrays, fmt, x):
+    """Equal to the reference up to float32 summation order: relative to the sum of |w x| per output."""
+    ours = np.asarray(ours)
+    ref = np.asarray(formats.reference_matmul(fmt, arrays, x))
+    bound = np.abs(formats.dequantize_numpy(fmt, {k: np.asarray(v) for k, v in arrays.items()})) @ np.abs(np.asarray(x))
+    assert ours.shape == ref.shape
+    assert (np.abs(ours - ref) <= bound * 1e-5 + 1e-6).all(), np.abs(ours - ref).max()
+
+
+def test_the_kernel_builds_here():
+    """This machine has a C++ compiler: the kernel is the path CPU decode takes, not the fallback."""
+    assert cpu_kernel.kernel_status() == "ready"
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 8, 9, 16])
+def test_kernel_equals_reference(fmt, num_tokens):
+    arrays = _weight(fmt)
+    x = jax.random.normal(jax.random.key(num_tokens), (320, num_tokens), jnp.float32)
+    _close(jax.jit(cpu_kernel.quant_matmul, static_argnums=0)(fmt, arrays, x), arrays, fmt, x)
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_integer_part_is_bit_exact(fmt):
+    """With one-hot activations the kernel returns single dequantized weights: each equals the
+    reference's dequantization bit for bit (the decode of the integer blocks, the scale and the min)."""
+    arrays = _weight(fmt, rows=40, cols=64)
+    columns = np.array([0, 1, 15, 16, 17, 31, 32, 63])
+    x = jnp.asarray(np.eye(64, dtype=np.float32)[:, columns])
+    ours = np.asarray(jax.jit(cpu_kernel.quant_matmul, static_argnums=0)(fmt, arrays, x))
+    np.testing.assert_array_equal(ours, np.asarray(formats.dequantize(fmt, arrays))[:, columns])
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_vmap_and_large_t(fmt):
+    """vmap over a batch of activations (the call's `vmap_method`), and T above the kernel's bound (the
+    XLA path) give the reference too."""
+    arrays = _weight(fmt, rows=64, cols=256)
+    xs = jax.random.normal(jax.random.key(1), (3, 256, 4), jnp.float32)
+    ours = jax.jit(jax.vmap(lambda x: cpu_kernel.quant_matmul(fmt, arrays, x)))(xs)
+    for i in range(3):
+        _close(ours[i], arrays, fmt, xs[i])
+    big = jax.random.normal(jax.random.key(2), (256, cpu_kernel.KERNEL_MAX_TOKENS + 1), jnp.float32)
+    _close(cpu_kernel.quant_matmul(fmt, arrays, big), arrays, fmt, big)
+    _close(cpu_kernel.xla_matmul(fmt, arrays, big[:, :3]), arrays, fmt, big[:, :3])
+
+
+def test_bfloat16_activations_are_taken():
+    arrays = _weight(formats.Q4_1, rows=32, cols=64)
+    x = jax.random.normal(jax.random.key(3), (64, 2), jnp.float32).astype(jnp.bfloat16)
+    _close(cpu_kernel.quant_matmul(formats.Q4_1, arrays, x), arrays, formats.Q4_1, x.astype(jnp.float32))
+
+
+def test_disabled_kernel_runs_the_xla_path_and_says_so():
+    """`JAXSERVE_CPU_KERNEL=0` (as no compiler would) leaves the XLA path, with the reason logged once."""
+    code = (
+        "import logging, jax, jax.numpy as jnp, numpy as np\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from jaxserve.quant import cpu_kernel, formats\n"
+        "a = {k: jnp.asarray(v) for k, v in formats.pack_q8_0(np.full((32, 64), 127.0, np.float32)).items()}\n"
+        "y = cpu_kernel.quant_matmul('q8_0', a, jnp.ones((64, 1)))\n"
+        "print(cpu_kernel.kernel_status(), float(y[0, 0]))\n"
+    )
+    env = {**os.environ, "JAXSERVE_CPU_KERNEL": "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["JAXSERVE_CPU_KERNEL=0", "8128.0"]
+    assert done.stderr.count("the XLA path only (JAXSERVE_CPU_KERNEL=0)") == 1
+
+
+def test_build_failures_are_errors_with_the_compilers_words(tmp_path):
+    with pytest.raises(RuntimeError, match="does not run"):
+        cpu_kernel.build(compiler=str(tmp_path / "no-such-c++"), cache_dir=tmp_path)
+    failing = tmp_path / "failing-c++"
+    failing.write_text("#!/bin/sh\necho 'fatal: no such header' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    with pytest.raises(RuntimeError, match="fatal: no such header"):
+        cpu_kernel.build(compiler=str(failing), cache_dir=tmp_path)
+    assert not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_a_tokens_result_does_not_depend_on_its_batch(fmt):
+    """Each token's sums run in one order whatever T and its place in a tile (D-11's invariance): a token
+    alone and in a batch of 13 give the same bits."""
+    arrays = _weight(fmt)
+    xs = jax.random.normal(jax.random.key(4), (320, 13), jnp.float32)
+    matmul = jax.jit(cpu_kernel.quant_matmul, static_argnums=0)
+    batched = np.asarray(matmul(fmt, arrays, xs))
+    for t in (0, 7, 8, 12):
+        np.testing.assert_array_equal(np.asarray(matmul(fmt, arrays, xs[:, t : t + 1]))[:, 0], batched[:, t])
