@@ -1,10 +1,10 @@
 """The quantized matmul `quant_matmul(fmt, arrays, x)`: W @ x for a block-quantized W (formats.py) and
 float32 activations x [I, T].
 
-On CPU, for up to `KERNEL_MAX_TOKENS` tokens (decode and speculative verification), it calls the C++ kernel
-quant_matmul.cc through `jax.ffi.ffi_call`: each weight block is decoded once per tile of tokens and the
-weights are read once, compressed, instead of XLA:CPU converting an int8 or float16 weight to a float32
-copy at every step (D-47). For larger T (prefill), on other platforms, or where the kernel could not be
+On CPU, for up to `KERNEL_MAX_TOKENS` tokens (16 or 32 by format: decode and speculative verification), it
+calls the C++ kernel quant_matmul.cc through `jax.ffi.ffi_call`: each weight block is decoded once per tile
+of tokens and the weights are read once, compressed, instead of XLA:CPU converting an int8 or float16
+weight to a float32 copy at every step (D-47). For larger T (prefill), on other platforms, or where the kernel could not be
 built, the XLA path dequantizes W (`formats.dequantize`) and runs a float32 dot.
 
 The kernel is built at first use from the package's own source with the system C++ compiler (`c++`, or
@@ -37,7 +37,9 @@ from jaxserve.quant import formats
 logger = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("quant_matmul.cc")
-KERNEL_MAX_TOKENS = 32  # T up to which the CPU kernel runs (D-47: it beats dequantize-and-dot up to about 48)
+# T up to which the CPU kernel runs, per format; above it the XLA path (D-47: measured by
+# benchmarks/quant/bench_quant_matmul.py, where the kernel stops beating dequantize-and-dot)
+KERNEL_MAX_TOKENS = {formats.Q8_0: 16, formats.Q4_1: 32}
 _TARGETS = {formats.Q8_0: "jaxserve_quant_matmul_q8_0", formats.Q4_1: "jaxserve_quant_matmul_q4_1"}
 _SYMBOLS = {formats.Q8_0: "JaxserveQuantMatmulQ8_0", formats.Q4_1: "JaxserveQuantMatmulQ4_1"}
 _lock = threading.Lock()
@@ -92,7 +94,7 @@ def kernel_status() -> str:
         if _status is None:
             _status = _load()
             if _status == "ready":
-                logger.info("quantized matmul: the CPU kernel (jax.ffi) for up to %d tokens", KERNEL_MAX_TOKENS)
+                logger.info("quantized matmul: the CPU kernel (jax.ffi) for up to %s tokens", KERNEL_MAX_TOKENS)
             else:
                 logger.warning("quantized matmul: the XLA path only (%s)", _status)
         return _status
@@ -128,11 +130,11 @@ def xla_matmul(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Fl
 def quant_matmul(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Float[Array, "O T"]:
     """W @ x in float32 for W [O, I] in format `fmt` (`arrays`: its fields, formats.FIELDS) and x [I, T].
 
-    The CPU kernel where it is ready and T <= `KERNEL_MAX_TOKENS` (on CPU only: other platforms lower
+    The CPU kernel where it is ready and T <= `KERNEL_MAX_TOKENS[fmt]` (on CPU only: other platforms lower
     the XLA path, `jax.lax.platform_dependent`), else dequantize and dot. Both equal
     `formats.reference_matmul` up to float32 summation order.
     """
-    if x.shape[1] > KERNEL_MAX_TOKENS or kernel_status() != "ready":
+    if x.shape[1] > KERNEL_MAX_TOKENS[fmt] or kernel_status() != "ready":
         return xla_matmul(fmt, arrays, x)
     return jax.lax.platform_dependent(
         arrays, x, cpu=functools.partial(_kernel_call, fmt), default=functools.partial(xla_matmul, fmt)

@@ -66,7 +66,7 @@ def test_vmap_and_large_t(fmt):
     ours = jax.jit(jax.vmap(lambda x: cpu_kernel.quant_matmul(fmt, arrays, x)))(xs)
     for i in range(3):
         _close(ours[i], arrays, fmt, xs[i])
-    big = jax.random.normal(jax.random.key(2), (256, cpu_kernel.KERNEL_MAX_TOKENS + 1), jnp.float32)
+    big = jax.random.normal(jax.random.key(2), (256, cpu_kernel.KERNEL_MAX_TOKENS[fmt] + 1), jnp.float32)
     _close(cpu_kernel.quant_matmul(fmt, arrays, big), arrays, fmt, big)
     _close(cpu_kernel.xla_matmul(fmt, arrays, big[:, :3]), arrays, fmt, big[:, :3])
 

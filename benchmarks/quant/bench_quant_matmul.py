@@ -1,0 +1,69 @@
+"""The quantized matmul against float32, per number of tokens T: the projections of a whole decoder's layers.
+
+For each T, one jitted function runs every projection of `--layers` layers of `--model`'s shapes (distinct
+weights per layer, so the weights stream from memory as in a real step, not from cache) three ways: the
+float32 dot, `quant_matmul` (the CPU kernel through jax.ffi while T <= its format's KERNEL_MAX_TOKENS, the
+XLA path above), and the XLA path alone (`xla_matmul`: dequantize, then the float32 dot), for each block
+format. Prints the median of `--repeats` calls in ms and each as a ratio to float32 (below 1 is faster).
+
+    python -m benchmarks.quant.bench_quant_matmul --tokens 1 4 8 16 32 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.quant import cpu_kernel, formats
+
+# [out, in] of each layer's projections: wqkv, wo, gate+up, down
+SHAPES = {
+    "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+    "qwen2.5-0.5b": [(1152, 896), (896, 896), (9728, 896), (896, 4864)],
+}
+PACK = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1}
+
+
+def median_ms(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    print(f"kernel: {cpu_kernel.kernel_status()}; KERNEL_MAX_TOKENS {cpu_kernel.KERNEL_MAX_TOKENS}")
+    rng = np.random.default_rng(0)
+    shapes = SHAPES[args.model]
+    weights = [[rng.standard_normal(s, dtype=np.float32) * 0.05 for s in shapes] for _ in range(args.layers)]
+    variants = {"float32": ([[jnp.asarray(w) for w in layer] for layer in weights], lambda w, x: w @ x)}
+    for fmt, pack in PACK.items():
+        blocks = [[{k: jnp.asarray(v) for k, v in pack(w).items()} for w in layer] for layer in weights]
+        variants[fmt] = (blocks, lambda p, x, fmt=fmt: cpu_kernel.quant_matmul(fmt, p, x))
+        variants[f"{fmt} XLA path"] = (blocks, lambda p, x, fmt=fmt: cpu_kernel.xla_matmul(fmt, p, x))
+    print(f"{args.model}, {args.layers} layers: ms per step's projections (ratio to float32)")
+    for num_tokens in args.tokens:
+        xs = [jnp.asarray(rng.standard_normal((s[1], num_tokens), dtype=np.float32)) for s in shapes]
+        row = {}
+        for name, (params, matmul) in variants.items():
+            step = jax.jit(lambda ps, xs, matmul=matmul: [sum(jnp.sum(matmul(p, x)) for p, x in zip(layer, xs)) for layer in ps])
+            row[name] = median_ms(step, params, xs, repeats=args.repeats)
+        cells = ", ".join(f"{k} {v:.1f} ({v / row['float32']:.2f}x)" for k, v in row.items())
+        print(f"T={num_tokens}: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
