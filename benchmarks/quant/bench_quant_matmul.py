@@ -12,12 +12,12 @@ format. Prints the median of `--repeats` calls in ms and each as a ratio to floa
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.attention.bench_attention import median_ms  # median of repeats after a warm-up, in ms
 from jaxserve.quant import cpu_kernel, formats
 
 # [out, in] of each layer's projections: wqkv, wo, gate+up, down
@@ -26,16 +26,6 @@ SHAPES = {
     "qwen2.5-0.5b": [(1152, 896), (896, 896), (9728, 896), (896, 4864)],
 }
 PACK = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1}
-
-
-def median_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
 
 
 def main(argv=None) -> None:
