@@ -20,6 +20,8 @@ def _flag(default, help: str, **extra):
 # known group is listed under "other", so a new flag always shows.
 # SGLang's spellings of values jaxserve accepts: --device name -> JAX platform, --kv-cache-dtype -> dtype
 DEVICE_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
+# --quantization's values: block formats (jaxserve/quant/formats.py) and w8a8 (jaxserve/quant/w8a8.py)
+QUANTIZATIONS = ("gguf", "q8_0", "q4_1", "w8a8_int8")
 KV_CACHE_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                    "float16": "float16", "fp16": "float16"}
 FLAG_GROUPS = {
@@ -65,7 +67,7 @@ class ServerArgs:
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"), group="model")
     quantization: str | None = _flag(None, "gguf: a .gguf file's weights stay in their blocks (Q4_0/Q4_1/Q4_K as 4-bit q4_1, the other types as q8_0), multiplied by float32 activations (a C++ kernel on CPU, D-47); q8_0 | q4_1: any checkpoint's projections quantized at load to those blocks (q4_1: the embedding and head in q8_0); w8a8_int8: int8 projection weights (a scale per row) and int8 activations (a scale per token; per token and 64 features into the output and down projections), quantized at load from the float weights. The norms, attention and KV pool stay in --dtype; not with --tp-size > 1 or LoRA (default: none, weights in --dtype, also for a .gguf file: D-47 says why)",
-                                     choices=("gguf", "q8_0", "q4_1", "w8a8_int8"), group="model")
+                                     choices=QUANTIZATIONS, group="model")
     context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)", group="model")
     mem_fraction_static: float | None = _flag(None, "share of device memory for weights + KV pool on GPU/TPU; on CPU, the share of the RAM still available once the weights are loaded that goes to the KV pool (default: 0.85 on GPU/TPU; on CPU the KV pool gets min(1.5 GiB, a tenth of that RAM))", group="memory")
     max_total_tokens: int | None = _flag(None, "KV pool size in tokens; overrides --mem-fraction-static; a new size compiles the shape buckets once (default: sized from memory, see --mem-fraction-static)", group="memory")
@@ -326,6 +328,8 @@ class ServerArgs:
             raise ValueError(f"--served-model-name must not be empty, got {self.served_model_name!r}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization {self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)} or leave it out")
         if self.quantization is not None and self.tp_size > 1:
             raise ValueError(f"--quantization {self.quantization} runs on one device: give --tp-size 1 or leave "
                              "--quantization out")

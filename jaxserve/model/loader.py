@@ -191,7 +191,10 @@ def load_model(
         raise ValueError(f"--quantization {quantization!r} is not a block format: one of {', '.join(BLOCK_QUANTIZATIONS)}")
     if quantization == "gguf" and not path.endswith(".gguf"):
         raise ValueError(f"--quantization gguf needs a .gguf file; {path} is not one (give q8_0 or q4_1)")
-    use_weights_cache = use_weights_cache and quantization is None
+    if use_weights_cache and quantization is not None:
+        logger.info("--quantization %s converts without dequantizing: the converted-weights cache is not used",
+                    quantization)
+        use_weights_cache = False
     if os.path.isdir(path) and not glob.glob(os.path.join(path, "*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors weights in directory {path}")
     _check_model_path(path)

@@ -94,7 +94,8 @@ def kernel_status() -> str:
         if _status is None:
             _status = _load()
             if _status == "ready":
-                logger.info("quantized matmul: the CPU kernel (jax.ffi) for up to %s tokens", KERNEL_MAX_TOKENS)
+                bounds = ", ".join(f"{fmt} up to {n} tokens" for fmt, n in KERNEL_MAX_TOKENS.items())
+                logger.info("quantized matmul: the CPU kernel (jax.ffi) for %s", bounds)
             else:
                 logger.warning("quantized matmul: the XLA path only (%s)", _status)
         return _status

@@ -104,6 +104,13 @@ def test_unknown_quantization_and_tensor_parallel_refused():
         w8a8.quantize_params(None, {}, "fp8")
     with pytest.raises(ValueError, match="--quantization w8a8_int8"):
         ServerArgs(quantization="w8a8_int8", tp_size=2).validate()
+    # the Python API's unknown value, before anything loads, with every choice named
+    with pytest.raises(ValueError, match="'bogus': choose one of gguf, q8_0, q4_1, w8a8_int8 or leave it out"):
+        ServerArgs(quantization="bogus").validate()
+    with pytest.raises(ValueError, match="--quantization gguf runs on one device"):
+        ServerArgs(quantization="gguf", tp_size=2).validate()
+    with pytest.raises(ValueError, match="--enable-lora runs on float weights"):
+        ServerArgs(quantization="q4_1", enable_lora=True).validate()
 
 
 def test_greedy_speculation_exact_on_quantized_engine(tiny_model_dir):
