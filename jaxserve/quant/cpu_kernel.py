@@ -11,7 +11,8 @@ The kernel is built at first use from the package's own source with the system C
 `$CXX`) against jaxlib's FFI headers, into `$JAXSERVE_CACHE_DIR/kernels` (default `~/.cache/jaxserve`),
 named by a hash of the source, the compiler and jaxlib's version, so a changed source or jax rebuilds and
 later starts load it in milliseconds. No compiler, a failed build or `JAXSERVE_CPU_KERNEL=0` leaves the
-XLA path, said once in the log (`kernel_status()`).
+XLA path, said once in the log (`kernel_status()`); `JAXSERVE_CPU_KERNEL=scalar` runs the kernel's portable
+loop instead of its AVX2 code (what a CPU without AVX2 gets).
 """
 
 from __future__ import annotations

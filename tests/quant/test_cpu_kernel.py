@@ -115,3 +115,27 @@ def test_a_tokens_result_does_not_depend_on_its_batch(fmt):
     batched = np.asarray(matmul(fmt, arrays, xs))
     for t in (0, 7, 8, 12):
         np.testing.assert_array_equal(np.asarray(matmul(fmt, arrays, xs[:, t : t + 1]))[:, 0], batched[:, t])
+
+
+def test_scalar_path_equals_reference():
+    """`JAXSERVE_CPU_KERNEL=scalar`: the portable loop a CPU without AVX2 runs, against the reference for
+    both formats and token counts around the AVX2 tile (in a fresh process: the choice is made once)."""
+    code = (
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "from jaxserve.quant import cpu_kernel, formats\n"
+        "assert cpu_kernel.kernel_status() == 'ready'\n"
+        "rng = np.random.default_rng(0)\n"
+        "w = rng.standard_normal((40, 96), dtype=np.float32)\n"
+        "for fmt, pack in [('q8_0', formats.pack_q8_0), ('q4_1', formats.pack_q4_1)]:\n"
+        "    a = {k: jnp.asarray(v) for k, v in pack(w).items()}\n"
+        "    for t in (1, 5, 9):\n"
+        "        x = jnp.asarray(rng.standard_normal((96, t), dtype=np.float32))\n"
+        "        ours = np.asarray(jax.jit(cpu_kernel.quant_matmul, static_argnums=0)(fmt, a, x))\n"
+        "        ref = np.asarray(formats.reference_matmul(fmt, a, x))\n"
+        "        bound = np.abs(formats.dequantize_numpy(fmt, {k: np.asarray(v) for k, v in a.items()})) @ np.abs(np.asarray(x))\n"
+        "        assert (np.abs(ours - ref) <= bound * 1e-5 + 1e-6).all(), (fmt, t, np.abs(ours - ref).max())\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "JAXSERVE_CPU_KERNEL": "scalar"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
