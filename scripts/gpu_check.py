@@ -15,7 +15,9 @@ On a GPU it
 4. with more than one GPU, runs the default model at tp 1 and at tp = all visible GPUs
    (`benchmarks/scale/bench_tp.py`'s comparison, Pallas backend, scan layer loop): greedy tokens must agree,
    and the prefill and decode step times of both are printed (`--no-tp` skips it);
-5. runs the whole engine on the default model (`--engine-model`; `--no-engine` skips it) with the
+5. checks and times the Pallas quantized matmul (`--quantization q8_0 | q4_1 | gguf` weights) on SmolLM2's
+   projection and head shapes at T = 1, 8 and 256 against the dequantized reference and the XLA path;
+6. runs the whole engine on the default model (`--engine-model`; `--no-engine` skips it) with the
    GPU's defaults (Pallas attention, scan layer loop, buckets precompiled, the overlap schedule on)
    three ways: `--disable-overlap-schedule`, the overlap schedule, and the overlap schedule with
    `--speculative-algorithm NGRAM`. A batch of greedy requests (mixed lengths, stops inside the run)
@@ -480,6 +482,36 @@ def run_engine_check(model_path: str, report: Report, on_gpu: bool) -> dict[str,
     return rows
 
 
+def run_quant_matmul_check(on_gpu: bool, iters: int, report: Report) -> None:
+    """The Pallas quantized matmul (jaxserve/quant/pallas_matmul.py) on SmolLM2's projection shapes and the
+    tied head, q8_0 and q4_1, at T = 1, 8 and 256: against the dequantized reference, and timed against the XLA
+    path (dequantize, then a float32 dot) with the weight bytes each reads (interpret mode off a GPU: tiny
+    shapes, correctness only)."""
+    from jaxserve.quant import formats
+    from jaxserve.quant.cpu_kernel import xla_matmul
+    from jaxserve.quant.pallas_matmul import quant_matmul_pallas
+
+    shapes = [(1536, 576), (576, 1536), (49152, 576)] if on_gpu else [(96, 64)]
+    pack = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1}
+    rng = np.random.default_rng(0)
+    print(f"  {'format':6} {'W':>12} {'T':>4} {'pallas ms':>10} {'xla ms':>9} {'GB/s (pallas)':>14}")
+    for fmt in formats.FORMATS:
+        for out_features, in_features in shapes:
+            arrays = {k: jnp.asarray(v) for k, v in pack[fmt](rng.standard_normal((out_features, in_features))).items()}
+            for num_tokens in (1, 8, 256):
+                x = jnp.asarray(rng.standard_normal((in_features, num_tokens)), jnp.float32)
+                pallas = jax.jit(functools.partial(quant_matmul_pallas, fmt, interpret=not on_gpu))
+                ref = formats.reference_matmul(fmt, arrays, x)
+                report(f"quant matmul {fmt} {out_features}x{in_features} T={num_tokens}",
+                       max_rel_err(pallas(arrays, x), ref), 1e-4)
+                if not on_gpu:
+                    continue
+                xla = jax.jit(functools.partial(xla_matmul, fmt))
+                t_pallas, t_xla = time_call(pallas, arrays, x, iters=iters), time_call(xla, arrays, x, iters=iters)
+                print(f"  {fmt:6} {out_features:>6}x{in_features:<5} {num_tokens:>4} {t_pallas * 1e3:10.3f} "
+                      f"{t_xla * 1e3:9.3f} {formats.nbytes(arrays) / t_pallas / 1e9:14.1f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=20, help="timed calls per repeat")
@@ -503,6 +535,8 @@ def main() -> int:
         iters = args.iters if on_gpu else 2
         rows = run_timings(setup, ref_dec, iters, report)
         print_table(rows, copy_bandwidth(2**30 if on_gpu else 2**20, iters), setup)
+        print("quantized matmul (Pallas)")
+        run_quant_matmul_check(on_gpu, iters, report)
         if on_gpu and jax.device_count() > 1 and not args.no_tp:
             run_tp_check(jax.device_count(), report)
     if not args.no_engine:

@@ -25,7 +25,7 @@ SHAPES = {
     "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
     "qwen2.5-0.5b": [(1152, 896), (896, 896), (9728, 896), (896, 4864)],
 }
-PACK = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1}
+PACK = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1, formats.Q5_0: formats.pack_q5_0}
 
 
 def main(argv=None) -> None:

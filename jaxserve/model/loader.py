@@ -76,7 +76,7 @@ class BlockTensor:
         return BlockTensor(self.fmt, {k: fn(v) for k, v in self.arrays.items()})
 
 
-_PACK = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1}
+_PACK = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1, formats.Q5_0: formats.pack_q5_0}
 _BLOCK_SOURCE_NAMES = tuple(n for sources in _BLOCK_WEIGHT_SOURCES.values() for n in sources)
 
 # HF tensor name suffix -> HF projection name (weights stay in the checkpoint's [out, in] layout)
@@ -338,8 +338,8 @@ def read_gguf_tensors(path: str, header: GGUFHeader) -> Iterator[tuple[GGUFTenso
 
 def _weight_formats(config: ModelConfig, quantization: str, path: str) -> tuple[tuple[str, str], ...]:
     """Each block weight's format under `quantization` (a row length that is not a multiple of 32 stays
-    float). "gguf": q4_1 where every tensor of the weight (in every layer) is a 4-bit type, else q8_0
-    (formats.format_of_gguf_type); "q8_0": every weight in q8_0; "q4_1": the layer projections in q4_1,
+    float). "gguf": q4_1 where every tensor of the weight (in every layer) is a 4-bit type, q5_0 where every
+    one is Q5_0, else q8_0 (formats.format_of_gguf_type, formats.common_format); "q8_0": every weight in q8_0; "q4_1": the layer projections in q4_1,
     the embedding and the head in q8_0."""
     in_features = {"embed": config.hidden_size, "lm_head": config.hidden_size, "wqkv": config.hidden_size,
                    "wo": config.num_heads * config.head_dim, "w_gate_up": config.hidden_size,
@@ -352,8 +352,8 @@ def _weight_formats(config: ModelConfig, quantization: str, path: str) -> tuple[
             for name, sources in _BLOCK_WEIGHT_SOURCES.items():
                 if hf_name is not None and hf_name.endswith(sources):
                     gguf_types.setdefault(name, []).append(t.ggml_type)
-        chosen = {n: formats.Q4_1 if all(formats.format_of_gguf_type(k) == formats.Q4_1 for k in gguf_types.get(n, []))
-                  else formats.Q8_0 for n in names}
+        chosen = {n: formats.common_format([formats.format_of_gguf_type(k) for k in gguf_types.get(n, [])] or [formats.Q4_1])
+                  for n in names}
     else:
         chosen = {n: formats.Q8_0 if quantization == "q8_0" or n in ("embed", "lm_head") else formats.Q4_1 for n in names}
     return tuple((n, fmt) for n, fmt in chosen.items() if in_features[n] % formats.BLOCK == 0)

@@ -4,8 +4,9 @@ float32 activations x [I, T].
 On CPU, for up to `KERNEL_MAX_TOKENS` tokens (16 or 32 by format: decode and speculative verification), it
 calls the C++ kernel quant_matmul.cc through `jax.ffi.ffi_call`: each weight block is decoded once per tile
 of tokens and the weights are read once, compressed, instead of XLA:CPU converting an int8 or float16
-weight to a float32 copy at every step (D-47). For larger T (prefill), on other platforms, or where the kernel could not be
-built, the XLA path dequantizes W (`formats.dequantize`) and runs a float32 dot.
+weight to a float32 copy at every step (D-47). For larger T (prefill), on TPU, or where the kernel could not be
+built, the XLA path dequantizes W (`formats.dequantize`) and runs a float32 dot. On a GPU, the Pallas kernel
+(pallas_matmul.py) reads the blocks at every T.
 
 The kernel is built at first use from the package's own source with the system C++ compiler (`c++`, or
 `$CXX`) against jaxlib's FFI headers, into `$JAXSERVE_CACHE_DIR/kernels` (default `~/.cache/jaxserve`),
@@ -34,15 +35,16 @@ import jaxlib
 from jaxtyping import Array, Float
 
 from jaxserve.quant import formats
+from jaxserve.quant.pallas_matmul import quant_matmul_pallas
 
 logger = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("quant_matmul.cc")
 # T up to which the CPU kernel runs, per format; above it the XLA path (D-47: measured by
 # benchmarks/quant/bench_quant_matmul.py, where the kernel stops beating dequantize-and-dot)
-KERNEL_MAX_TOKENS = {formats.Q8_0: 16, formats.Q4_1: 32}
-_TARGETS = {formats.Q8_0: "jaxserve_quant_matmul_q8_0", formats.Q4_1: "jaxserve_quant_matmul_q4_1"}
-_SYMBOLS = {formats.Q8_0: "JaxserveQuantMatmulQ8_0", formats.Q4_1: "JaxserveQuantMatmulQ4_1"}
+KERNEL_MAX_TOKENS = {formats.Q8_0: 16, formats.Q4_1: 32, formats.Q5_0: 32}
+_TARGETS = {fmt: f"jaxserve_quant_matmul_{fmt}" for fmt in formats.FORMATS}
+_SYMBOLS = {fmt: f"JaxserveQuantMatmul{fmt.capitalize()}" for fmt in formats.FORMATS}
 _lock = threading.Lock()
 _status: str | None = None  # None: not tried yet; "ready" or why not
 
@@ -132,10 +134,13 @@ def xla_matmul(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Fl
 def quant_matmul(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Float[Array, "O T"]:
     """W @ x in float32 for W [O, I] in format `fmt` (`arrays`: its fields, formats.FIELDS) and x [I, T].
 
-    The CPU kernel where it is ready and T <= `KERNEL_MAX_TOKENS[fmt]` (on CPU only: other platforms lower
-    the XLA path, `jax.lax.platform_dependent`), else dequantize and dot. Both equal
-    `formats.reference_matmul` up to float32 summation order.
+    On a GPU backend, the Pallas kernel (pallas_matmul.py). Else the CPU kernel where it is ready and
+    T <= `KERNEL_MAX_TOKENS[fmt]` (on CPU only: other platforms lower the XLA path,
+    `jax.lax.platform_dependent`), else dequantize and dot. All equal `formats.reference_matmul` up to
+    float32 summation order.
     """
+    if jax.default_backend() == "gpu":  # the Pallas kernel reads the blocks on the GPU at every T
+        return quant_matmul_pallas(fmt, arrays, x)
     if x.shape[1] > KERNEL_MAX_TOKENS[fmt] or kernel_status() != "ready":
         return xla_matmul(fmt, arrays, x)
     return jax.lax.platform_dependent(

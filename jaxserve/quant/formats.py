@@ -4,19 +4,22 @@ tensor or a float matrix becomes one, and the pure-jnp reference that every kern
 A weight W [O, I] (rows flattened: a [2, I, E] gate/up weight is [2 I, E]) is cut into blocks of
 `BLOCK` = 32 consecutive inputs of one row, each with its own float16 scale:
 
-    q8_0: W[o, 32 b + j] = scale[o, b] * qs[o, 32 b + j]              qs int8 [O, I]      (ggml's Q8_0)
-    q4_1: W[o, 32 b + j] = scale[o, b] * nibble_j + min[o, b]         qs uint8 [O, I / 2] (ggml's Q4_1)
+    q8_0: W[o, 32 b + j] = scale[o, b] * qs[o, 32 b + j]              qs int8 [O, I]          (ggml's Q8_0)
+    q4_1: W[o, 32 b + j] = scale[o, b] * nibble_j + min[o, b]         qs uint8 [O, I / 2]     (ggml's Q4_1)
+    q5_0: W[o, 32 b + j] = scale[o, b] * (nibble_j + 16 bit_j - 16)   qs uint8 [O, 20 I / 32] (ggml's Q5_0)
 
-with scale, min float16 [O, I / 32], and the nibbles of block b in bytes 16 b .. 16 b + 15: byte 16 b + j
-holds element j in its low four bits and element j + 16 in its high four, ggml's order. The arrays are
-kept one per field (not ggml's interleaved 34- or 20-byte blocks), the layout both the CPU kernel
-(quant_matmul.cc) and an accelerator kernel read with aligned loads.
+with scale, min float16 [O, I / 32], and the nibbles of block b in bytes 16 b .. 16 b + 15 (q4_1): byte
+16 b + j holds element j in its low four bits and element j + 16 in its high four, ggml's order. A q5_0 block
+is 20 bytes of qs, ggml's block without its scale: the fifth bits of its 32 elements as a little-endian
+uint32 (bit j: element j), then its 16 bytes of nibbles in q4_1's order. The arrays are kept one per field
+(not ggml's interleaved blocks), the layout both the CPU kernel (quant_matmul.cc) and the Pallas kernel
+(pallas_matmul.py) read.
 
 From GGUF (`from_gguf`), by the tensor's ggml type:
-- Q8_0, Q4_0, Q4_1: exact (Q4_0's value d (q - 8) is q4_1 with min = -8 d, exact in float16);
+- Q8_0, Q4_0, Q4_1, Q5_0: exact (Q4_0's value d (q - 8) is q4_1 with min = -8 d, exact in float16);
 - Q4_K: q4_1 with each 32-element sub-block's scale d * sc and min -dmin * m rounded to float16 (a
   relative change under 2^-11 of a step, against the 4-bit step itself);
-- Q5_0, Q5_1, Q6_K, Q8_K, F16, BF16, F32: dequantized by the `gguf` package, then q8_0 (`pack_q8_0`): more
+- Q5_1, Q6_K, Q8_K, F16, BF16, F32: dequantized by the `gguf` package, then q8_0 (`pack_q8_0`): more
   bits than the source's grid needs only where the source has more than 5 bits; the error is at most half
   a q8_0 step (max |w| / 254 of the block).
 The precision choices and their measured cost: docs/decisions.md, D-47.
@@ -33,10 +36,12 @@ from jaxtyping import Array, Float
 BLOCK = 32
 Q8_0 = "q8_0"
 Q4_1 = "q4_1"
-FORMATS = (Q8_0, Q4_1)
+Q5_0 = "q5_0"
+FORMATS = (Q8_0, Q4_1, Q5_0)
 # the arrays of each format, in the order the kernels take them; a projection `name` stores them as the
 # params `name` (qs), `name_scale` and `name_min`
-FIELDS: dict[str, tuple[str, ...]] = {Q8_0: ("qs", "scale"), Q4_1: ("qs", "scale", "min")}
+FIELDS: dict[str, tuple[str, ...]] = {Q8_0: ("qs", "scale"), Q4_1: ("qs", "scale", "min"), Q5_0: ("qs", "scale")}
+Q5_0_BLOCK_BYTES = 20  # a q5_0 block's qs: 4 bytes of fifth bits, 16 of nibbles
 _EXACT_4BIT = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_K}
 
 QuantArrays = dict[str, np.ndarray]  # a format's fields by name: "qs", "scale", and "min" for q4_1
@@ -59,12 +64,23 @@ def field_shapes(fmt: str, out_features: int, in_features: int) -> dict[str, tup
             "scale": ((out_features, nb), np.dtype(np.float16)),
             "min": ((out_features, nb), np.dtype(np.float16)),
         }
+    if fmt == Q5_0:
+        return {"qs": ((out_features, nb * Q5_0_BLOCK_BYTES), np.dtype(np.uint8)),
+                "scale": ((out_features, nb), np.dtype(np.float16))}
     raise ValueError(f"unknown weight format {fmt!r}: one of {', '.join(FORMATS)}")
 
 
 def format_of_gguf_type(ggml_type: int) -> str:
-    """The format a GGUF tensor of `ggml_type` is kept in: q4_1 for the 4-bit types, else q8_0."""
-    return Q4_1 if gguf.GGMLQuantizationType(ggml_type) in _EXACT_4BIT else Q8_0
+    """The format a GGUF tensor of `ggml_type` is kept in: q4_1 for the 4-bit types, q5_0 for Q5_0, else q8_0."""
+    kind = gguf.GGMLQuantizationType(ggml_type)
+    return Q4_1 if kind in _EXACT_4BIT else Q5_0 if kind == gguf.GGMLQuantizationType.Q5_0 else Q8_0
+
+
+def common_format(formats_of_parts: list[str]) -> str:
+    """The one format that holds every part of a weight exactly where one exists: q4_1 when all parts are
+    q4_1, q5_0 when all are q5_0, else q8_0 (the others re-packed within half a q8_0 step)."""
+    kinds = set(formats_of_parts)
+    return kinds.pop() if len(kinds) == 1 else Q8_0
 
 
 def pack_q8_0(w: np.ndarray) -> QuantArrays:
@@ -93,6 +109,24 @@ def pack_q4_1(w: np.ndarray) -> QuantArrays:
     safe = np.where(scale == 0, 1.0, scale.astype(np.float32))[..., None]
     nibbles = np.clip(np.rint((blocks - lo.astype(np.float32)[..., None]) / safe), 0, 15).astype(np.uint8)
     return {"qs": _pack_nibbles(nibbles).reshape(w.shape[0], -1), "scale": scale, "min": lo}
+
+
+def pack_q5_0(w: np.ndarray) -> QuantArrays:
+    """q5_0 blocks of a float W [..., I] (rows flattened), as ggml quantizes Q5_0: the block's value of largest
+    magnitude maps to -16, d = that value / -16, q = trunc(w / d + 16.5) in [0, 31], and the scale is d
+    rounded to float16."""
+    w = np.asarray(w, np.float32)
+    w = w.reshape(-1, w.shape[-1])
+    field_shapes(Q5_0, *w.shape)
+    blocks = w.reshape(w.shape[0], -1, BLOCK)
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    d = extreme / np.float32(-16)
+    inverse = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, np.float32(1), d))[..., None]
+    q = np.clip(np.trunc(blocks * inverse + np.float32(16.5)), 0, 31).astype(np.uint32)
+    scale = d.astype(np.float16)
+    high = ((q >> 4) << np.arange(BLOCK, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)  # [O, nb]
+    qs = np.concatenate([high[..., None].view(np.uint8), _pack_nibbles((q & 0x0F).astype(np.uint8))], axis=-1)
+    return {"qs": qs.reshape(w.shape[0], -1), "scale": scale}
 
 
 def _pack_nibbles(nibbles: np.ndarray) -> np.ndarray:
@@ -132,6 +166,10 @@ def from_gguf(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> tuple
         return Q4_1, {"qs": qs, "scale": scale, "min": lo}
     if kind == gguf.GGMLQuantizationType.Q4_K:
         return Q4_1, _from_q4_k(raw, rows, in_features)
+    if kind == gguf.GGMLQuantizationType.Q5_0:  # ggml's block: float16 d, then the 20 bytes of our qs
+        blocks = raw.reshape(rows, nb, 2 + Q5_0_BLOCK_BYTES)
+        scale = blocks[..., :2].copy().view(np.float16)[..., 0]
+        return Q5_0, {"qs": blocks[..., 2:].reshape(rows, -1).copy(), "scale": scale}
     w = gguf.quants.dequantize(raw.reshape(rows, -1) if kind not in _FLOAT_TYPES else data, kind)
     return Q8_0, pack_q8_0(np.asarray(w, np.float32).reshape(rows, in_features))
 
@@ -165,6 +203,13 @@ def dequantize(fmt: str, arrays: dict[str, Array]) -> Float[Array, "O I"]:
     if fmt == Q8_0:
         qs = arrays["qs"].reshape(rows, -1, BLOCK).astype(jnp.float32)
         return (qs * scale).reshape(rows, -1)
+    if fmt == Q5_0:
+        blocks = arrays["qs"].reshape(rows, -1, Q5_0_BLOCK_BYTES)
+        # bit i of byte k is element 8 k + i's fifth bit (little-endian); byte-wide ops until the float
+        fifth = ((blocks[..., :4, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1).reshape(rows, -1, BLOCK)
+        packed = blocks[..., 4:]
+        q5 = jnp.concatenate([packed & 0x0F, packed >> 4], axis=-1) | (fifth << 4)
+        return ((q5.astype(jnp.float32) - 16.0) * scale).reshape(rows, -1)
     packed = arrays["qs"].reshape(rows, -1, BLOCK // 2)
     nibbles = jnp.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(jnp.float32)
     return (nibbles * scale + arrays["min"].astype(jnp.float32)[..., None]).reshape(rows, -1)
@@ -176,6 +221,12 @@ def dequantize_numpy(fmt: str, arrays: QuantArrays) -> np.ndarray:
     rows = arrays["qs"].shape[0]
     if fmt == Q8_0:
         return (arrays["qs"].reshape(rows, -1, BLOCK).astype(np.float32) * scale).reshape(rows, -1)
+    if fmt == Q5_0:
+        blocks = arrays["qs"].reshape(rows, -1, Q5_0_BLOCK_BYTES)
+        high = np.ascontiguousarray(blocks[..., :4]).view(np.uint32)  # [O, nb, 1], little-endian
+        bits = (high >> np.arange(BLOCK, dtype=np.uint32)) & 1
+        values = _unpack_nibbles(blocks[..., 4:]).astype(np.int32) + 16 * bits.astype(np.int32) - 16
+        return (values.astype(np.float32) * scale).reshape(rows, -1)
     nibbles = _unpack_nibbles(arrays["qs"].reshape(rows, -1, BLOCK // 2)).astype(np.float32)
     return (nibbles * scale + arrays["min"].astype(np.float32)[..., None]).reshape(rows, -1)
 

@@ -5,6 +5,9 @@
 //   q4_1: W[o, 32 b + j] = scale[o, b] * nib(o, b, j) + min[o, b]           qs u8 [O, I / 2]
 //         byte 16 b + j holds element j (low nibble) and element j + 16 (high nibble) of block b,
 //         ggml's Q4_0/Q4_1 order; scale and min are f16 [O, I / 32].
+//   q5_0: W[o, 32 b + j] = scale[o, b] * (nib + 16 bit(o, b, j) - 16)        qs u8 [O, 20 I / 32]
+//         block b's 20 bytes: the fifth bits as a little-endian uint32 (bit j: element j), then 16 bytes
+//         of nibbles in q4_1's order (ggml's Q5_0 block without its scale).
 //
 // The activations stay float32 (jaxserve/quant/formats.py, D-47): each block is decoded once per tile of
 // up to 8 tokens, multiplied by x in float32, and the block's sum scaled; q4_1's min term is
@@ -37,13 +40,14 @@ constexpr int64_t kBlock = 32;
 constexpr int kTile = 8;            // tokens sharing one decode of a weight block
 constexpr int64_t kChunkRows = 32;  // output rows per unit of work on the thread pool
 
-enum class Format { kQ8_0, kQ4_1 };
+enum class Format { kQ8_0, kQ4_1, kQ5_0 };
+constexpr int64_t kQ5_0BlockBytes = 20;
 
 struct Problem {
   Format format;
   const float* x;        // [T, I]
   const float* x_sums;   // [T, I / 32], q4_1 only
-  const uint8_t* qs;     // q8_0: [O, I] int8; q4_1: [O, I / 2]
+  const uint8_t* qs;     // q8_0: [O, I] int8; q4_1: [O, I / 2]; q5_0: [O, 20 I / 32]
   const uint16_t* scale; // f16 [O, I / 32]
   const uint16_t* min;   // f16 [O, I / 32], q4_1 only
   float* y;              // [O, T]
@@ -76,6 +80,15 @@ void DecodeBlockScalar(const Problem& p, int64_t o, int64_t b, float w[kBlock]) 
   if (p.format == Format::kQ8_0) {
     const int8_t* q = reinterpret_cast<const int8_t*>(p.qs) + o * p.in_features + b * kBlock;
     for (int j = 0; j < kBlock; ++j) w[j] = static_cast<float>(q[j]);
+  } else if (p.format == Format::kQ5_0) {
+    const uint8_t* q = p.qs + (o * (p.in_features / kBlock) + b) * kQ5_0BlockBytes;
+    uint32_t high;
+    std::memcpy(&high, q, sizeof high);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      w[j] = static_cast<float>(static_cast<int>(q[4 + j] & 0x0f) + 16 * static_cast<int>((high >> j) & 1) - 16);
+      w[j + kBlock / 2] = static_cast<float>(
+          static_cast<int>(q[4 + j] >> 4) + 16 * static_cast<int>((high >> (j + kBlock / 2)) & 1) - 16);
+    }
   } else {
     const uint8_t* q = p.qs + o * (p.in_features / 2) + b * (kBlock / 2);
     for (int j = 0; j < kBlock / 2; ++j) {
@@ -127,11 +140,32 @@ JAXSERVE_AVX2 inline void DecodeBlockAvx2(const Problem& p, int64_t o, int64_t b
       w[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     }
   } else {
-    const uint8_t* q = p.qs + o * (p.in_features / 2) + b * (kBlock / 2);
+    const bool q5 = p.format == Format::kQ5_0;
+    const uint8_t* q = q5 ? p.qs + (o * (p.in_features / kBlock) + b) * kQ5_0BlockBytes + 4
+                          : p.qs + o * (p.in_features / 2) + b * (kBlock / 2);
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     const __m128i mask = _mm_set1_epi8(0x0f);
     const __m128i lo = _mm_and_si128(packed, mask);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    if (q5) {
+      // The 32 fifth bits as 32 bytes of 16 or 0: byte j copies byte j / 8 of the bits (each 128-bit lane of
+      // the broadcast holds all four), keeps bit j % 8, and becomes 0x10 where it is set. With the nibbles
+      // (elements 0-15 in the low lane, 16-31 in the high) that is q5 - 16 as 32 signed bytes.
+      uint32_t high;
+      std::memcpy(&high, q - 4, sizeof high);
+      const __m256i source = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+      const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+      __m256i fifth = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(high)), source);
+      fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(fifth, bit), bit), _mm256_set1_epi8(16));
+      const __m256i values = _mm256_sub_epi8(_mm256_or_si256(_mm256_set_m128i(hi, lo), fifth), _mm256_set1_epi8(16));
+      const __m128i first = _mm256_castsi256_si128(values), second = _mm256_extracti128_si256(values, 1);
+      w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
+      w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
+      w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second));
+      w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
+      return;
+    }
     w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
     w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
     w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
@@ -250,7 +284,9 @@ ffi::Error Run(Format format, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, QsB
   p.num_tokens = x_dims[0];
   p.in_features = x_dims[1];
   p.out_features = qs_dims[0];
-  const int64_t packed = format == Format::kQ8_0 ? p.in_features : p.in_features / 2;
+  const int64_t packed = format == Format::kQ8_0   ? p.in_features
+                         : format == Format::kQ5_0 ? p.in_features / kBlock * kQ5_0BlockBytes
+                                                   : p.in_features / 2;
   if (p.in_features % kBlock != 0 || qs_dims[1] != packed ||
       scale.element_count() != p.out_features * (p.in_features / kBlock)) {
     return ffi::Error::InvalidArgument("quant_matmul: shapes of x, qs and scale do not agree");
@@ -292,7 +328,20 @@ ffi::Error Q4_1Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
              reinterpret_cast<const uint16_t*>(min.typed_data()), y);
 }
 
+ffi::Error Q5_0Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qs,
+                    ffi::Buffer<ffi::F16> scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Run(Format::kQ5_0, pool, x, qs, scale, nullptr, y);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulQ5_0, Q5_0Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulQ8_0, Q8_0Impl,
                               ffi::Ffi::Bind()

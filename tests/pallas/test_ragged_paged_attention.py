@@ -244,7 +244,7 @@ needs_embedded_triton_ir = pytest.mark.skipif(
 )
 
 
-def _triton_kernels(lowered) -> list[tuple[str, list[tuple[list[int], list[int]]]]]:
+def triton_kernels(lowered) -> list[tuple[str, list[tuple[list[int], list[int]]]]]:
     """The Triton modules embedded in a CUDA lowering: (verified IR text, operand shapes of each `tt.dot`)."""
     from jax._src.lib.mlir import ir
     from jax._src.pallas.triton import lowering as triton_lowering
@@ -312,7 +312,7 @@ def test_lowers_for_cuda(block_q, head_dim, group):
         dtype = jnp.float32 if i == 4 else jnp.bfloat16
         args = _abstract_args(num_tokens, num_seqs, pages_per_seq, block_q, group, head_dim, dtype)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-        [(_, dots)] = _triton_kernels(lowered)
+        [(_, dots)] = triton_kernels(lowered)
         assert len(dots) == 2
         for a, b in dots:
             assert min(*a, *b) >= 16, (num_tokens, a, b)
@@ -325,7 +325,7 @@ def test_windowed_softcapped_kernel_lowers_for_cuda():
     args = _abstract_args(64, 8, 16, 16, 4, 256, jnp.bfloat16)
     lowered = jax.jit(f).trace(*args, sliding_window=jax.ShapeDtypeStruct((), jnp.int32)).lower(
         lowering_platforms=("cuda",))
-    [(ir_text, dots)] = _triton_kernels(lowered)
+    [(ir_text, dots)] = triton_kernels(lowered)
     assert len(dots) == 2 and "tanh" in ir_text
 
 
@@ -335,8 +335,8 @@ def test_pool_over_4gib_gathers_with_64_bit_offsets():
     f = functools.partial(ragged_paged_attention, sm_scale=128**-0.5, interpret=False)
     small = _abstract_args(32, 32, 128, 1, 4, 128, jnp.bfloat16, pool_shape=(2, 4097))
     large = _abstract_args(32, 32, 128, 1, 4, 128, jnp.bfloat16, pool_shape=(33, 16385))
-    [(small_ir, _)] = _triton_kernels(jax.jit(f).trace(*small).lower(lowering_platforms=("cuda",)))
-    [(large_ir, _)] = _triton_kernels(jax.jit(f).trace(*large).lower(lowering_platforms=("cuda",)))
+    [(small_ir, _)] = triton_kernels(jax.jit(f).trace(*small).lower(lowering_platforms=("cuda",)))
+    [(large_ir, _)] = triton_kernels(jax.jit(f).trace(*large).lower(lowering_platforms=("cuda",)))
     pattern = re.compile(r"tt\.addptr .*i64>")
     assert not pattern.search(small_ir)
     assert len(pattern.findall(large_ir)) == 2  # the K and the V gather

@@ -14,7 +14,7 @@ import pytest
 
 from jaxserve.quant import cpu_kernel, formats
 
-PACK = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1}
+PACK = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1, formats.Q5_0: formats.pack_q5_0}
 
 
 def _weight(fmt: str, rows: int = 72, cols: int = 320, seed: int = 0) -> dict[str, jax.Array]:

@@ -31,14 +31,34 @@ def _k_quant_blocks(kind: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
-def test_exact_types_keep_ggmls_values(kind):
-    """Q8_0, Q4_0 and Q4_1 are kept bit-exactly: the dequantized weights equal gguf's dequantization."""
+@pytest.mark.parametrize("kind, expected", [(Q.Q8_0, formats.Q8_0), (Q.Q4_0, formats.Q4_1), (Q.Q4_1, formats.Q4_1),
+                                            (Q.Q5_0, formats.Q5_0)])
+def test_exact_types_keep_ggmls_values(kind, expected):
+    """Q8_0, Q4_0, Q4_1 and Q5_0 are kept bit-exactly: the dequantized weights (numpy and jnp) equal gguf's
+    dequantization."""
     w = _values(5, 96)
     raw = gguf.quants.quantize(w, kind)
     fmt, arrays = formats.from_gguf(raw, kind, w.shape)
-    assert fmt == (formats.Q8_0 if kind == Q.Q8_0 else formats.Q4_1)
+    assert fmt == expected
     np.testing.assert_array_equal(formats.dequantize_numpy(fmt, arrays), gguf.quants.dequantize(raw, kind))
+    ours = formats.dequantize(fmt, {k: jnp.asarray(v) for k, v in arrays.items()})
+    np.testing.assert_array_equal(np.asarray(ours), gguf.quants.dequantize(raw, kind))
+
+
+def test_q5_0_packs_as_ggml_quantizes():
+    """`pack_q5_0` (a float weight at load, or another format re-packed) gives gguf's own Q5_0 values."""
+    w = _values(6, 128, seed=4)
+    fmt, theirs = formats.from_gguf(gguf.quants.quantize(w, Q.Q5_0), Q.Q5_0, w.shape)
+    ours = formats.pack_q5_0(w)
+    np.testing.assert_array_equal(ours["qs"], theirs["qs"])
+    np.testing.assert_array_equal(ours["scale"].view(np.uint16), theirs["scale"].view(np.uint16))
+
+
+def test_common_format_keeps_a_weight_exact_where_it_can():
+    assert formats.common_format([formats.Q5_0, formats.Q5_0]) == formats.Q5_0
+    assert formats.common_format([formats.Q4_1]) == formats.Q4_1
+    assert formats.common_format([formats.Q5_0, formats.Q4_1]) == formats.Q8_0
+    assert formats.common_format([formats.Q5_0, formats.Q8_0]) == formats.Q8_0
 
 
 def test_q4_k_becomes_q4_1_within_float16_rounding():
@@ -55,7 +75,7 @@ def test_q4_k_becomes_q4_1_within_float16_rounding():
     assert np.abs(ours - theirs).max() > 0  # the float16 rounding is there: the test sees the conversion
 
 
-@pytest.mark.parametrize("kind", [Q.Q6_K, Q.Q5_0, Q.F16, Q.BF16])
+@pytest.mark.parametrize("kind", [Q.Q6_K, Q.Q5_1, Q.F16, Q.BF16])
 def test_other_types_become_q8_0_within_half_a_step(kind):
     """Types kept as q8_0: each weight within half a q8_0 step (max |w| / 254 of its block, the float16
     scale's rounding included) of gguf's dequantization."""
@@ -95,7 +115,8 @@ def test_q4_1_nibble_order_is_ggmls():
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
 def test_jnp_dequantize_equals_numpys(fmt):
-    arrays = (formats.pack_q8_0 if fmt == formats.Q8_0 else formats.pack_q4_1)(_values(4, 64))
+    arrays = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1, formats.Q5_0: formats.pack_q5_0}[fmt](
+        _values(4, 64))
     ours = formats.dequantize(fmt, {k: jnp.asarray(v) for k, v in arrays.items()})
     np.testing.assert_array_equal(np.asarray(ours), formats.dequantize_numpy(fmt, arrays))
     assert formats.nbytes(arrays) == sum(v.nbytes for v in arrays.values())

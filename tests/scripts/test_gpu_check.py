@@ -34,3 +34,10 @@ def test_engine_check_reports_differing_outputs(gpu_check, tiny_model_dir, monke
     report = gpu_check.Report()
     gpu_check.run_engine_check(tiny_model_dir, report, on_gpu=False)
     assert any("overlap on: greedy outputs differ" in f for f in report.failures)
+
+
+def test_quant_matmul_check_passes_in_interpret_mode(gpu_check, capsys):
+    report = gpu_check.Report()
+    gpu_check.run_quant_matmul_check(on_gpu=False, iters=1, report=report)
+    assert report.failures == []
+    assert capsys.readouterr().out.count(" ok") == 6  # q8_0 and q4_1 at T = 1, 8, 256
