@@ -12,8 +12,9 @@ The kernel is built at first use from the package's own source with the system C
 `$CXX`) against jaxlib's FFI headers, into `$JAXSERVE_CACHE_DIR/kernels` (default `~/.cache/jaxserve`),
 named by a hash of the source, the compiler and jaxlib's version, so a changed source or jax rebuilds and
 later starts load it in milliseconds. No compiler, a failed build or `JAXSERVE_CPU_KERNEL=0` leaves the
-XLA path, said once in the log (`kernel_status()`); `JAXSERVE_CPU_KERNEL=scalar` runs the kernel's portable
-loop instead of its AVX2 code (what a CPU without AVX2 gets).
+XLA path, said once in the log (`kernel_status()`). The kernel runs AVX-512F code where the CPU has it, else
+AVX2 + FMA + F16C, else a portable loop (`kernel_path()`); `JAXSERVE_CPU_KERNEL=avx2` or `=scalar` asks for a
+narrower one (the tests run all three).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ _TARGETS = {fmt: f"jaxserve_quant_matmul_{fmt}" for fmt in formats.FORMATS}
 _SYMBOLS = {fmt: f"JaxserveQuantMatmul{fmt.capitalize()}" for fmt in formats.FORMATS}
 _lock = threading.Lock()
 _status: str | None = None  # None: not tried yet; "ready" or why not
+_path: str | None = None  # the code the kernel runs here: "AVX-512", "AVX2" or "scalar"
+_PATH_NAMES = ("scalar", "AVX2", "AVX-512")  # JaxserveQuantMatmulPath's values
 
 
 def _cache_dir() -> pathlib.Path:
@@ -89,6 +92,12 @@ def build(compiler: str | None = None, cache_dir: pathlib.Path | None = None) ->
     return target
 
 
+def kernel_path() -> str | None:
+    """The code the CPU kernel runs on this machine ("AVX-512", "AVX2" or "scalar"; None: no kernel), chosen
+    at run time from the CPU's features and `JAXSERVE_CPU_KERNEL` (avx2 or scalar ask for a narrower one)."""
+    return _path if kernel_status() == "ready" else None
+
+
 def kernel_status() -> str:
     """"ready" once the CPU kernel is built and registered with XLA, else why the XLA path is used. The
     first call builds it (a few seconds, once per source and jax version) and logs one line."""
@@ -98,7 +107,7 @@ def kernel_status() -> str:
             _status = _load()
             if _status == "ready":
                 bounds = ", ".join(f"{fmt} up to {n} tokens" for fmt, n in KERNEL_MAX_TOKENS.items())
-                logger.info("quantized matmul: the CPU kernel (jax.ffi) for %s", bounds)
+                logger.info("quantized matmul: the CPU kernel (jax.ffi, %s code) for %s", _path, bounds)
             else:
                 logger.warning("quantized matmul: the XLA path only (%s)", _status)
         return _status
@@ -107,9 +116,11 @@ def kernel_status() -> str:
 def _load() -> str:
     if os.environ.get("JAXSERVE_CPU_KERNEL", "1") == "0":
         return "JAXSERVE_CPU_KERNEL=0"
+    global _path
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
         handlers = {fmt: getattr(library, symbol) for fmt, symbol in _SYMBOLS.items()}
+        _path = _PATH_NAMES[library.JaxserveQuantMatmulPath()]
     except (RuntimeError, OSError, AttributeError) as e:
         return str(e)
     for fmt, handler in handlers.items():

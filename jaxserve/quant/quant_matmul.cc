@@ -15,8 +15,8 @@
 // one order whatever T and its place in a tile, so a token's result does not depend on its batch (D-11).
 // Rows are split over XLA's intra-op thread pool (ffi::ThreadPool); the calling thread takes chunks too
 // and then sleeps on a condition variable until the chunks other threads took are done, so the call never
-// spins and never waits on a task that has not started. AVX2 + FMA + F16C code is chosen at run time
-// (__builtin_cpu_supports); elsewhere a scalar loop gives the same sums in another order.
+// spins and never waits on a task that has not started. AVX-512F or AVX2 + FMA + F16C code is chosen at run
+// time (__builtin_cpu_supports); elsewhere a scalar loop gives the same sums in another order.
 
 #include <immintrin.h>
 
@@ -218,22 +218,104 @@ JAXSERVE_AVX2 void RowsAvx2(const Problem& p, int64_t row_begin, int64_t row_end
   }
 }
 
-// The AVX2 path where the CPU has it, unless JAXSERVE_CPU_KERNEL=scalar asks for the portable loop (how the
-// tests check it on machines that have AVX2).
-bool HasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c") &&
-                          !(std::getenv("JAXSERVE_CPU_KERNEL") && std::strcmp(std::getenv("JAXSERVE_CPU_KERNEL"), "scalar") == 0);
-  return has;
+// ---- AVX-512F ----------------------------------------------------------------------------------------
+// The AVX2 path's sums, 16 lanes wide: a block is two vectors of 16, so each token costs two FMAs per block
+// instead of four (fewer instructions; on CPUs that split 512-bit operations in two, the same arithmetic).
+
+#define JAXSERVE_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+// Block b of row o as 2 x 16 float32 integers (q, q4_1's nibbles, or q5_0's q5 - 16), unscaled.
+JAXSERVE_AVX512 inline void DecodeBlockAvx512(const Problem& p, int64_t o, int64_t b, __m512 w[2]) {
+  if (p.format == Format::kQ8_0) {
+    const uint8_t* q = p.qs + o * p.in_features + b * kBlock;
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+    return;
+  }
+  if (p.format == Format::kQ5_0) {  // the AVX2 decode's 32 signed bytes, widened 16 at a time
+    __m256 halves[4];
+    DecodeBlockAvx2(p, o, b, halves);
+    for (int k = 0; k < 2; ++k) {  // two 8-lane halves into one 16-lane vector (AVX-512F's 64-bit insert)
+      w[k] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(halves[2 * k])),
+                                                 _mm256_castps_pd(halves[2 * k + 1]), 1));
+    }
+    return;
+  }
+  const uint8_t* q = p.qs + o * (p.in_features / 2) + b * (kBlock / 2);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)));
+  w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
+}
+
+template <int NT>
+JAXSERVE_AVX512 void RowTileAvx512(const Problem& p, int64_t o, int64_t t0) {
+  const int64_t nb = p.in_features / kBlock;
+  __m512 acc[NT];
+  float min_acc[NT];
+  for (int t = 0; t < NT; ++t) { acc[t] = _mm512_setzero_ps(); min_acc[t] = 0.0f; }
+  const bool has_min = p.format == Format::kQ4_1;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 w[2];
+    DecodeBlockAvx512(p, o, b, w);
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(p.scale[o * nb + b]));
+    const float m = has_min ? _cvtsh_ss(p.min[o * nb + b]) : 0.0f;
+    for (int t = 0; t < NT; ++t) {
+      const float* xt = p.x + (t0 + t) * p.in_features + b * kBlock;
+      const __m512 s = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xt + 16), _mm512_mul_ps(w[0], _mm512_loadu_ps(xt)));
+      acc[t] = _mm512_fmadd_ps(d, s, acc[t]);
+      if (has_min) min_acc[t] += m * p.x_sums[(t0 + t) * nb + b];
+    }
+  }
+  for (int t = 0; t < NT; ++t) p.y[o * p.num_tokens + t0 + t] = _mm512_reduce_add_ps(acc[t]) + min_acc[t];
+}
+
+JAXSERVE_AVX512 void RowsAvx512(const Problem& p, int64_t row_begin, int64_t row_end) {
+  for (int64_t o = row_begin; o < row_end; ++o) {
+    int64_t t0 = 0;
+    for (; t0 + kTile <= p.num_tokens; t0 += kTile) RowTileAvx512<kTile>(p, o, t0);
+    switch (p.num_tokens - t0) {
+      case 1: RowTileAvx512<1>(p, o, t0); break;
+      case 2: RowTileAvx512<2>(p, o, t0); break;
+      case 3: RowTileAvx512<3>(p, o, t0); break;
+      case 4: RowTileAvx512<4>(p, o, t0); break;
+      case 5: RowTileAvx512<5>(p, o, t0); break;
+      case 6: RowTileAvx512<6>(p, o, t0); break;
+      case 7: RowTileAvx512<7>(p, o, t0); break;
+      default: break;
+    }
+  }
+}
+
+// ---- the path, chosen once ------------------------------------------------------------------------------
+// The widest the CPU has (__builtin_cpu_supports), unless JAXSERVE_CPU_KERNEL names a narrower one: "avx2" or
+// "scalar" (how the tests check every path on a machine that has AVX-512).
+
+enum class Path { kScalar, kAvx2, kAvx512 };
+
+Path ChoosePath() {
+  const char* asked = std::getenv("JAXSERVE_CPU_KERNEL");
+  const bool scalar = asked && std::strcmp(asked, "scalar") == 0, avx2_only = asked && std::strcmp(asked, "avx2") == 0;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (scalar || !avx2) return Path::kScalar;
+  return __builtin_cpu_supports("avx512f") && !avx2_only ? Path::kAvx512 : Path::kAvx2;
 }
 
 void Rows(const Problem& p, int64_t row_begin, int64_t row_end) {
-  if (HasAvx2()) {
-    RowsAvx2(p, row_begin, row_end);
-  } else {
-    RowsScalar(p, row_begin, row_end);
+  static const Path path = ChoosePath();
+  switch (path) {
+    case Path::kAvx512: RowsAvx512(p, row_begin, row_end); break;
+    case Path::kAvx2: RowsAvx2(p, row_begin, row_end); break;
+    default: RowsScalar(p, row_begin, row_end); break;
   }
 }
+
+}  // namespace
+
+// Which path Rows takes here: 0 scalar, 1 AVX2, 2 AVX-512 (cpu_kernel.kernel_path reads it for the log line).
+extern "C" int JaxserveQuantMatmulPath() { return static_cast<int>(ChoosePath()); }
+
+namespace {
 
 // ---- the thread pool ------------------------------------------------------------------------------
 

@@ -34,8 +34,13 @@ def _close(ours, arrays, fmt, x):
 
 
 def test_the_kernel_builds_here():
-    """This machine has a C++ compiler: the kernel is the path CPU decode takes, not the fallback."""
+    """This machine has a C++ compiler: the kernel is the path CPU decode takes, not the fallback, with the
+    widest code the CPU has."""
     assert cpu_kernel.kernel_status() == "ready"
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    widest = "AVX-512" if "avx512f" in flags else "AVX2" if {"avx2", "fma", "f16c"} <= set(flags) else "scalar"
+    assert cpu_kernel.kernel_path() == widest
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
@@ -117,16 +122,18 @@ def test_a_tokens_result_does_not_depend_on_its_batch(fmt):
         np.testing.assert_array_equal(np.asarray(matmul(fmt, arrays, xs[:, t : t + 1]))[:, 0], batched[:, t])
 
 
-def test_scalar_path_equals_reference():
-    """`JAXSERVE_CPU_KERNEL=scalar`: the portable loop a CPU without AVX2 runs, against the reference for
-    both formats and token counts around the AVX2 tile (in a fresh process: the choice is made once)."""
+@pytest.mark.parametrize("path, name", [("scalar", "scalar"), ("avx2", "AVX2")])
+def test_narrower_paths_equal_reference(path, name):
+    """`JAXSERVE_CPU_KERNEL=scalar` (the portable loop a CPU without AVX2 runs) and `=avx2` (what a CPU without
+    AVX-512 runs), against the reference for every format and token counts around the tile (in a fresh
+    process: the choice is made once)."""
     code = (
         "import jax, jax.numpy as jnp, numpy as np\n"
         "from jaxserve.quant import cpu_kernel, formats\n"
-        "assert cpu_kernel.kernel_status() == 'ready'\n"
+        f"assert cpu_kernel.kernel_status() == 'ready' and cpu_kernel.kernel_path() == {name!r}\n"
         "rng = np.random.default_rng(0)\n"
         "w = rng.standard_normal((40, 96), dtype=np.float32)\n"
-        "for fmt, pack in [('q8_0', formats.pack_q8_0), ('q4_1', formats.pack_q4_1)]:\n"
+        "for fmt, pack in [('q8_0', formats.pack_q8_0), ('q4_1', formats.pack_q4_1), ('q5_0', formats.pack_q5_0)]:\n"
         "    a = {k: jnp.asarray(v) for k, v in pack(w).items()}\n"
         "    for t in (1, 5, 9):\n"
         "        x = jnp.asarray(rng.standard_normal((96, t), dtype=np.float32))\n"
@@ -136,6 +143,6 @@ def test_scalar_path_equals_reference():
         "        assert (np.abs(ours - ref) <= bound * 1e-5 + 1e-6).all(), (fmt, t, np.abs(ours - ref).max())\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "JAXSERVE_CPU_KERNEL": "scalar"}
+    env = {**os.environ, "JAXSERVE_CPU_KERNEL": path}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
