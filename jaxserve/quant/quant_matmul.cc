@@ -201,22 +201,30 @@ JAXSERVE_AVX2 void RowTileAvx2(const Problem& p, int64_t o, int64_t t0) {
   for (int t = 0; t < NT; ++t) p.y[o * p.num_tokens + t0 + t] = HorizontalSum(acc[t]) + min_acc[t];
 }
 
-JAXSERVE_AVX2 void RowsAvx2(const Problem& p, int64_t row_begin, int64_t row_end) {
+// One row tile of NT tokens (1..kTile), by NT: what the vector paths' loops call.
+using RowTileFn = void (*)(const Problem&, int64_t, int64_t);
+
+template <template <int> class Tile>
+struct RowTiles {
+  static constexpr RowTileFn kByTokens[kTile + 1] = {nullptr,         &Tile<1>::Run, &Tile<2>::Run, &Tile<3>::Run, &Tile<4>::Run,
+                                                     &Tile<5>::Run,   &Tile<6>::Run, &Tile<7>::Run, &Tile<8>::Run};
+};
+
+// Rows [row_begin, row_end) in tiles of kTile tokens and one tile for the rest.
+template <template <int> class Tile>
+void RowsTiled(const Problem& p, int64_t row_begin, int64_t row_end) {
+  static_assert(kTile == 8, "RowTiles lists tiles of 1..8 tokens");
   for (int64_t o = row_begin; o < row_end; ++o) {
     int64_t t0 = 0;
-    for (; t0 + kTile <= p.num_tokens; t0 += kTile) RowTileAvx2<kTile>(p, o, t0);
-    switch (p.num_tokens - t0) {
-      case 1: RowTileAvx2<1>(p, o, t0); break;
-      case 2: RowTileAvx2<2>(p, o, t0); break;
-      case 3: RowTileAvx2<3>(p, o, t0); break;
-      case 4: RowTileAvx2<4>(p, o, t0); break;
-      case 5: RowTileAvx2<5>(p, o, t0); break;
-      case 6: RowTileAvx2<6>(p, o, t0); break;
-      case 7: RowTileAvx2<7>(p, o, t0); break;
-      default: break;
-    }
+    for (; t0 + kTile <= p.num_tokens; t0 += kTile) RowTiles<Tile>::kByTokens[kTile](p, o, t0);
+    if (t0 < p.num_tokens) RowTiles<Tile>::kByTokens[p.num_tokens - t0](p, o, t0);
   }
 }
+
+template <int NT>
+struct Avx2Tile {
+  static void Run(const Problem& p, int64_t o, int64_t t0) { RowTileAvx2<NT>(p, o, t0); }
+};
 
 // ---- AVX-512F ----------------------------------------------------------------------------------------
 // The AVX2 path's sums, 16 lanes wide: a block is two vectors of 16, so each token costs two FMAs per block
@@ -270,22 +278,10 @@ JAXSERVE_AVX512 void RowTileAvx512(const Problem& p, int64_t o, int64_t t0) {
   for (int t = 0; t < NT; ++t) p.y[o * p.num_tokens + t0 + t] = _mm512_reduce_add_ps(acc[t]) + min_acc[t];
 }
 
-JAXSERVE_AVX512 void RowsAvx512(const Problem& p, int64_t row_begin, int64_t row_end) {
-  for (int64_t o = row_begin; o < row_end; ++o) {
-    int64_t t0 = 0;
-    for (; t0 + kTile <= p.num_tokens; t0 += kTile) RowTileAvx512<kTile>(p, o, t0);
-    switch (p.num_tokens - t0) {
-      case 1: RowTileAvx512<1>(p, o, t0); break;
-      case 2: RowTileAvx512<2>(p, o, t0); break;
-      case 3: RowTileAvx512<3>(p, o, t0); break;
-      case 4: RowTileAvx512<4>(p, o, t0); break;
-      case 5: RowTileAvx512<5>(p, o, t0); break;
-      case 6: RowTileAvx512<6>(p, o, t0); break;
-      case 7: RowTileAvx512<7>(p, o, t0); break;
-      default: break;
-    }
-  }
-}
+template <int NT>
+struct Avx512Tile {
+  static void Run(const Problem& p, int64_t o, int64_t t0) { RowTileAvx512<NT>(p, o, t0); }
+};
 
 // ---- the path, chosen once ------------------------------------------------------------------------------
 // The widest the CPU has (__builtin_cpu_supports), unless JAXSERVE_CPU_KERNEL names a narrower one: "avx2" or
@@ -304,8 +300,8 @@ Path ChoosePath() {
 void Rows(const Problem& p, int64_t row_begin, int64_t row_end) {
   static const Path path = ChoosePath();
   switch (path) {
-    case Path::kAvx512: RowsAvx512(p, row_begin, row_end); break;
-    case Path::kAvx2: RowsAvx2(p, row_begin, row_end); break;
+    case Path::kAvx512: RowsTiled<Avx512Tile>(p, row_begin, row_end); break;
+    case Path::kAvx2: RowsTiled<Avx2Tile>(p, row_begin, row_end); break;
     default: RowsScalar(p, row_begin, row_end); break;
   }
 }
