@@ -24,6 +24,9 @@ DEVICE_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
 QUANTIZATIONS = ("gguf", "q8_0", "q4_1", "w8a8_int8")
 KV_CACHE_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                    "float16": "float16", "fp16": "float16"}
+# --kv-cache-dtype's compressed pools (jaxserve/pallas/quantized_kv.py, KV_QUANT_DTYPES: SGLang's fp8 names, int8
+# as llama.cpp's -ctk/-ctv q8_0)
+KV_CACHE_QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "int8")
 FLAG_GROUPS = {
     "model": "model and execution",
     "http": "HTTP server",
@@ -66,7 +69,7 @@ class ServerArgs:
         "256 bytes a token. SGLang and vLLM have no such bound (TGI's is --payload-limit)", group="http")
     dtype: str = _flag("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 elsewhere)",
                        choices=("auto", "float32", "bfloat16", "float16"), group="model")
-    quantization: str | None = _flag(None, "gguf: a .gguf file's weights stay in their blocks (Q4_0/Q4_1/Q4_K as 4-bit q4_1, the other types as q8_0), multiplied by float32 activations (a C++ kernel on CPU, D-47); q8_0 | q4_1: any checkpoint's projections quantized at load to those blocks (q4_1: the embedding and head in q8_0); w8a8_int8: int8 projection weights (a scale per row) and int8 activations (a scale per token; per token and 64 features into the output and down projections), quantized at load from the float weights. The norms, attention and KV pool stay in --dtype; not with --tp-size > 1 or LoRA (default: none, weights in --dtype, also for a .gguf file: D-47 says why)",
+    quantization: str | None = _flag(None, "gguf: a .gguf file's weights stay in their blocks (Q4_0/Q4_1/Q4_K as 4-bit q4_1, Q5_0 as q5_0, the other types as q8_0; a weight whose tensors mix types in q8_0), multiplied by float32 activations (a C++ kernel on CPU, a Pallas kernel on GPU; D-47); q8_0 | q4_1: any checkpoint's projections quantized at load to those blocks (q4_1: the embedding and head in q8_0); w8a8_int8: int8 projection weights (a scale per row) and int8 activations (a scale per token; per token and 64 features into the output and down projections), quantized at load from the float weights. The norms and attention stay in --dtype (the KV pool too, unless --kv-cache-dtype); not with --tp-size > 1 or LoRA (default: none, weights in --dtype, also for a .gguf file: D-47 says why)",
                                      choices=QUANTIZATIONS, group="model")
     context_length: int | None = _flag(None, "max tokens per sequence (default: the model's, capped at 8192)", group="model")
     mem_fraction_static: float | None = _flag(None, "share of device memory for weights + KV pool on GPU/TPU; on CPU, the share of the RAM still available once the weights are loaded that goes to the KV pool (default: 0.85 on GPU/TPU; on CPU the KV pool gets min(1.5 GiB, a tenth of that RAM))", group="memory")
@@ -229,7 +232,7 @@ class ServerArgs:
     log_requests: bool = _flag(False, "log one info line per finished generation request (each of n sequences): rid, prompt, completion and cached tokens, finish reason, latency", group="observability")
     trust_remote_code: bool = _flag(False, "accepted for SGLang command lines; changes nothing: jaxserve runs its own JAX code for the architectures it supports and never runs a checkpoint's Python code", group="model")
     disable_cuda_graph: bool = _flag(False, "accepted for SGLang command lines; changes nothing: jaxserve has no CUDA graphs (XLA compiles each shape bucket once, see --disable-precompile)", group="model")
-    kv_cache_dtype: str = _flag("auto", "KV pool dtype: auto or the pool's own dtype (the model's, --dtype: float32 on CPU, bfloat16 elsewhere; bf16/fp16/fp32 too); another (fp8_e4m3, ...) is an error at start-up, jaxserve does not quantize the KV cache", group="model")
+    kv_cache_dtype: str = _flag("auto", "KV pool dtype: auto (the model's, --dtype: float32 on CPU, bfloat16 elsewhere; its name, bf16/fp16/fp32, too), or a compressed pool of 8-bit K/V with a float32 scale per token and kv head: fp8_e4m3, fp8_e5m2, int8 (3.8x the float32 tokens in the same memory at head_dim 64, 1.9x bfloat16's; host and storage tiers keep the compressed pages; int8 is the most precise on the default model, D-48)", group="memory")
     tokenizer_mode: str = _flag("auto", "auto only (SGLang's default): the fast tokenizer (tokenizers library)", choices=("auto",), group="model")
     device: str | None = _flag(None, "the JAX platform in use (cpu, gpu or cuda, tpu), checked at start-up; another is an error: the platform is chosen by JAX_PLATFORMS (default: JAX's default backend)", group="model")
     watchdog_timeout: float = _flag(300.0, "accepted for SGLang command lines; changes nothing: jaxserve has no watchdog, so a step that hangs is not detected (a step that raises ends the engine: the process exits 1, or with --keep-alive-on-engine-error stays up with /health at 503)", group="scheduling")
@@ -284,9 +287,17 @@ class ServerArgs:
             raise ValueError(f"--device {self.device}: this process runs on the JAX platform {platform!r} "
                              f"(choose it with JAX_PLATFORMS); give --device {platform} or leave the flag out")
         pool = self.dtype if self.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
-        if self.kv_cache_dtype != "auto" and KV_CACHE_DTYPES.get(self.kv_cache_dtype.lower()) != pool:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: the KV pool is stored in the model's dtype, "
-                             f"{pool} here (--dtype); give auto or {pool}: jaxserve does not quantize the KV cache")
+        value = self.kv_cache_dtype.lower()
+        if value != "auto" and value not in KV_CACHE_QUANTIZED and KV_CACHE_DTYPES.get(value) != pool:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: a float KV pool is stored in the model's dtype, "
+                             f"{pool} here (--dtype); give auto, {pool}, or a compressed pool: "
+                             f"{', '.join(KV_CACHE_QUANTIZED)}")
+
+    @property
+    def kv_cache_quantization(self) -> str | None:
+        """The compressed pool --kv-cache-dtype asks for (one of KV_CACHE_QUANTIZED), or None for a float pool."""
+        value = self.kv_cache_dtype.lower()
+        return value if value in KV_CACHE_QUANTIZED else None
 
     def max_verified_draft_tokens(self) -> int:
         """The most draft tokens of one sequence that one verify step checks (on resolved args).

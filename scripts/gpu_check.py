@@ -6,7 +6,8 @@
 On a GPU it
 1. checks correctness at Llama-3-8B-like attention sizes (32 query heads, 8 kv heads, head_dim 128,
    bfloat16): a decode batch of 32 sequences x 2k context and a mixed batch (extends + decodes),
-   against the XLA path and (decode) a float64 numpy reference; a float32 case checks the IEEE dots.
+   against the XLA path and (decode) a float64 numpy reference; a float32 case checks the IEEE dots, and
+   int8 and fp8_e4m3 pools (`--kv-cache-dtype`) the compressed pages' reads.
    The pool has enough layers that the layer read lies past 4 GiB, so 64-bit offsets are exercised;
 2. times decode for the kernel, the XLA path and `jax.experimental.pallas.ops.gpu.paged_attention`
    (if importable), and the mixed batch for the kernel and the XLA path: jitted, warmed up, then
@@ -47,6 +48,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxserve.pallas.metadata import HostAttentionMetadata, build_attention_metadata  # noqa: E402
+from jaxserve.pallas.quantized_kv import QuantizedKV, quantize_rows  # noqa: E402
 from jaxserve.pallas.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 from jaxserve.pallas.reference import ragged_paged_attention_xla  # noqa: E402
 
@@ -309,6 +311,13 @@ def check_correctness(setup: Setup, report: Report) -> jax.Array:
     with jax.default_matmul_precision("highest"):
         ref32 = xla(q32, *pools32, mixed_meta)  # the precision setting is part of jit's cache key
     report("mixed f32: pallas vs xla (highest precision)", max_rel_err(out32[:n_mix], ref32[:n_mix]), 1e-5)
+
+    # a compressed pool (--kv-cache-dtype): the layer's pages quantized, the two paths on the same 8-bit pages
+    for name in ("int8", "float8_e4m3fn"):
+        quantized = [QuantizedKV.of(*quantize_rows(pool[setup.layer :], jnp.dtype(name))) for pool in (setup.k_pool, setup.v_pool)]
+        out_q = pallas(mixed.q, *quantized, jnp.int32(0), mixed_meta)
+        ref_q = xla(mixed.q, *quantized, jnp.int32(0), mixed_meta)
+        report(f"mixed bf16, {name} pool: pallas vs xla", max_rel_err(out_q[:n_mix], ref_q[:n_mix]), 2e-2)
     return ref_dec
 
 
@@ -492,7 +501,7 @@ def run_quant_matmul_check(on_gpu: bool, iters: int, report: Report) -> None:
     from jaxserve.quant.pallas_matmul import quant_matmul_pallas
 
     shapes = [(1536, 576), (576, 1536), (49152, 576)] if on_gpu else [(96, 64)]
-    pack = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1}
+    pack = {formats.Q8_0: formats.pack_q8_0, formats.Q4_1: formats.pack_q4_1, formats.Q5_0: formats.pack_q5_0}
     rng = np.random.default_rng(0)
     print(f"  {'format':6} {'W':>12} {'T':>4} {'pallas ms':>10} {'xla ms':>9} {'GB/s (pallas)':>14}")
     for fmt in formats.FORMATS:

@@ -103,13 +103,25 @@ def test_a_copied_sglang_command_line_parses_and_resolves_on_cpu():
     ServerArgs.from_cli([*SGLANG_COMMAND, "--kv-cache-dtype", "float32"]).resolved("cpu")
     ServerArgs.from_cli(["--kv-cache-dtype", "bf16", "--device", "cuda"]).resolved("gpu")
     ServerArgs.from_cli(["--kv-cache-dtype", "fp16", "--dtype", "float16"]).resolved("cpu")
+    # a compressed pool, on any platform
+    for value in ("fp8_e4m3", "fp8_e5m2", "int8", "FP8_E4M3"):
+        assert ServerArgs.from_cli(["--kv-cache-dtype", value]).resolved("cpu").kv_cache_quantization == value.lower()
+    assert ServerArgs.from_cli([]).kv_cache_quantization is None
+
+
+def test_kv_cache_quantized_names_are_the_pools():
+    """server_args names the compressed pools without importing them: the two lists must agree."""
+    from jaxserve.pallas.quantized_kv import KV_QUANT_DTYPES
+    from jaxserve.server_args import KV_CACHE_QUANTIZED
+
+    assert set(KV_CACHE_QUANTIZED) == set(KV_QUANT_DTYPES)
 
 
 @pytest.mark.parametrize("argv, platform, message", [
     (["--device", "cuda"], "cpu", "--device cuda: this process runs on the JAX platform 'cpu'"),
     (["--device", "npu"], "cpu", "--device npu"),
-    (["--kv-cache-dtype", "fp8_e4m3"], "cpu", "--kv-cache-dtype fp8_e4m3: the KV pool is stored in the model's dtype, float32"),
-    (["--kv-cache-dtype", "bfloat16"], "cpu", "give auto or float32"),
+    (["--kv-cache-dtype", "fp4_e2m1"], "cpu", "--kv-cache-dtype fp4_e2m1: a float KV pool is stored in the model's dtype, float32"),
+    (["--kv-cache-dtype", "bfloat16"], "cpu", "give auto, float32, or a compressed pool: fp8_e4m3, fp8_e5m2, int8"),
     (["--kv-cache-dtype", "float32"], "tpu", "bfloat16 here"),
 ])
 def test_device_and_kv_cache_dtype_outside_what_runs_are_clear_errors(argv, platform, message):

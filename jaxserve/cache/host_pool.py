@@ -12,7 +12,6 @@ address space, not memory. Page ids run 0..num_pages-1 (no dummy page).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Int32
 
@@ -53,11 +52,11 @@ class HostKVPool:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         s = device_shape
         self.num_pages = num_pages
-        self.page_shape = (s.num_kv_heads, s.page_size, s.head_dim)
-        dtype = np.dtype(jnp.dtype(s.dtype))
+        # a compressed pool's pages arrive as bytes, each row its values then its scale (PoolShape.host_head_dim)
+        self.page_shape = (s.num_kv_heads, s.page_size, s.host_head_dim)
         # [L, H, KVH, ps, D]
-        self.k = np.zeros((s.num_layers, num_pages, *self.page_shape), dtype)
-        self.v = np.zeros((s.num_layers, num_pages, *self.page_shape), dtype)
+        self.k = np.zeros((s.num_layers, num_pages, *self.page_shape), s.host_dtype)
+        self.v = np.zeros((s.num_layers, num_pages, *self.page_shape), s.host_dtype)
         self.bytes_per_page = 2 * self.k[:, 0].nbytes
         self.reset()
 

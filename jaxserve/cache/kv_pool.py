@@ -34,7 +34,11 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class PoolShape:
-    """Shape of one pool; `bytes_per_token` counts K and V over all layers."""
+    """Shape of one pool; `bytes_per_token` counts K and V over all layers.
+
+    `dtype` is the stored values' dtype; `scale_bytes` > 0 marks a compressed pool (`--kv-cache-dtype`,
+    jaxserve/pallas/quantized_kv.py), whose every row (one token's K or V of one kv head) also has a
+    scale of that many bytes. The host and storage tiers keep such a row as `host_head_dim` bytes."""
 
     num_layers: int
     num_pages: int
@@ -42,14 +46,30 @@ class PoolShape:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    scale_bytes: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.num_layers, self.num_pages, self.num_kv_heads, self.page_size, self.head_dim)
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one row: head_dim values and, in a compressed pool, their scale."""
+        return self.head_dim * jnp.dtype(self.dtype).itemsize + self.scale_bytes
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.row_bytes
+
+    @property
+    def host_dtype(self) -> np.dtype:
+        """The dtype of the host tiers' copy of a page: the pool's, or bytes for a compressed pool."""
+        return np.dtype(np.uint8) if self.scale_bytes else np.dtype(jnp.dtype(self.dtype))
+
+    @property
+    def host_head_dim(self) -> int:
+        """The last axis of the host tiers' copy of a page: head_dim, or a compressed row's bytes."""
+        return self.row_bytes if self.scale_bytes else self.head_dim
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +157,7 @@ def size_pool(
     pool_shards: int = 1,
     available_bytes: int | None = None,
     layers_per_token: float | None = None,
+    scale_bytes: int = 0,
 ) -> PoolShape:
     """Choose the number of pages (see the module docstring for the rule); `max_num_pages`
     (`--radix-cache-max-num-blocks`) caps the usable pages.
@@ -149,11 +170,13 @@ def size_pool(
         available_bytes: free memory of the least free device (default `available_memory_bytes()`).
         layers_per_token: layers of K/V one token of the page space costs, when not `num_layers` (the
             hybrid window pool, `jaxserve.cache.window_pool.size_hybrid_pool`).
+        dtype, scale_bytes: the stored values' dtype and, for a compressed pool (`--kv-cache-dtype`), the
+            bytes of each row's scale (`PoolShape`).
 
     Raises:
         ValueError: the memory budget leaves no room for two pages.
     """
-    probe = PoolShape(num_layers, 2, page_size, num_kv_heads, head_dim, dtype)
+    probe = PoolShape(num_layers, 2, page_size, num_kv_heads, head_dim, dtype, scale_bytes)
     bytes_per_token = probe.bytes_per_token if layers_per_token is None else int(
         probe.bytes_per_token / num_layers * layers_per_token)
     if max_total_tokens is not None:
@@ -176,9 +199,10 @@ def size_pool(
         raise ValueError(f"the KV pool would hold {num_tokens} tokens: raise --max-total-tokens or --mem-fraction-static")
     shape = dataclasses.replace(probe, num_pages=num_pages)
     logger.info(
-        "KV pool: %d tokens (%d pages, %.2f GiB in all, %.2f GiB per device) by %s", shape.num_tokens, num_pages,
+        "KV pool: %d tokens (%d pages, %.2f GiB in all, %.2f GiB per device, %s) by %s", shape.num_tokens, num_pages,
         shape.num_tokens * bytes_per_token / (1 << 30),
-        shape.num_tokens * bytes_per_token / max(1, pool_shards) / (1 << 30), rule,
+        shape.num_tokens * bytes_per_token / max(1, pool_shards) / (1 << 30),
+        f"{shape.dtype} with a {scale_bytes}-byte scale per token and kv head" if scale_bytes else shape.dtype, rule,
     )
     return shape
 
@@ -190,11 +214,6 @@ def _round_down_coarse(n: int) -> int:
         return n
     step = 1 << (n.bit_length() - 3)
     return n // step * step
-
-
-def allocate_pools(shape: PoolShape) -> tuple[jax.Array, jax.Array]:
-    """Zero-filled K and V pools on the default device."""
-    return jnp.zeros(shape.shape, shape.dtype), jnp.zeros(shape.shape, shape.dtype)
 
 
 class PageAllocator:

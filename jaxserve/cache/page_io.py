@@ -31,7 +31,8 @@ class PendingRead(Protocol):
 
 
 class KVPageIO(Protocol):
-    """Copies of whole KV pages; K and V move together. Arrays are `[L, n, KVH, ps, D]`."""
+    """Copies of whole KV pages; K and V move together. Arrays are `[L, n, KVH, ps, D]` in the pool's dtype,
+    or for a compressed pool `[L, n, KVH, ps, PoolShape.host_head_dim]` bytes (values, then the scale)."""
 
     def read_pages(self, pages: Int32[np.ndarray, " n"]) -> PendingRead: ...
 
@@ -54,8 +55,9 @@ class NumpyKVPages:
     """A device pool made of numpy arrays `[L, N, KVH, ps, D]` (synchronous `KVPageIO`)."""
 
     def __init__(self, shape: PoolShape):
-        self.k = np.zeros(shape.shape, np.dtype(shape.dtype))
-        self.v = np.zeros(shape.shape, np.dtype(shape.dtype))
+        host = (*shape.shape[:-1], shape.host_head_dim)  # a compressed pool's pages as their bytes
+        self.k = np.zeros(host, shape.host_dtype)
+        self.v = np.zeros(host, shape.host_dtype)
 
     def read_pages(self, pages: Int32[np.ndarray, " n"]) -> DoneRead:
         return DoneRead(self.k[:, pages], self.v[:, pages])

@@ -24,7 +24,6 @@ import logging
 import time
 from typing import Hashable, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Int32
 
@@ -72,8 +71,8 @@ class StorageTier:
             StorageError (a ValueError): the directory cannot be written.
         """
         shape = pool_shape
-        page_shape = (shape.num_layers, shape.num_kv_heads, shape.page_size, shape.head_dim)
-        storage = FileStorage(config, page_shape, np.dtype(jnp.dtype(shape.dtype)))
+        page_shape = (shape.num_layers, shape.num_kv_heads, shape.page_size, shape.host_head_dim)
+        storage = FileStorage(config, page_shape, shape.host_dtype)  # a compressed pool's pages as bytes
         logger.info("storage tier: %s (bound %s bytes), prefetch %s, writes %s", config.storage_dir,
                     config.max_size_bytes or "no", config.prefetch_policy, config.write_policy)
         return StorageTier(storage, fingerprint, shape.page_size)

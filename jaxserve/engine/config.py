@@ -82,7 +82,8 @@ class EngineConfig:
             tp_size=args.tp_size, context_length=args.context_length, page_size=args.page_size,
             max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
             max_num_pages=args.radix_cache_max_num_blocks, swa_full_tokens_ratio=args.swa_full_tokens_ratio,
-            hybrid_swa_off_reason=_hybrid_swa_off_reason(args), attention_backend=args.attention_backend,
+            hybrid_swa_off_reason=_hybrid_swa_off_reason(args), kv_cache_quantization=args.kv_cache_quantization,
+            attention_backend=args.attention_backend,
             layer_loop=args.layer_loop, max_running_requests=args.max_running_requests, max_extend_tokens=chunk,
             min_extend_tokens=2 if args.speculative_algorithm else EXTEND_BLOCK_Q,
             lora=LoraSlotsConfig(args.max_loras_per_batch + 1, args.max_lora_rank, args.lora_target_modules)

@@ -119,9 +119,11 @@ class Engine:
             runner.precompile(sampler_warmup_variants((k.num_seqs for k in runner.all_buckets()), runner.model_config.vocab_size))
         logger.info(
             # the page count as the "KV pool:" line of kv_pool.size_pool gives it: page 0 is the dummy page
-            "engine ready: %s, KV pool %d tokens (%d pages of %d, one of them the reserved dummy page), context "
+            "engine ready: %s, KV pool %d tokens (%d pages of %d, one of them the reserved dummy page; %s), context "
             "%d, attention %s, layer loop %s, tp_size %d on %s",
-            runner.model_config.architecture, shape.num_tokens, shape.num_pages, shape.page_size, runner.context_length,
+            runner.model_config.architecture, shape.num_tokens, shape.num_pages, shape.page_size,
+            f"--kv-cache-dtype {self.args.kv_cache_dtype}: {shape.dtype}" + (" and scales" if shape.scale_bytes else ""),
+            runner.context_length,
             self.args.attention_backend, self.args.layer_loop, self.args.tp_size, ", ".join(self.devices),
         )
 

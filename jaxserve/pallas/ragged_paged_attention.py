@@ -21,6 +21,8 @@ Kernel layout (the design of vLLM's and SGLang's ragged paged attention, written
 - Online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; FlashAttention,
   Dao et al. 2022) in float32; `P @ V` runs in the pool dtype with a float32 accumulator, as the XLA
   path does.
+- A compressed pool (`QuantizedKV`, `--kv-cache-dtype`) is read in its 8 bits and cast to q's dtype in
+  the kernel; each key's scale multiplies its scores and its probabilities, as in the XLA path.
 
 KV write: this module does not write K/V. The step's new K/V go into the pool through the separate
 `write_kv` scatter first (one XLA scatter over `T` rows, cheap next to attention), which keeps both
@@ -42,6 +44,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int32
 
 from jaxserve.pallas.metadata import AttentionMetadata
+from jaxserve.pallas.quantized_kv import is_quantized
 from jaxserve.pallas.reference import NO_WINDOW
 
 _MASK_VALUE = -1e30
@@ -70,8 +73,7 @@ def _attention_kernel(
     q_ref,  # [R, D] (this block and kv head)
     k_pool_ref,  # [L, N, KVH, ps, D] (whole pool)
     v_pool_ref,  # [L, N, KVH, ps, D]
-    o_ref,  # [R, D]
-    *,
+    *refs,  # a compressed pool: k_scale_ref, v_scale_ref [L, N, KVH, ps]; then o_ref [R, D]
     group_pad: int,
     pages_per_block: int,
     num_page_blocks: int,
@@ -81,6 +83,7 @@ def _attention_kernel(
 ):
     from jax.experimental import pallas as pl
 
+    *scale_refs, o_ref = refs
     block = pl.program_id(0)
     kv_head = pl.program_id(1)
     seq = seq_id_ref[block]
@@ -105,10 +108,16 @@ def _attention_kernel(
         pages = page_table_ref[seq, pl.ds(i * pages_per_block, pages_per_block)]  # [PPB]
         k = k_pool_ref[layer, pages, kv_head].reshape(block_kv, head_dim)  # PPB contiguous [ps, D] blocks
         v = v_pool_ref[layer, pages, kv_head].reshape(block_kv, head_dim)
+        if scale_refs:  # 8-bit K/V: dots in q's dtype, each key's scale folded into its scores and probabilities
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            k_scale = scale_refs[0][layer, pages, kv_head].reshape(block_kv)
+            v_scale = scale_refs[1][layer, pages, kv_head].reshape(block_kv)
         s = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
         s = s * sm_scale
+        if scale_refs:
+            s = s * k_scale[None, :]
         if logit_softcap is not None:
             s = logit_softcap * jnp.tanh(s / logit_softcap)
         kv_pos = i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
@@ -118,6 +127,8 @@ def _attention_kernel(
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next[:, None])
         l_next = alpha * l_prev + p.sum(axis=1)
+        if scale_refs:
+            p = p * v_scale[None, :]
         pv = jax.lax.dot_general(
             p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )
@@ -139,7 +150,7 @@ def _attention_kernel(
 
 def _check_shapes(q, k_pool, v_pool, meta: AttentionMetadata) -> None:
     num_tokens, num_heads, head_dim = q.shape
-    if k_pool.shape != v_pool.shape:
+    if k_pool.shape != v_pool.shape or is_quantized(k_pool) != is_quantized(v_pool):
         raise ValueError(f"k_pool {k_pool.shape} and v_pool {v_pool.shape} differ")
     _, _, num_kv_heads, page_size, pool_head_dim = k_pool.shape
     if pool_head_dim != head_dim:
@@ -216,6 +227,9 @@ def _ragged_paged_attention(
 
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_kv_heads, page_size, _ = k_pool.shape
+    # a compressed pool (`QuantizedKV`) passes its 8-bit values and its scales as four plain inputs
+    k_data, v_data = (k_pool.values(k_pool.data), v_pool.values(v_pool.data)) if is_quantized(k_pool) else (k_pool, v_pool)
+    scales = (k_pool.scale, v_pool.scale) if is_quantized(k_pool) else ()
     group = num_heads // num_kv_heads
     num_blocks, block_q = meta.block_token_idx.shape
     num_seqs, pages_per_seq = meta.page_table.shape
@@ -267,12 +281,14 @@ def _ragged_paged_attention(
             per_program,
             full(k_pool.shape),
             full(v_pool.shape),
+            *[full(x.shape) for x in scales],
         ],
         out_specs=per_program,
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=_NUM_STAGES),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(sm_scale, layer, window, meta.block_seq_id, meta.block_q_start, meta.block_num_q, page_table, qb, k_pool, v_pool)
+    )(sm_scale, layer, window, meta.block_seq_id, meta.block_q_start, meta.block_num_q, page_table, qb, k_data, v_data,
+      *scales)
 
     out = out[:, :, : block_q_pad * group_pad].reshape(num_blocks, num_kv_heads, block_q_pad, group_pad, head_dim)
     out = out[:, :, :block_q, :group].transpose(0, 2, 1, 3, 4).reshape(num_blocks * block_q, num_heads, head_dim)

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Int32
 
 from jaxserve.pallas.metadata import AttentionMetadata
 from jaxserve.pallas.numerics import pairwise_sum
+from jaxserve.pallas.quantized_kv import is_quantized, write_rows
 
 _MASK_VALUE = -1e30
 # the window of a layer without one, when a model's layers mix windowed and full attention (Gemma 2/3):
@@ -29,7 +30,8 @@ def write_kv(
     v: Float[Array, "T KVH D"],
     slot_mapping: Int32[Array, " T"],
 ) -> tuple[Float[Array, "L N KVH ps D"], Float[Array, "L N KVH ps D"]]:
-    """Scatter the step's new K/V into layer `layer` of the pools.
+    """Scatter the step's new K/V into layer `layer` of the pools (plain arrays, or `QuantizedKV` pools,
+    which quantize each token's rows: jaxserve/pallas/quantized_kv.py).
 
     `slot_mapping[t] = page * page_size + slot`; padding tokens point at the dummy page 0. Out-of-range
     slots are dropped rather than clamped.
@@ -38,9 +40,7 @@ def write_kv(
     page = slot_mapping // page_size
     slot = slot_mapping % page_size
     # two index arrays around a slice: the indexed view is [T, KVH, D], the shape of k and v
-    k_pool = k_pool.at[layer, page, :, slot].set(k.astype(k_pool.dtype), mode="drop")
-    v_pool = v_pool.at[layer, page, :, slot].set(v.astype(v_pool.dtype), mode="drop")
-    return k_pool, v_pool
+    return write_rows(k_pool, layer, page, slot, k), write_rows(v_pool, layer, page, slot, v)
 
 
 def ragged_paged_attention_xla(
@@ -116,9 +116,11 @@ def ragged_paged_attention_xla(
             # the middle of the operand XLA:CPU's dots ran slower (D-16). A page holds each head's rows
             # contiguously ([KVH, ps, D]), so the gather moves page_size x D blocks and the transpose
             # swaps whole blocks (D-01: decode attention 1.3-1.5x faster than with [ps, KVH, D] pages)
-            k = k_pool[layer, pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, chunk, head_dim)
-            v = v_pool[layer, pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, chunk, head_dim)
+            k, k_scale = _chunk(k_pool, layer, pages, q.dtype)
+            v, v_scale = _chunk(v_pool, layer, pages, q.dtype)
             s = jnp.einsum("krd,ksd->krs", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
+            if k_scale is not None:  # a compressed pool: scale each key's scores, not its D values
+                s = s * k_scale[:, None, :]
             if logit_softcap is not None:
                 s = logit_softcap * jnp.tanh(s / logit_softcap)
             kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
@@ -131,6 +133,8 @@ def ragged_paged_attention_xla(
             rescale = jnp.exp(run_max - new_max)
             # a fixed-order sum: a reduce's order here changed with the block's rows (pallas/numerics.py)
             denom = denom * rescale + pairwise_sum(p, -1)[..., 0]
+            if v_scale is not None:
+                p = p * v_scale[:, None, :]
             pv = jnp.einsum("krs,ksd->krd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return new_max, denom, acc * rescale[..., None] + pv
 
@@ -151,6 +155,17 @@ def ragged_paged_attention_xla(
     num_real_blocks = jnp.sum(meta.block_num_q > 0)
     out = jnp.zeros((num_tokens, num_heads, head_dim), q.dtype)
     return jax.lax.fori_loop(0, num_real_blocks, attend_block, out)
+
+
+def _chunk(pool, layer, pages, dtype):
+    """Pages `pages` of layer `layer` head-major, `[KVH, n * ps, D]`, and for a `QuantizedKV` pool their
+    scales `[KVH, n * ps]` (None for a plain pool). A compressed chunk is cast to `dtype`, unscaled."""
+    if not is_quantized(pool):
+        x = pool[layer, pages]
+        return x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1]), None
+    x, scale = pool.values(pool.data[layer, pages]), pool.scale[layer, pages]
+    return (x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1]).astype(dtype),
+            scale.transpose(1, 0, 2).reshape(scale.shape[1], -1))
 
 
 def dense_causal_attention(

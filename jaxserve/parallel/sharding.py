@@ -107,9 +107,10 @@ def pool_shards(num_kv_heads: int, tp: int) -> int:
 
 
 def pool_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
-    """The KV pool [L, N, KVH, ps, D] split over kv heads."""
-    shape = (1, 1, num_kv_heads, 1, 1)
-    return NamedSharding(mesh, partition_spec(POOL_AXES, shape, tp_size(mesh)))
+    """The KV pool [L, N, KVH, ps, D] split over kv heads. The spec names the first three axes only, so
+    it also places a compressed pool's scales [L, N, KVH, ps] (`jaxserve.pallas.quantized_kv.QuantizedKV`)."""
+    shape = (1, 1, num_kv_heads)
+    return NamedSharding(mesh, partition_spec(POOL_AXES[:3], shape, tp_size(mesh)))
 
 
 def vocab_sharding(mesh: Mesh, vocab_size: int) -> NamedSharding:
@@ -126,7 +127,7 @@ def shard_attention(attn_fn: Callable, mesh: Mesh) -> Callable:
     runs inside. `check_vma=False`: a `pallas_call` inside shard_map needs it (JAX 0.10.2).
     """
     heads = P(None, "tensor", None)
-    pool = P(None, None, "tensor", None, None)
+    pool = P(None, None, "tensor")  # [L, N, KVH, ...]: the pool's values and a compressed pool's scales
 
     def sharded(q, k, v, k_pool, v_pool, layer, slot_mapping, meta, sm_scale, sliding_window=None, logit_softcap=None):
         args, specs = [q, k, v, k_pool, v_pool, layer, slot_mapping, meta], [heads, heads, heads, pool, pool, P(), P(), P()]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax
 
-from jaxserve.cache.kv_pool import PageAllocator, PoolShape, allocate_pools, available_memory_bytes, size_pool
+from jaxserve.cache.kv_pool import PageAllocator, PoolShape, available_memory_bytes, size_pool
 from jaxserve.cache.window_pool import HybridPageAllocator, WindowLayout, check_window_pool_fits, size_hybrid_pool
 from jaxserve.model import functional
 from jaxserve.model import lora as lora_lib
@@ -27,6 +27,7 @@ from jaxserve.model.context_length import resolve_context_length
 from jaxserve.model.loader import BLOCK_QUANTIZATIONS, load_model, replicate_kv_heads
 from jaxserve.model.tokenizer import resolve_model_path
 from jaxserve.pallas import get_attention_backend
+from jaxserve.pallas.quantized_kv import KV_QUANT_DTYPES, SCALE_BYTES, allocate_pools
 from jaxserve.parallel import make_mesh, per_device_nbytes, plan_tensor_parallel, pool_shards
 from jaxserve.quant.w8a8 import quantize_params
 from jaxserve.runner.buckets import EXTEND_BLOCK_Q
@@ -58,7 +59,8 @@ class RunnerConfig:
     Pool: `page_size` tokens per page, `max_total_tokens` / `mem_fraction_static` / `max_num_pages` as the
     flags; `swa_full_tokens_ratio` for the hybrid pool, which `hybrid_swa_off_reason` (a flag's name, or
     None) turns off. `max_extend_tokens`: the most tokens of one step (the chunk); `min_extend_tokens`: the
-    smallest extend bucket. `lora_sources`: the --lora-paths adapters (their ranks and targets size the
+    smallest extend bucket. `kv_cache_quantization`: a compressed pool (a key of `KV_QUANT_DTYPES`,
+    --kv-cache-dtype) or None for a pool in the model's dtype. `lora_sources`: the --lora-paths adapters (their ranks and targets size the
     slots; the engine loads them).
     """
 
@@ -76,6 +78,7 @@ class RunnerConfig:
     max_num_pages: int | None = None
     swa_full_tokens_ratio: float = 0.8
     hybrid_swa_off_reason: str | None = None
+    kv_cache_quantization: str | None = None
     attention_backend: str = "xla"
     layer_loop: str = "host"
     max_running_requests: int = 8
@@ -109,7 +112,8 @@ def load_runner(config: RunnerConfig) -> ModelRunner:
     context_length = resolve_context_length(config.context_length, model_config.max_position_embeddings,
                                             MAX_DEFAULT_CONTEXT, refuse_longer=False)  # serve.py refused it already
     pool_shape, window_layout = size_kv_pool(config, model_config, params, mesh, platform, context_length)
-    k_pool, v_pool = allocate_pools(pool_shape if window_layout is None else window_layout.device_pool_shape(pool_shape))
+    device_shape = pool_shape if window_layout is None else window_layout.device_pool_shape(pool_shape)
+    k_pool, v_pool = allocate_pools(device_shape.shape, device_shape.dtype)
     allocator = PageAllocator(pool_shape.num_pages) if window_layout is None else HybridPageAllocator(window_layout)
     return ModelRunner(
         model_config, params, k_pool, v_pool,
@@ -137,11 +141,13 @@ def size_kv_pool(config: RunnerConfig, model_config: ModelConfig, params: functi
             chunk (naming --swa-full-tokens-ratio).
     """
     weights_bytes = per_device_nbytes(params, functional.logical_axes(model_config), config.tp_size)
+    quantized = config.kv_cache_quantization
     pool_args = dict(
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
         page_size=config.page_size,
-        dtype=str(functional.compute_dtype(params)),
+        dtype=str(functional.compute_dtype(params)) if quantized is None else KV_QUANT_DTYPES[quantized],
+        scale_bytes=0 if quantized is None else SCALE_BYTES,
         max_total_tokens=config.max_total_tokens,
         mem_fraction_static=config.mem_fraction_static,
         weights_bytes=weights_bytes,

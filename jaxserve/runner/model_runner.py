@@ -44,6 +44,7 @@ from jaxserve.model import decoder, functional
 from jaxserve.model import lora as lora_lib
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.forward_batch import ForwardBatch, WindowTables
+from jaxserve.pallas import quantized_kv
 from jaxserve.pallas.metadata import build_attention_metadata
 from jaxserve.runner import sampler as sampler_lib
 from jaxserve.runner.buckets import (
@@ -182,16 +183,19 @@ def padded_page_ids(pages) -> np.ndarray:
 
 
 def _gather_pages(k_pool, v_pool, pages):
-    # [L, N, KVH, ps, D] -> [L, n, KVH, ps, D]
-    return k_pool[:, pages], v_pool[:, pages]
+    # [L, N, KVH, ps, D] -> [L, n, KVH, ps, D]; a compressed pool's pages as the host keeps them (bytes)
+    return tuple(quantized_kv.pack_pages(jax.tree.map(lambda x: x[:, pages], pool)) for pool in (k_pool, v_pool))
 
 
 def _scatter_pages(k_pool, v_pool, pages, k, v):
-    return k_pool.at[:, pages].set(k.astype(k_pool.dtype)), v_pool.at[:, pages].set(v.astype(v_pool.dtype))
+    def scatter(pool, host):
+        return jax.tree.map(lambda x, y: x.at[:, pages].set(y), pool, quantized_kv.unpack_pages(host, pool))
+
+    return scatter(k_pool, k), scatter(v_pool, v)
 
 
 def _copy_pages(k_pool, v_pool, src, dst):
-    return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
+    return tuple(jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), pool) for pool in (k_pool, v_pool))
 
 
 # the page copies of a single-device pool (the results stay on its device)
@@ -291,7 +295,7 @@ class ModelRunner:
             axes = functional.logical_axes(config)
             params = parallel.shard_params(params, lora_lib.with_lora_axes(axes, config, lora) if lora else axes, self.mesh)
             pool = parallel.pool_sharding(self.mesh, k_pool.shape[2])
-            k_pool, v_pool = parallel.sharding.put(k_pool, pool), parallel.sharding.put(v_pool, pool)
+            k_pool, v_pool = (jax.tree.map(lambda x: parallel.sharding.put(x, pool), p) for p in (k_pool, v_pool))
             attn_fn = parallel.shard_attention(attn_fn, self.mesh)
             rep, logits = parallel.replicated(self.mesh), parallel.vocab_sharding(self.mesh, config.vocab_size)
             shardings = dict(step=(logits, rep, pool, pool), embed=rep, layers=(rep, pool, pool), head=(logits, rep))

@@ -69,3 +69,23 @@ def test_cpu_pool_keeps_its_whole_pool_default_at_any_tp(caplog):
     kwargs = dict(TP_POOL, mem_fraction_static=None, weights_bytes=GIB, platform="cpu", available_bytes=64 * GIB)
     assert size_pool(**kwargs, pool_shards=4).num_tokens == size_pool(**kwargs).num_tokens == 3 * GIB // 2 // 8192
     assert "per device: the pool is split" not in caplog.text
+
+
+@pytest.mark.parametrize("model_dtype, head_dim, ratio", [("float32", 64, 256 / 68), ("bfloat16", 128, 256 / 132)])
+def test_a_compressed_pool_holds_more_tokens_in_the_same_budget(caplog, model_dtype, head_dim, ratio):
+    """--kv-cache-dtype int8/fp8: one byte per value and a 4-byte scale per token and kv head, so the same
+    budget buys 4 * 64 / 68 = 3.8x the float32 tokens at head_dim 64 and 256 / 132 = 1.9x the bfloat16 ones at
+    128; the start-up line names the dtype and the scale."""
+    caplog.set_level(logging.INFO, logger="jaxserve.cache.kv_pool")
+    common = dict(num_layers=2, num_kv_heads=4, head_dim=head_dim, page_size=16, max_total_tokens=None,
+                  mem_fraction_static=0.5, weights_bytes=0, platform="cpu", available_bytes=2 * GIB)
+    plain = size_pool(dtype=model_dtype, **common)
+    compressed = size_pool(dtype="int8", scale_bytes=4, **common)
+    assert compressed.bytes_per_token == 2 * 2 * 4 * (head_dim + 4)
+    assert compressed.bytes_per_token * ratio == pytest.approx(plain.bytes_per_token)
+    # both sizes are rounded down to 3 significant bits
+    assert compressed.num_tokens / plain.num_tokens == pytest.approx(ratio, rel=0.25)
+    assert compressed.num_tokens * compressed.bytes_per_token <= GIB
+    assert "int8 with a 4-byte scale per token and kv head" in caplog.text
+    assert (compressed.host_dtype.name, compressed.host_head_dim) == ("uint8", head_dim + 4)
+    assert (plain.host_dtype.name, plain.host_head_dim) == (model_dtype, head_dim)

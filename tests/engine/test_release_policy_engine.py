@@ -147,3 +147,24 @@ def test_default_model_outputs_identical_with_the_policy_on():
         del engine
     assert results[1][0] == results[0][0] and results[2][0] == results[0][0]
     assert results[1][1] == results[0][1]
+
+
+def test_a_compressed_pool_moves_its_bytes_through_the_host_tier(tiny_model_dir):
+    """--kv-cache-dtype int8 with aggressive soft release: every recall restores the 8-bit values and their
+    scales, so outputs and cached_tokens equal the same compressed pool's without a host tier, and the host
+    tier holds the compressed pages' bytes (values and scale, `PoolShape.row_bytes`), not float32 ones."""
+    plain = make_engine(tiny_model_dir, kv_cache_dtype="int8")
+    expected = run_waves(plain, waves())
+    plain.close()
+    engine = make_engine(
+        tiny_model_dir, kv_cache_dtype="int8", enable_hierarchical_cache=True, radix_cache_soft_free_threshold=0.0,
+        radix_cache_evict_threshold=0.0, **AGGRESSIVE,
+    )
+    assert run_waves(engine, waves()) == expected
+    stats = engine.radix_cache_stats()
+    assert stats.num_recalls > 0 and stats.host_hit_tokens > 0
+    shape, host = engine.runner.pool_shape, engine.cache.policy.host
+    assert (shape.dtype, shape.scale_bytes) == ("int8", 4)
+    assert host.k.dtype == np.uint8 and host.k.shape[-1] == shape.head_dim + 4
+    assert host.bytes_per_page == shape.bytes_per_token * shape.page_size
+    engine.close()

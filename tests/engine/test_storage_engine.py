@@ -247,3 +247,22 @@ def test_kill_9_while_writing_then_a_restart_serves_no_torn_page(tiny_model_dir,
     assert num_hits >= 2  # the prompts the killed process finished are storage hits
     assert not list(storage_dir.glob(".*.tmp")), "the dead writer's temporary files are removed at start-up"
     restarted.close()
+
+
+def test_a_compressed_pool_survives_a_restart_and_is_kept_apart(tiny_model_dir, storage_dir):
+    """--kv-cache-dtype fp8_e4m3: the storage tier's files hold the compressed pages (values and scales), a
+    restart serves them with the same greedy output, and a float pool on the same directory never reads them."""
+    tokens = prompt(5)
+    a = make_engine(tiny_model_dir, kv_cache_dtype="fp8_e4m3")
+    output = serve(a, tokens)[0]
+    shape = a.runner.pool_shape
+    assert a.cache.policy.storage.storage.page_bytes * 2 == shape.bytes_per_token * shape.page_size
+    assert shape.bytes_per_token == 2 * shape.num_layers * shape.num_kv_heads * (shape.head_dim + 4)
+    a.close()
+    b = make_engine(tiny_model_dir, kv_cache_dtype="fp8_e4m3")
+    output_b, cached_b = serve(b, tokens)
+    assert cached_b >= aligned(tokens) and output_b == output
+    b.close()
+    c = make_engine(tiny_model_dir)  # a float pool: another fingerprint
+    assert serve(c, tokens)[1] == 0
+    c.close()

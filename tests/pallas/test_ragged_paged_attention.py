@@ -372,6 +372,12 @@ _SHARD_MAP_SCRIPT = textwrap.dedent(
     ref = jax.jit(attn)(q, k_pool, v_pool, layer, meta)
     n = sum(b for _, b in seqs)
     np.testing.assert_allclose(np.asarray(out)[:n], np.asarray(ref)[:n], rtol=1e-6, atol=1e-6)
+    # a compressed pool: its values and scales split over kv heads by the same spec
+    from jaxserve.pallas.quantized_kv import QuantizedKV, quantize_rows
+    kq, vq = (QuantizedKV.of(*quantize_rows(p, jnp.dtype("float8_e4m3fn"))) for p in (k_pool, v_pool))
+    out = sharded(q, kq, vq, layer, meta)
+    ref = jax.jit(attn)(q, kq, vq, layer, meta)
+    np.testing.assert_allclose(np.asarray(out)[:n], np.asarray(ref)[:n], rtol=1e-6, atol=1e-6)
     print("SHARDED_OK", out.sharding)
     """
 )
@@ -404,3 +410,133 @@ def test_xla_path_on_verification_buckets(seqs, block_q):
     num_new = sum(ext for _, ext in seqs)
     _assert_close(out[:num_new], _numpy_attention(q, seqs, seq_kv, 0.125), TOLERANCE["float32"])
     assert not out[num_new:].any()
+
+
+# ---- the compressed pool (--kv-cache-dtype; jaxserve/pallas/quantized_kv.py) -----------------------------
+
+KV_QUANT_STORAGE = ["int8", "float8_e4m3fn", "float8_e5m2"]
+
+
+def _numpy_quantize(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """An independent numpy quantizer of rows (the last axis), in float32 arithmetic as the step's."""
+    import ml_dtypes
+
+    x = np.asarray(x, np.float32)
+    top = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}[dtype]
+    scale = np.abs(x).max(-1) * np.float32(1.0 / top)
+    scaled = x / np.where(scale > 0, scale, np.float32(1))[..., None]
+    with np.errstate(invalid="ignore"):  # NaN rows (pages no sequence owns) stay NaN in their scale
+        if dtype == "int8":
+            return np.clip(np.round(scaled), -127, 127).astype(np.int8), scale
+        return scaled.astype(getattr(ml_dtypes, dtype)), scale
+
+
+@pytest.mark.parametrize("dtype", KV_QUANT_STORAGE)
+def test_quantize_rows_equals_numpy_bit_for_bit(dtype):
+    from jaxserve.pallas.quantized_kv import dequantize_rows, quantize_rows
+
+    x = np.random.default_rng(0).standard_normal((33, 3, 64)).astype(np.float32) * 5
+    x[4, 1] = 0.0  # a zero row: scale 0, values 0
+    values, scale = jax.jit(quantize_rows, static_argnums=1)(jnp.asarray(x), jnp.dtype(dtype))
+    ref_values, ref_scale = _numpy_quantize(x, dtype)
+    np.testing.assert_array_equal(np.asarray(scale), ref_scale)
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint8), ref_values.view(np.uint8))
+    assert not np.asarray(dequantize_rows(values, scale))[4, 1].any()
+    # the round trip's error is within half a step of the row's scale (int8) or fp8's relative precision
+    err = np.abs(np.asarray(dequantize_rows(values, scale)) - x)
+    bound = {"int8": 0.5 * ref_scale[..., None] * 1.0001, "float8_e4m3fn": np.abs(x) / 16 + 1e-6 * ref_scale[..., None],
+             "float8_e5m2": np.abs(x) / 8 + 1e-6 * ref_scale[..., None]}[dtype]
+    assert (err <= bound + 1e-12).all()
+
+
+@pytest.mark.parametrize("dtype", KV_QUANT_STORAGE)
+def test_packed_pages_round_trip(dtype):
+    """The host tiers' bytes (`pack_pages`) give back the pool's values and scales exactly, on the device and
+    in numpy."""
+    from jaxserve.pallas.quantized_kv import QuantizedKV, pack_pages, quantize_rows, unpack_pages, unpack_pages_numpy
+
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 2, 4, 16)), jnp.float32)
+    pool = QuantizedKV.of(*quantize_rows(x, jnp.dtype(dtype)))
+    packed = jax.jit(pack_pages)(pool)
+    assert packed.dtype == jnp.uint8 and packed.shape == (2, 3, 2, 4, 16 + 4)
+    back = unpack_pages(packed, pool)
+    np.testing.assert_array_equal(np.asarray(back.data).view(np.uint8), np.asarray(pool.data).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(back.scale), np.asarray(pool.scale))
+    values, scale = unpack_pages_numpy(np.asarray(packed), dtype)
+    np.testing.assert_array_equal(values.view(np.uint8), np.asarray(pool.data).view(np.uint8))
+    assert values.dtype.name == dtype
+    np.testing.assert_array_equal(scale, np.asarray(pool.scale))
+
+
+def _quantized_batch(seqs, dtype, **kw):
+    """`_make_batch`'s float32 batch with its pools compressed to `dtype`, and each sequence's K/V as the
+    compressed pool holds it (dequantized in numpy, float64), for the brute force."""
+    from jaxserve.pallas.quantized_kv import QuantizedKV
+
+    q, k_pool, v_pool, layer, host_meta, seq_kv = _make_batch(seqs, dtype="float32", **kw)
+    pools = [QuantizedKV.of(*map(jnp.asarray, _numpy_quantize(np.asarray(p), dtype))) for p in (k_pool, v_pool)]
+    # NaN pages (no owner) keep a NaN scale, so a read of a wrong page still shows
+    pools = [QuantizedKV(p.data, jnp.where(jnp.isnan(raw).any(-1), jnp.nan, p.scale), p.format)
+             for p, raw in zip(pools, (k_pool, v_pool))]
+    held = []
+    for k, v in seq_kv:
+        pair = []
+        for x in (k, v):
+            values, scale = _numpy_quantize(x, dtype)
+            pair.append(values.astype(np.float64) * scale[..., None].astype(np.float64))
+        held.append(tuple(pair))
+    return q, pools[0], pools[1], layer, host_meta, held
+
+
+@pytest.mark.parametrize("dtype", KV_QUANT_STORAGE)
+@pytest.mark.parametrize("window", [None, 40])
+def test_compressed_pool_attention_on_both_backends(dtype, window):
+    """Both backends read a compressed pool: against the float64 brute force over the values the pool holds,
+    with decodes and extends mixed, a window, and pages of two sizes."""
+    seqs = [(0, 23), (37, 1), (70, 9), (5, 1)]
+    for page_size in (4, 16):
+        q, k_pool, v_pool, layer, host_meta, held = _quantized_batch(
+            seqs, dtype, page_size=page_size, group=3, head_dim=32, block_q=8, seed=page_size)
+        meta = host_meta.to_device()
+        extra = {} if window is None else dict(sliding_window=jnp.int32(window))
+        ref = _numpy_attention(q, seqs, held, 0.2, window)
+        num_new = sum(ext for _, ext in seqs)
+        xla = _xla(q, k_pool, v_pool, layer, meta, sm_scale=0.2, kv_block=32, **extra)
+        _assert_close(xla[:num_new], ref, TOLERANCE["float32"])
+        pallas = _pallas(q, k_pool, v_pool, layer, meta, sm_scale=0.2, interpret=True, **extra)
+        _assert_close(pallas[:num_new], ref, TOLERANCE["float32"])
+
+
+def test_write_kv_quantizes_each_token_into_its_slot():
+    """`write_kv` into a compressed pool stores each token's rows as the numpy quantizer does, at its slot,
+    and drops padding rows aimed past the pool."""
+    from jaxserve.pallas.quantized_kv import allocate_pools
+    from jaxserve.pallas.reference import write_kv
+
+    k_pool, v_pool = allocate_pools((2, 5, 2, 4, 8), "int8")
+    rng = np.random.default_rng(2)
+    k, v = (rng.standard_normal((3, 2, 8)).astype(np.float32) for _ in range(2))
+    slots = np.array([4 * 3 + 1, 4 * 2 + 0, 99 * 4], np.int32)  # page 3 slot 1, page 2 slot 0, out of range
+    k_pool, v_pool = jax.jit(write_kv)(k_pool, v_pool, jnp.int32(1), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+    for pool, x in ((k_pool, k), (v_pool, v)):
+        values, scale = _numpy_quantize(x, "int8")
+        data, scales = np.asarray(pool.data), np.asarray(pool.scale)
+        np.testing.assert_array_equal(data[1, 3, :, 1], values[0])
+        np.testing.assert_array_equal(scales[1, 2, :, 0], scale[1])
+        assert np.count_nonzero(scales) == np.count_nonzero(scale[:2])  # nothing else written
+
+
+@needs_embedded_triton_ir
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_compressed_pool_kernel_lowers_for_cuda(dtype):
+    """The kernel over 8-bit pages and their scales lowers to one verified Triton kernel with two dots."""
+    from jaxserve.pallas.quantized_kv import QuantizedKV
+
+    f = functools.partial(ragged_paged_attention, sm_scale=0.125, interpret=False)
+    q, pool, _, layer, meta = _abstract_args(64, 8, 16, 16, 4, 64, jnp.bfloat16)
+    bits = jnp.int8 if dtype == jnp.int8 else jnp.uint8
+    quantized = QuantizedKV(jax.ShapeDtypeStruct(pool.shape, bits), jax.ShapeDtypeStruct(pool.shape[:-1], jnp.float32),
+                            jnp.dtype(dtype).name)
+    lowered = jax.jit(f).trace(q, quantized, quantized, layer, meta).lower(lowering_platforms=("cuda",))
+    [(_, dots)] = triton_kernels(lowered)
+    assert len(dots) == 2
