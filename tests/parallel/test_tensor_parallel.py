@@ -76,6 +76,17 @@ def test_no_compile_after_warmup_and_no_page_leak(tp_runs, family):
         assert r["free_pages"] == r["usable_pages"], r["tp"]
 
 
+def test_a_compressed_pool_at_tp_2(tiny_model_dir):
+    """--kv-cache-dtype int8 at tp 2: the values and the scales are split over kv heads, and every row is one kv
+    head's, so tp 2 quantizes and attends as tp 1 does: the same greedy outputs, through soft release, recall
+    and copy-on-write of compressed pages, and no page leaked."""
+    tp1, tp2 = run_worker(tiny_model_dir, "--tp", "1", "2", "--kv-cache-dtype", "int8", "--num-prompts", "8", devices=2)
+    assert tp2["pool_sharding"] == "P(None, None, 'tensor') P(None, None, 'tensor')"  # values, scales
+    assert tp2["outputs"] == tp1["outputs"] and tp2["sampled"] == tp1["sampled"]
+    for r in (tp1, tp2):
+        assert r["num_recalls"] > 0 and r["free_pages"] == r["usable_pages"]
+
+
 def test_kv_heads_replicated_when_tp_exceeds_them(tp_runs):
     # the tiny Llama has 2 kv heads: tp 4 serves each twice (its outputs are checked above)
     assert [r["num_kv_heads"] for r in tp_runs["llama"]] == [2, 2, 4]

@@ -5,6 +5,7 @@ A separate process because the number of host devices is fixed when jax starts:
     JAX_NUM_CPU_DEVICES=4 python -m tests.parallel.tp_worker MODEL_DIR... --tp 1 2 4 [--backend xla|pallas]
                                                              [--precompile] [--num-prompts N] [--lower-cuda]
                                                              [--retract] [--disable-radix-cache]
+                                                             [--kv-cache-dtype int8|fp8_e4m3|...]
 
 For each tp size: greedy outputs of 16 mixed-length requests through the Engine (radix cache, chunked
 prefill, the release policy aggressive with soft release and coalescing), compiles after warm-up, free
@@ -43,8 +44,9 @@ def prompts(vocab_size: int) -> list[list[int]]:
 
 
 def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: int, disable_radix_cache: bool = False,
-        hybrid: bool = False) -> dict:
-    """`hybrid`: no host tier, so a sliding-window model gets the hybrid window pool (D-46)."""
+        hybrid: bool = False, kv_cache_dtype: str = "auto") -> dict:
+    """`hybrid`: no host tier, so a sliding-window model gets the hybrid window pool (D-46). `kv_cache_dtype`:
+    a compressed pool's values and scales are both split over kv heads (`pool_sharding` lists each leaf's)."""
     import jax
 
     from jaxserve.core.batch import BatchEntry
@@ -53,7 +55,7 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
     engine = Engine(
         model_path=model_dir, tp_size=tp, attention_backend=backend, max_total_tokens=1024,
         max_running_requests=8, chunked_prefill_size=32, context_length=128, page_size=8,
-        disable_precompile=not precompile, disable_radix_cache=disable_radix_cache,
+        disable_precompile=not precompile, disable_radix_cache=disable_radix_cache, kv_cache_dtype=kv_cache_dtype,
         **({} if disable_radix_cache else dict(AGGRESSIVE, enable_hierarchical_cache=not hybrid)),
     )
     ps = prompts(engine.runner.model_config.vocab_size)[:num_prompts]
@@ -77,7 +79,8 @@ def run(model_dir: str, tp: int, backend: str, precompile: bool, num_prompts: in
         "tp": tp,
         "devices": engine.devices,
         "num_kv_heads": engine.runner.model_config.num_kv_heads,
-        "pool_sharding": str(runner.k_pool.sharding.spec) if hasattr(runner.k_pool.sharding, "spec") else "",
+        "pool_sharding": " ".join(str(leaf.sharding.spec) if hasattr(leaf.sharding, "spec") else ""
+                                  for leaf in jax.tree.leaves(runner.k_pool)),
         "outputs": outputs,
         "sampled": sampled,
         "compiles_after_warmup": compiles if precompile else None,
@@ -165,6 +168,7 @@ def main() -> None:
     ap.add_argument("--retract", action="store_true")
     ap.add_argument("--disable-radix-cache", action="store_true")
     ap.add_argument("--hybrid", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
     if args.lower_cuda:
         results = [lower_cuda(d, tp, args.hybrid) for d in args.model_dirs for tp in args.tp]
@@ -173,7 +177,7 @@ def main() -> None:
     else:
         results = [
             {"model_dir": d, **run(d, tp, args.backend, args.precompile, args.num_prompts, args.disable_radix_cache,
-                                   args.hybrid)}
+                                   args.hybrid, args.kv_cache_dtype)}
             for d in args.model_dirs for tp in args.tp
         ]
     sys.stdout.write("\nRESULT " + json.dumps(results) + "\n")
