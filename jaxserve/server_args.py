@@ -232,7 +232,7 @@ class ServerArgs:
     log_requests: bool = _flag(False, "log one info line per finished generation request (each of n sequences): rid, prompt, completion and cached tokens, finish reason, latency", group="observability")
     trust_remote_code: bool = _flag(False, "accepted for SGLang command lines; changes nothing: jaxserve runs its own JAX code for the architectures it supports and never runs a checkpoint's Python code", group="model")
     disable_cuda_graph: bool = _flag(False, "accepted for SGLang command lines; changes nothing: jaxserve has no CUDA graphs (XLA compiles each shape bucket once, see --disable-precompile)", group="model")
-    kv_cache_dtype: str = _flag("auto", "KV pool dtype: auto (the model's, --dtype: float32 on CPU, bfloat16 elsewhere; its name, bf16/fp16/fp32, too), or a compressed pool of 8-bit K/V with a float32 scale per token and kv head: fp8_e4m3, fp8_e5m2, int8 (3.8x the float32 tokens in the same memory at head_dim 64, 1.9x bfloat16's; host and storage tiers keep the compressed pages; int8 is the most precise on the default model, D-48)", group="memory")
+    kv_cache_dtype: str = _flag("auto", "KV pool dtype: auto (the model's, --dtype: float32 on CPU, bfloat16 elsewhere; its name, bf16/fp16/fp32, too), or a compressed pool of 8-bit K/V with a float32 scale per token and kv head: fp8_e4m3, fp8_e5m2, int8 (3.8x the float32 tokens per byte at head_dim 64, 1.9x bfloat16's, before the pool size's rounding to 3 significant bits; host and storage tiers keep the compressed pages; int8 is the most precise on the default model; a greedy text may then depend on what shares its batch, D-48)", group="memory")
     tokenizer_mode: str = _flag("auto", "auto only (SGLang's default): the fast tokenizer (tokenizers library)", choices=("auto",), group="model")
     device: str | None = _flag(None, "the JAX platform in use (cpu, gpu or cuda, tpu), checked at start-up; another is an error: the platform is chosen by JAX_PLATFORMS (default: JAX's default backend)", group="model")
     watchdog_timeout: float = _flag(300.0, "accepted for SGLang command lines; changes nothing: jaxserve has no watchdog, so a step that hangs is not detected (a step that raises ends the engine: the process exits 1, or with --keep-alive-on-engine-error stays up with /health at 503)", group="scheduling")
@@ -288,7 +288,12 @@ class ServerArgs:
                              f"(choose it with JAX_PLATFORMS); give --device {platform} or leave the flag out")
         pool = self.dtype if self.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
         value = self.kv_cache_dtype.lower()
-        if value != "auto" and value not in KV_CACHE_QUANTIZED and KV_CACHE_DTYPES.get(value) != pool:
+        if value == "auto" or value in KV_CACHE_QUANTIZED:
+            return
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not a KV cache dtype: give auto, {pool} (the "
+                             f"model's, --dtype), or a compressed pool: {', '.join(KV_CACHE_QUANTIZED)}")
+        if KV_CACHE_DTYPES[value] != pool:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: a float KV pool is stored in the model's dtype, "
                              f"{pool} here (--dtype); give auto, {pool}, or a compressed pool: "
                              f"{', '.join(KV_CACHE_QUANTIZED)}")

@@ -120,7 +120,9 @@ def test_kv_cache_quantized_names_are_the_pools():
 @pytest.mark.parametrize("argv, platform, message", [
     (["--device", "cuda"], "cpu", "--device cuda: this process runs on the JAX platform 'cpu'"),
     (["--device", "npu"], "cpu", "--device npu"),
-    (["--kv-cache-dtype", "fp4_e2m1"], "cpu", "--kv-cache-dtype fp4_e2m1: a float KV pool is stored in the model's dtype, float32"),
+    (["--kv-cache-dtype", "fp4_e2m1"], "cpu", "--kv-cache-dtype 'fp4_e2m1' is not a KV cache dtype: give auto, float32 (the model's, --dtype), or a compressed pool: fp8_e4m3, fp8_e5m2, int8"),
+    (["--kv-cache-dtype", ""], "cpu", "--kv-cache-dtype '' is not a KV cache dtype"),
+    (["--kv-cache-dtype", "fp16"], "cpu", "--kv-cache-dtype fp16: a float KV pool is stored in the model's dtype, float32"),
     (["--kv-cache-dtype", "bfloat16"], "cpu", "give auto, float32, or a compressed pool: fp8_e4m3, fp8_e5m2, int8"),
     (["--kv-cache-dtype", "float32"], "tpu", "bfloat16 here"),
 ])
