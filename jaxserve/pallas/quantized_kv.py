@@ -1,8 +1,8 @@
 """The compressed KV pool (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2 | int8`): 8-bit K/V with one float32
 scale per token and kv head.
 
-A quantized pool is a `QuantizedKV` pytree in place of the plain `[L, N, KVH, ps, D]` array: `data` in the
-8-bit dtype and `scale` `[L, N, KVH, ps]`, so every function that carries the pools (the layer scan's
+A quantized pool is a `QuantizedKV` pytree in place of the plain `[L, N, KVH, ps, D]` array: `data` (the 8-bit
+values, fp8 ones as their uint8 bits) and `scale` `[L, N, KVH, ps]`, so every function that carries the pools (the layer scan's
 carry, donation, shard_map over kv heads, page copies by `jax.tree.map`) carries it unchanged. Three
 places read inside it:
 
@@ -16,7 +16,7 @@ places read inside it:
   bytes on each row), so they store what the device stores.
 
 Bytes per token and kv head: `head_dim + 4` against `4 * head_dim` in float32 (3.8x the tokens at
-head_dim 64) and `2 * head_dim` in bfloat16 (1.9x at 64, 1.97x at 128). Decision D-48.
+head_dim 64) and `2 * head_dim` in bfloat16 (1.9x at 64 and at 128). Decision D-48.
 """
 
 from __future__ import annotations
