@@ -366,7 +366,7 @@ def test_start_up_argument_errors_come_before_the_port_binds(tmp_path):
     env.pop("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", None)  # the --context-length case needs the refusal
     cases = [
         (["--device", "tpu"], "--device tpu: this process runs on the JAX platform 'cpu'"),
-        (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3: the KV pool is stored in the model's dtype"),
+        (["--kv-cache-dtype", "fp4_e2m1"], "--kv-cache-dtype 'fp4_e2m1' is not a KV cache dtype"),
         (["--chat-template", "chatml"], "--chat-template chatml: no such file"),
         (["--chat-template", str(tmp_path / "norender.jinja")], "cannot render a conversation of one user message"),
         (["--tp-size", "64"], "--tp-size 64 needs 64 devices"),
