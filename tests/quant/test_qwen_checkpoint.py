@@ -38,7 +38,7 @@ def test_blocks_match_transformers(qwen_gguf):
     assert (chosen["wqkv"], chosen["w_down"], chosen["lm_head"]) == (formats.Q8_0,) * 3  # mixed types; Q8_0
     resident = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     print(f"resident weights {resident / 2**20:.1f} MiB, {resident / os.path.getsize(qwen_gguf):.3f}x the file")
-    assert resident <= 1.25 * os.path.getsize(qwen_gguf)  # issue 49's bound
+    assert resident <= 1.25 * os.path.getsize(qwen_gguf)  # resident weights at most 1.25x the file (D-47)
 
     torch.set_num_threads(2)
     folder, name = os.path.dirname(qwen_gguf), os.path.basename(qwen_gguf)
