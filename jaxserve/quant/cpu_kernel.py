@@ -1,10 +1,11 @@
 """The quantized matmul `quant_matmul(fmt, arrays, x)`: W @ x for a block-quantized W (formats.py) and
 float32 activations x [I, T].
 
-On CPU, for up to `KERNEL_MAX_TOKENS` tokens (16 or 32 by format: decode and speculative verification), it
-calls the C++ kernel quant_matmul.cc through `jax.ffi.ffi_call`: each weight block is decoded once per tile
-of tokens and the weights are read once, compressed, instead of XLA:CPU converting an int8 or float16
-weight to a float32 copy at every step (D-47). For larger T (prefill), on TPU, or where the kernel could not be
+On CPU, for up to `KERNEL_MAX_TOKENS` tokens (8: decode and speculative verification), it calls the C++ kernel
+quant_matmul.cc through `jax.ffi.ffi_call`: each weight block is decoded once per tile of tokens and the
+weights are read once, compressed, instead of XLA:CPU converting an int8 or float16 weight to a float32 copy
+at every step (D-47). For larger T (prefill), the same library decodes W to float32 (`dequantize`, at memory
+speed, right before its use) and XLA's float32 GEMM multiplies it. On TPU, or where the kernel could not be
 built, the XLA path dequantizes W (`formats.dequantize`) and runs a float32 dot. On a GPU, the Pallas kernel
 (pallas_matmul.py) reads the blocks at every T.
 
@@ -41,11 +42,13 @@ from jaxserve.quant.pallas_matmul import quant_matmul_pallas
 logger = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("quant_matmul.cc")
-# T up to which the CPU kernel runs, per format; above it the XLA path (D-47: measured by
-# benchmarks/quant/bench_quant_matmul.py, where the kernel stops beating dequantize-and-dot)
-KERNEL_MAX_TOKENS = {formats.Q8_0: 16, formats.Q4_1: 32, formats.Q5_0: 32}
+# T up to which the CPU kernel's tiles run, per format; above it the kernel's dequantize and XLA's dot (D-47:
+# measured by benchmarks/quant/bench_quant_matmul.py --kernel-dequantize, where the tiles stop beating it)
+KERNEL_MAX_TOKENS = {formats.Q8_0: 8, formats.Q4_1: 8, formats.Q5_0: 8}
 _TARGETS = {fmt: f"jaxserve_quant_matmul_{fmt}" for fmt in formats.FORMATS}
 _SYMBOLS = {fmt: f"JaxserveQuantMatmul{fmt.capitalize()}" for fmt in formats.FORMATS}
+_DEQUANTIZE_TARGETS = {fmt: f"jaxserve_dequantize_{fmt}" for fmt in formats.FORMATS}
+_DEQUANTIZE_SYMBOLS = {fmt: f"JaxserveDequantize{fmt.capitalize()}" for fmt in formats.FORMATS}
 _lock = threading.Lock()
 _status: str | None = None  # None: not tried yet; "ready" or why not
 _path: str | None = None  # the code the kernel runs here: "AVX-512", "AVX2" or "scalar"
@@ -106,7 +109,7 @@ def kernel_status() -> str:
         if _status is None:
             _status = _load()
             if _status == "ready":
-                bounds = ", ".join(f"{fmt} up to {n} tokens" for fmt, n in KERNEL_MAX_TOKENS.items())
+                bounds = ", ".join(f"{fmt} tiles up to {n} tokens" for fmt, n in KERNEL_MAX_TOKENS.items())
                 logger.info("quantized matmul: the CPU kernel (jax.ffi, %s code) for %s", _path, bounds)
             else:
                 logger.warning("quantized matmul: the XLA path only (%s)", _status)
@@ -119,12 +122,13 @@ def _load() -> str:
     global _path
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
-        handlers = {fmt: getattr(library, symbol) for fmt, symbol in _SYMBOLS.items()}
+        handlers = {_TARGETS[fmt]: getattr(library, symbol) for fmt, symbol in _SYMBOLS.items()}
+        handlers |= {_DEQUANTIZE_TARGETS[fmt]: getattr(library, symbol) for fmt, symbol in _DEQUANTIZE_SYMBOLS.items()}
         _path = _PATH_NAMES[library.JaxserveQuantMatmulPath()]
     except (RuntimeError, OSError, AttributeError) as e:
         return str(e)
-    for fmt, handler in handlers.items():
-        jax.ffi.register_ffi_target(_TARGETS[fmt], jax.ffi.pycapsule(handler), platform="cpu")
+    for target, handler in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return "ready"
 
 
@@ -137,6 +141,23 @@ def _kernel_call(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> 
     return call(xt, *(arrays[name] for name in formats.FIELDS[fmt]))
 
 
+def dequantize(fmt: str, arrays: dict[str, Array], in_features: int) -> Float[Array, "O I"]:
+    """W [O, I] in float32 by the CPU kernel's decoder (requires `kernel_status() == "ready"`): the values of
+    `formats.dequantize`, bit for bit, at memory speed on XLA's thread pool."""
+    call = jax.ffi.ffi_call(
+        _DEQUANTIZE_TARGETS[fmt], jax.ShapeDtypeStruct((arrays["qs"].shape[0], in_features), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(*(arrays[name] for name in formats.FIELDS[fmt]))
+
+
+def _dequantize_dot(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Float[Array, "O T"]:
+    # One weight in float32 at a time, decoded just before its dot, under XLA's memory-minimizing order
+    # (runner/xla_cpu.py, D-49); XLA's concurrency-optimized order keeps a layer group's decoded weights alive
+    # together (5 SmolLM2 layers: 71 MB against 7 MB) and ran 2-4x slower.
+    return dequantize(fmt, arrays, x.shape[0]) @ x.astype(jnp.float32)
+
+
 def xla_matmul(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Float[Array, "O T"]:
     """The XLA path of `quant_matmul`: W dequantized (`formats.dequantize`), then a float32 dot."""
     return formats.dequantize(fmt, arrays) @ x.astype(jnp.float32)
@@ -145,15 +166,16 @@ def xla_matmul(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Fl
 def quant_matmul(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> Float[Array, "O T"]:
     """W @ x in float32 for W [O, I] in format `fmt` (`arrays`: its fields, formats.FIELDS) and x [I, T].
 
-    On a GPU backend, the Pallas kernel (pallas_matmul.py). Else the CPU kernel where it is ready and
-    T <= `KERNEL_MAX_TOKENS[fmt]` (on CPU only: other platforms lower the XLA path,
-    `jax.lax.platform_dependent`), else dequantize and dot. All equal `formats.reference_matmul` up to
-    float32 summation order.
+    On a GPU backend, the Pallas kernel (pallas_matmul.py). Else, where the CPU kernel is ready (on CPU only:
+    other platforms lower the XLA path, `jax.lax.platform_dependent`), its tiles for
+    T <= `KERNEL_MAX_TOKENS[fmt]` and its `dequantize` then XLA's dot above; else `xla_matmul`. All equal
+    `formats.reference_matmul` up to float32 summation order.
     """
     if jax.default_backend() == "gpu":  # the Pallas kernel reads the blocks on the GPU at every T
         return quant_matmul_pallas(fmt, arrays, x)
-    if x.shape[1] > KERNEL_MAX_TOKENS[fmt] or kernel_status() != "ready":
+    if kernel_status() != "ready":
         return xla_matmul(fmt, arrays, x)
+    on_cpu = _kernel_call if x.shape[1] <= KERNEL_MAX_TOKENS[fmt] else _dequantize_dot
     return jax.lax.platform_dependent(
-        arrays, x, cpu=functools.partial(_kernel_call, fmt), default=functools.partial(xla_matmul, fmt)
+        arrays, x, cpu=functools.partial(on_cpu, fmt), default=functools.partial(xla_matmul, fmt)
     )

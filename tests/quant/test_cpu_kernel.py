@@ -63,9 +63,19 @@ def test_integer_part_is_bit_exact(fmt):
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_kernel_dequantize_is_the_references_bit_for_bit(fmt):
+    """Above the tiles' bound the kernel decodes W to float32 for XLA's dot: the same values as the numpy
+    reference's dequantization, under jit, with rows that are no multiple of the 32-row chunks."""
+    arrays = _weight(fmt, rows=72, cols=320)
+    ours = jax.jit(cpu_kernel.dequantize, static_argnums=(0, 2))(fmt, arrays, 320)
+    expected = formats.dequantize_numpy(fmt, {k: np.asarray(v) for k, v in arrays.items()})
+    np.testing.assert_array_equal(np.asarray(ours), expected)
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
 def test_vmap_and_large_t(fmt):
-    """vmap over a batch of activations (the call's `vmap_method`), and T above the kernel's bound (the
-    XLA path) give the reference too."""
+    """vmap over a batch of activations (the call's `vmap_method`), T above the tiles' bound (the kernel's
+    dequantize, then XLA's dot) and the XLA path give the reference too."""
     arrays = _weight(fmt, rows=64, cols=256)
     xs = jax.random.normal(jax.random.key(1), (3, 256, 4), jnp.float32)
     ours = jax.jit(jax.vmap(lambda x: cpu_kernel.quant_matmul(fmt, arrays, x)))(xs)
@@ -113,12 +123,12 @@ def test_build_failures_are_errors_with_the_compilers_words(tmp_path):
 @pytest.mark.parametrize("fmt", formats.FORMATS)
 def test_a_tokens_result_does_not_depend_on_its_batch(fmt):
     """Each token's sums run in one order whatever T and its place in a tile (D-11's invariance): a token
-    alone and in a batch of 13 give the same bits."""
+    alone and in a batch as large as the tiles take give the same bits."""
     arrays = _weight(fmt)
-    xs = jax.random.normal(jax.random.key(4), (320, 13), jnp.float32)
+    xs = jax.random.normal(jax.random.key(4), (320, cpu_kernel.KERNEL_MAX_TOKENS[fmt]), jnp.float32)
     matmul = jax.jit(cpu_kernel.quant_matmul, static_argnums=0)
     batched = np.asarray(matmul(fmt, arrays, xs))
-    for t in (0, 7, 8, 12):
+    for t in (0, 3, xs.shape[1] - 1):
         np.testing.assert_array_equal(np.asarray(matmul(fmt, arrays, xs[:, t : t + 1]))[:, 0], batched[:, t])
 
 
@@ -141,6 +151,8 @@ def test_narrower_paths_equal_reference(path, name):
         "        ref = np.asarray(formats.reference_matmul(fmt, a, x))\n"
         "        bound = np.abs(formats.dequantize_numpy(fmt, {k: np.asarray(v) for k, v in a.items()})) @ np.abs(np.asarray(x))\n"
         "        assert (np.abs(ours - ref) <= bound * 1e-5 + 1e-6).all(), (fmt, t, np.abs(ours - ref).max())\n"
+        "    w_ours = np.asarray(cpu_kernel.dequantize(fmt, a, 96))\n"
+        "    assert np.array_equal(w_ours, formats.dequantize_numpy(fmt, {k: np.asarray(v) for k, v in a.items()})), fmt\n"
         "print('ok')\n"
     )
     env = {**os.environ, "JAXSERVE_CPU_KERNEL": path}
