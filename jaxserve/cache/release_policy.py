@@ -181,6 +181,9 @@ class ReleasePolicy:
         self.soft: SoftRelease | None = None
         if config.enable_host_tier:
             self.host = HostKVPool(pool_shape, num_host_pages(pool_shape, config.hicache_ratio, config.hicache_size_gb))
+            logger.info("host KV tier: %d tokens (%d pages, %.2f GiB of host memory) by %s", self.host.num_pages *
+                        pool_shape.page_size, self.host.num_pages, self.host.num_pages * self.host.bytes_per_page / 2**30,
+                        f"--hicache-size {config.hicache_size_gb:g}" if config.hicache_size_gb > 0 else f"--hicache-ratio {config.hicache_ratio:g}")
             self.soft = SoftRelease(
                 tree, allocator, self.host, config.soft_free_threshold_s, config.hit_window_s, config.sample_period_s
             )

@@ -452,7 +452,8 @@ def _assemble(config: ModelConfig, tensors, dtype) -> decoder.Params:
     layers: dict[str, list] = {}
     globals_: dict[str, np.ndarray] = {}
     expected = sum(1 for _ in _expected_layer_tensors(config)) * config.num_layers
-    bar = tqdm(total=expected + 2, desc="Loading weights", unit="tensor", leave=False)
+    # disable=None: no bar where stderr is no terminal, so a log file gets whole lines, not `\r` fragments
+    bar = tqdm(total=expected + 2, desc="Loading weights", unit="tensor", leave=False, disable=None)
     layer_names = _HF_GEMMA_LAYER_NAMES if config.architecture in _GEMMA_ARCHITECTURES else _HF_LAYER_NAMES
     for name, w in tensors:
         if name.startswith("model.layers."):

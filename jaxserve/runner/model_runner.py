@@ -624,7 +624,8 @@ class ModelRunner:
             key = (s, flags, jax.tree.map(lambda x: x.shape, sampling))
             if key not in self._sample_exec:
                 jobs.append((key, self._sample_jit.lower(logits, sampling, flags)))
-        bar = tqdm(total=len(jobs), desc="Compiling", unit="executable", disable=not show_progress)
+        bar = tqdm(total=len(jobs), desc="Compiling", unit="executable",
+                   disable=None if show_progress else True)  # None: no bar where stderr is no terminal
         # XLA compiles outside the GIL: one worker per core roughly divides start-up time by the cores
         t0 = time.perf_counter()
         step_parts: dict[BucketKey, dict[str, Callable]] = {}

@@ -10,6 +10,8 @@ synthetic KV of tests/cache/test_release_policy.py. After every step:
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -204,3 +206,13 @@ def test_cow_matches_page_size_1_hits():
             cm.check_integrity([])
         cached[ps] = hits
     assert cached[4] == cached[1] == [0, 13, 13, 13, 13, 13, 15, 6]
+
+
+def test_host_tier_says_its_size_at_start(caplog):
+    """`--enable-hierarchical-cache` logs one start-up line with the host tier's tokens, pages and bytes."""
+    with caplog.at_level(logging.INFO, logger="jaxserve.cache.release_policy"):
+        make_manager(page_size=4, clock=FakeClock())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("host KV tier:")]
+    # 0.25 x the 24 usable pages of 4 tokens
+    assert lines == [f"host KV tier: 24 tokens (6 pages, {6 * 2 * NUM_LAYERS * 4 * 4 / 2**30:.2f} GiB of host memory) "
+                     "by --hicache-ratio 0.25"]
