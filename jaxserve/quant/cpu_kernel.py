@@ -143,7 +143,13 @@ def _kernel_call(fmt: str, arrays: dict[str, Array], x: Float[Array, "I T"]) -> 
 
 def dequantize(fmt: str, arrays: dict[str, Array], in_features: int) -> Float[Array, "O I"]:
     """W [O, I] in float32 by the CPU kernel's decoder (requires `kernel_status() == "ready"`): the values of
-    `formats.dequantize`, bit for bit, at memory speed on XLA's thread pool."""
+    `formats.dequantize`, bit for bit, at memory speed on XLA's thread pool.
+
+    Raises:
+        RuntimeError: the kernel is not ready here (`kernel_status()` says why).
+    """
+    if (status := kernel_status()) != "ready":
+        raise RuntimeError(f"the CPU kernel is not available: {status}")
     call = jax.ffi.ffi_call(
         _DEQUANTIZE_TARGETS[fmt], jax.ShapeDtypeStruct((arrays["qs"].shape[0], in_features), jnp.float32),
         vmap_method="sequential",
