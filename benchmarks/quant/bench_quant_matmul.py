@@ -2,10 +2,10 @@
 
 For each T, one jitted function runs every projection of `--layers` layers of `--model`'s shapes (distinct
 weights per layer, so the weights stream from memory as in a real step, not from cache; each layer's inputs
-depend on the last layer's outputs) three ways: the
-float32 dot, `quant_matmul` (the CPU kernel through jax.ffi while T <= its format's KERNEL_MAX_TOKENS, the
-XLA path above), and the XLA path alone (`xla_matmul`: dequantize, then the float32 dot), for each block
-format. Prints the median of `--repeats` calls in ms and each as a ratio to float32 (below 1 is faster).
+depend on the last layer's outputs) three ways: the float32 dot,
+`quant_matmul` (the CPU kernel's tiles through jax.ffi while T <= its format's KERNEL_MAX_TOKENS, the kernel's
+`dequantize` and XLA's dot above), and the XLA path alone (`xla_matmul`: `formats.dequantize`, then the float32
+dot), for each block format; `--kernel-dequantize` adds the kernel's `dequantize` and XLA's dot at every T. Prints the median of `--repeats` calls in ms and each as a ratio to float32 (below 1 is faster).
 
     python -m benchmarks.quant.bench_quant_matmul --tokens 1 4 8 16 32 64
 """
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
         variants[f"{fmt} XLA path"] = (blocks, lambda p, x, fmt=fmt: cpu_kernel.xla_matmul(fmt, p, x))
         if args.kernel_dequantize:
             variants[f"{fmt} kernel dequantize"] = (
-                blocks, lambda p, x, fmt=fmt: cpu_kernel._dequantize_dot(fmt, p, x))
+                blocks, lambda p, x, fmt=fmt: cpu_kernel.dequantize(fmt, p, x.shape[0]) @ x)
     print(f"{args.model}, {args.layers} layers: ms per step's projections (ratio to float32)")
     for num_tokens in args.tokens:
         xs = [jnp.asarray(rng.standard_normal((s[1], num_tokens), dtype=np.float32)) for s in shapes]

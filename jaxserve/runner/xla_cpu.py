@@ -5,8 +5,8 @@ operations may then run at once on the intra-op thread pool, and their buffers s
 step program that keeps a layer group's float32 temporaries (the dequantized weights of `--quantization gguf`
 above the kernel's token bound, each projection's activations) alive at once, so they no longer fit in cache:
 a group of 5 SmolLM2 layers at 32 tokens held 71 MB of temporaries against 7 MB with XLA's memory-minimizing
-order. With it off, the default model's decode steps and prefill ran 10-25% faster, float32 and block weights
-alike (D-49).
+order. With it off, the default model's decode steps took 0.92-0.99x the time, `--quantization gguf` prefill
+0.95x and float32 prefill 1.03x (within noise), and XLA's own dequantization (no kernel) 0.1-0.7x (D-49).
 
 The flag is a process-wide debug option (`XLA_FLAGS`), read once when the CPU backend starts; XLA ignores it
 as a per-program compile option. So `jaxserve.runner` sets it on import, unless `XLA_FLAGS` names it already
